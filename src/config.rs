@@ -1,0 +1,1029 @@
+//! The config file: TOML text → a validated, typed [`Config`].
+//!
+//! Parsing walks the spanned TOML tree by hand instead of through serde so that *every*
+//! problem in a file is reported at once, each with its `line:column` and dotted key.
+//! Nothing downstream ever looks a key up by string: durations are [`Duration`], rates
+//! are checked finite floats, header names are [`HeaderName`]s, globs are compiled.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use globset::{Glob, GlobSet, GlobSetBuilder};
+use http::HeaderName;
+use toml::Spanned;
+use toml::de::{DeTable, DeValue};
+
+/// One problem found in a config file, located by line, column and key.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{line}:{column}: {key}: {message}")]
+pub struct ConfigIssue {
+    /// 1-based line of the offending key or value.
+    pub line: usize,
+    /// 1-based column.
+    pub column: usize,
+    /// Dotted key path, e.g. `defaults.rate` or `endpoints[2].id`.
+    pub key: String,
+    /// What is wrong and, where it helps, how to fix it.
+    pub message: String,
+}
+
+/// Why a config could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The path given.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file was read but is invalid; every problem is listed.
+    #[error("{path}: {} error(s):\n{}", issues.len(), render(issues))]
+    Invalid {
+        /// The path given (or `<inline>`).
+        path: PathBuf,
+        /// Every problem found, in file order.
+        issues: Vec<ConfigIssue>,
+    },
+}
+
+fn render(issues: &[ConfigIssue]) -> String {
+    issues
+        .iter()
+        .map(|i| format!("  {i}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Which bucket store backs the limiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// In-process buckets (one replica).
+    Memory,
+    /// One Redis server shared by replicas.
+    Redis,
+    /// A Redis Cluster; `urls` are seed nodes.
+    RedisCluster,
+}
+
+/// What to do when the shared store fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnError {
+    /// Fall back to an in-process bucket with the same policy.
+    Local,
+    /// Forward without limiting.
+    Allow,
+    /// Refuse with 503 `store_unavailable`.
+    Deny,
+}
+
+/// What happens to endpoint IDs that are not listed in `[[endpoints]]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownEndpoints {
+    /// They get the `[defaults]` policy.
+    Default,
+    /// They are refused with 403 `unknown_endpoint`.
+    Reject,
+}
+
+/// Reaction to upstream throttling (`[defaults.adaptive]`, per-endpoint overrides).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Adaptive {
+    /// The rate never drops below this (tokens/s).
+    pub floor: f64,
+    /// Multiplier applied to the rate on a throttling response, in (0, 1).
+    pub decrease: f64,
+    /// Time of the linear climb from the decreased rate back to the configured one.
+    pub recovery: Duration,
+    /// Cooldown when a 429 carries no usable Retry-After.
+    pub default_cooldown: Duration,
+    /// Clamp on any cooldown taken from headers.
+    pub max_cooldown: Duration,
+    /// Warn when an endpoint has stayed at its floor this long.
+    pub floor_warn_after: Duration,
+}
+
+impl Default for Adaptive {
+    fn default() -> Self {
+        Adaptive {
+            floor: 1.0,
+            decrease: 0.5,
+            recovery: Duration::from_secs(300),
+            default_cooldown: Duration::from_secs(1),
+            max_cooldown: Duration::from_secs(300),
+            floor_warn_after: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The limit of one endpoint, shared behind an `Arc` on the hot path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    /// Sustained tokens per second (> 0).
+    pub rate: f64,
+    /// Bucket capacity (≥ 1).
+    pub burst: f64,
+    /// Longest a request may wait for its token; zero never waits.
+    pub max_wait: Duration,
+    /// Reaction to 429s; `None` when disabled.
+    pub adaptive: Option<Adaptive>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            rate: 10.0,
+            burst: 20.0,
+            max_wait: Duration::from_secs(5),
+            adaptive: Some(Adaptive::default()),
+        }
+    }
+}
+
+/// One `[[endpoints]]` entry.
+#[derive(Debug, Clone)]
+pub struct EndpointRule {
+    /// The endpoint ID.
+    pub id: Arc<str>,
+    /// Its limit.
+    pub policy: Arc<Policy>,
+    /// Lower-cased destination hosts that map here without the header.
+    pub hosts: Vec<String>,
+    /// Optional refinement of `hosts`.
+    pub path_prefix: Option<String>,
+}
+
+/// `[proxy]`.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Where senders connect.
+    pub listen: SocketAddr,
+    /// Admin listener (`/metrics` …).
+    pub admin_listen: SocketAddr,
+    /// Header naming the endpoint; removed before forwarding.
+    pub endpoint_header: HeaderName,
+    /// Take the endpoint from the `Proxy-Authorization` user name.
+    pub endpoint_from_proxy_user: bool,
+    /// Limit on waiting for the upstream's response head.
+    pub upstream_timeout: Duration,
+    /// Grace period for in-flight requests on shutdown.
+    pub shutdown_grace: Duration,
+    /// Cap on concurrent sender connections.
+    pub max_connections: usize,
+    /// Distinct `endpoint` label values in metrics before the rest become `_other`.
+    pub metrics_max_endpoints: usize,
+}
+
+/// `[store]`.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Which store.
+    pub backend: Backend,
+    /// Redis URLs (one for `redis`, seeds for `redis-cluster`).
+    pub urls: Vec<String>,
+    /// Prefix of every Redis key.
+    pub key_prefix: String,
+    /// Timeout of each store call.
+    pub timeout: Duration,
+    /// Behaviour when the store fails.
+    pub on_error: OnError,
+}
+
+/// `[tls]`.
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    /// Terminate CONNECT tunnels with minted leaves.
+    pub intercept: bool,
+    /// CA certificate (PEM).
+    pub ca_cert: PathBuf,
+    /// CA key (PEM).
+    pub ca_key: PathBuf,
+    /// Extra PEM roots trusted upstream.
+    pub upstream_roots: Vec<PathBuf>,
+    /// Hosts tunnelled without interception.
+    pub passthrough_hosts: HostGlobs,
+    /// Hosts whose leaf certificate is cached.
+    pub leaf_cache_size: usize,
+}
+
+/// `[security]`.
+#[derive(Debug, Clone)]
+pub struct SecurityConfig {
+    /// Allow loopback/private/link-local destinations.
+    pub allow_private_destinations: bool,
+    /// Non-empty: only these destination hosts.
+    pub allowed_hosts: HostGlobs,
+    /// Proxy auth users file (not available yet).
+    pub auth_users_file: Option<PathBuf>,
+}
+
+/// A compiled list of case-insensitive host globs.
+#[derive(Debug, Clone, Default)]
+pub struct HostGlobs {
+    set: GlobSet,
+    len: usize,
+}
+
+impl HostGlobs {
+    /// True when no glob is configured.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Whether `host` (any case) matches one of the globs.
+    pub fn matches(&self, host: &str) -> bool {
+        self.len > 0 && self.set.is_match(host.to_ascii_lowercase())
+    }
+}
+
+/// The whole validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `[proxy]`.
+    pub proxy: ProxyConfig,
+    /// `[store]`.
+    pub store: StoreConfig,
+    /// `[defaults]` policy.
+    pub defaults: Arc<Policy>,
+    /// `[defaults] unknown`.
+    pub unknown: UnknownEndpoints,
+    /// `[[endpoints]]`, in file order.
+    pub endpoints: Vec<EndpointRule>,
+    /// `[tls]`.
+    pub tls: TlsConfig,
+    /// `[security]`.
+    pub security: SecurityConfig,
+}
+
+impl Config {
+    /// Reads and validates a file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|issues| ConfigError::Invalid {
+            path: path.to_owned(),
+            issues,
+        })
+    }
+
+    /// Validates TOML text, returning every issue found.
+    pub fn parse(text: &str) -> Result<Config, Vec<ConfigIssue>> {
+        let mut r = Reader {
+            src: text,
+            issues: Vec::new(),
+        };
+        let (root, errs) = DeTable::parse_recoverable(text);
+        for e in errs {
+            let at = e.span().map(|s| s.start).unwrap_or(0);
+            r.issue(at, "<syntax>", e.message().trim().to_owned());
+        }
+        let config = r.config(root.get_ref());
+        let mut issues = r.issues;
+        issues.sort_by_key(|i| (i.line, i.column));
+        match config {
+            Some(c) if issues.is_empty() => Ok(c),
+            _ => Err(issues),
+        }
+    }
+
+    /// A one-line summary for `sluice check`.
+    pub fn summary(&self) -> String {
+        let backend = match self.store.backend {
+            Backend::Memory => "memory",
+            Backend::Redis => "redis",
+            Backend::RedisCluster => "redis-cluster",
+        };
+        format!(
+            "ok: listen {}, admin {}, store {}, {} endpoint(s), defaults {}/s burst {}, tls intercept {}",
+            self.proxy.listen,
+            self.proxy.admin_listen,
+            backend,
+            self.endpoints.len(),
+            self.defaults.rate,
+            self.defaults.burst,
+            if self.tls.intercept { "on" } else { "off" },
+        )
+    }
+}
+
+/// Parses `"250ms"`, `"5s"`, `"1.5s"`, `"5m"`, `"1h"`, `"0"`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or_else(|| format!("\"{s}\" needs a unit: ms, s, m or h (e.g. \"250ms\", \"5s\")"))?;
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("\"{s}\" is not a duration like \"250ms\", \"5s\", \"5m\""))?;
+    let scale = match unit {
+        "ms" => 0.001,
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => return Err(format!("unknown unit \"{unit}\" in \"{s}\": use ms, s, m or h")),
+    };
+    let secs = n * scale;
+    if !secs.is_finite() || secs > 86_400.0 * 365.0 {
+        return Err(format!("\"{s}\" is out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+type Table<'i> = DeTable<'i>;
+type Value<'i> = Spanned<DeValue<'i>>;
+
+/// Collects issues while reading the spanned tree.
+struct Reader<'s> {
+    src: &'s str,
+    issues: Vec<ConfigIssue>,
+}
+
+impl Reader<'_> {
+    fn issue(&mut self, offset: usize, key: &str, message: String) {
+        let before = &self.src[..offset.min(self.src.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.rfind('\n').map_or(before.len(), |p| before.len() - p - 1) + 1;
+        self.issues.push(ConfigIssue {
+            line,
+            column,
+            key: key.to_owned(),
+            message,
+        });
+    }
+
+    /// Flags keys of `table` that are not in `known`.
+    fn known_keys(&mut self, table: &Table<'_>, path: &str, known: &[&str]) {
+        for (k, _) in table.iter() {
+            if !known.contains(&k.get_ref().as_ref()) {
+                let key = join(path, k.get_ref());
+                let hint = closest(k.get_ref(), known)
+                    .map(|c| format!(" (did you mean `{c}`?)"))
+                    .unwrap_or_default();
+                self.issue(
+                    k.span().start,
+                    &key,
+                    format!("unknown key{hint}; known keys here: {}", known.join(", ")),
+                );
+            }
+        }
+    }
+
+    fn sub_table<'t, 'i>(
+        &mut self,
+        table: &'t Table<'i>,
+        path: &str,
+        name: &str,
+    ) -> Option<&'t Table<'i>> {
+        let v = table.get(name)?;
+        match v.get_ref() {
+            DeValue::Table(t) => Some(t),
+            other => {
+                self.type_issue(v, &join(path, name), "a table", other.type_str());
+                None
+            }
+        }
+    }
+
+    fn type_issue(&mut self, v: &Value<'_>, key: &str, want: &str, got: &str) {
+        self.issue(v.span().start, key, format!("expected {want}, found {got}"));
+    }
+
+    fn string(&mut self, t: &Table<'_>, path: &str, name: &str) -> Option<(String, usize)> {
+        let v = t.get(name)?;
+        match v.get_ref() {
+            DeValue::String(s) => Some((s.to_string(), v.span().start)),
+            other => {
+                self.type_issue(v, &join(path, name), "a string", other.type_str());
+                None
+            }
+        }
+    }
+
+    fn boolean(&mut self, t: &Table<'_>, path: &str, name: &str, default: bool) -> bool {
+        let Some(v) = t.get(name) else { return default };
+        match v.get_ref() {
+            DeValue::Boolean(b) => *b,
+            other => {
+                self.type_issue(v, &join(path, name), "true or false", other.type_str());
+                default
+            }
+        }
+    }
+
+    fn number(&mut self, t: &Table<'_>, path: &str, name: &str) -> Option<(f64, usize)> {
+        let v = t.get(name)?;
+        let at = v.span().start;
+        let parsed = match v.get_ref() {
+            DeValue::Integer(i) => i64::from_str_radix(&i.as_str().replace('_', ""), i.radix())
+                .ok()
+                .map(|n| n as f64),
+            DeValue::Float(f) => f.as_str().replace('_', "").parse::<f64>().ok(),
+            other => {
+                self.type_issue(v, &join(path, name), "a number", other.type_str());
+                return None;
+            }
+        };
+        match parsed {
+            Some(n) if n.is_finite() => Some((n, at)),
+            _ => {
+                self.issue(at, &join(path, name), "expected a finite number".into());
+                None
+            }
+        }
+    }
+
+    /// A number checked by `ok`, or `default` (with an issue) when absent or invalid.
+    fn checked(
+        &mut self,
+        t: &Table<'_>,
+        path: &str,
+        name: &str,
+        default: f64,
+        rule: &str,
+        ok: impl Fn(f64) -> bool,
+    ) -> f64 {
+        match self.number(t, path, name) {
+            Some((n, _)) if ok(n) => n,
+            Some((n, at)) => {
+                self.issue(at, &join(path, name), format!("{n} is invalid: must be {rule}"));
+                default
+            }
+            None => default,
+        }
+    }
+
+    fn count(&mut self, t: &Table<'_>, path: &str, name: &str, default: usize) -> usize {
+        match self.number(t, path, name) {
+            Some((n, _)) if n >= 1.0 && n.fract() == 0.0 && n <= 1e9 => n as usize,
+            Some((n, at)) => {
+                self.issue(at, &join(path, name), format!("{n} is invalid: must be a whole number ≥ 1"));
+                default
+            }
+            None => default,
+        }
+    }
+
+    fn duration(&mut self, t: &Table<'_>, path: &str, name: &str, default: Duration) -> Duration {
+        let Some((s, at)) = self.string(t, path, name) else {
+            return default;
+        };
+        match parse_duration(&s) {
+            Ok(d) => d,
+            Err(e) => {
+                self.issue(at, &join(path, name), e);
+                default
+            }
+        }
+    }
+
+    fn strings(&mut self, t: &Table<'_>, path: &str, name: &str) -> Vec<(String, usize)> {
+        let Some(v) = t.get(name) else { return Vec::new() };
+        let key = join(path, name);
+        let DeValue::Array(items) = v.get_ref() else {
+            self.type_issue(v, &key, "an array of strings", v.get_ref().type_str());
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for item in items.iter() {
+            match item.get_ref() {
+                DeValue::String(s) => out.push((s.to_string(), item.span().start)),
+                other => self.type_issue(item, &key, "a string", other.type_str()),
+            }
+        }
+        out
+    }
+
+    fn enumerated<T: Copy>(
+        &mut self,
+        t: &Table<'_>,
+        path: &str,
+        name: &str,
+        default: T,
+        choices: &[(&str, T)],
+    ) -> T {
+        let Some((s, at)) = self.string(t, path, name) else {
+            return default;
+        };
+        if let Some((_, v)) = choices.iter().find(|(c, _)| *c == s) {
+            return *v;
+        }
+        let names: Vec<String> = choices.iter().map(|(c, _)| format!("\"{c}\"")).collect();
+        self.issue(at, &join(path, name), format!("\"{s}\" is not one of {}", names.join(", ")));
+        default
+    }
+
+    fn addr(&mut self, t: &Table<'_>, path: &str, name: &str, default: &str) -> SocketAddr {
+        let fallback: SocketAddr = default.parse().unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
+        let Some((s, at)) = self.string(t, path, name) else {
+            return fallback;
+        };
+        match s.parse() {
+            Ok(a) => a,
+            Err(_) => {
+                self.issue(at, &join(path, name), format!("\"{s}\" is not an address like \"127.0.0.1:8080\""));
+                fallback
+            }
+        }
+    }
+
+    fn globs(&mut self, t: &Table<'_>, path: &str, name: &str) -> HostGlobs {
+        let mut b = GlobSetBuilder::new();
+        let mut len = 0;
+        for (g, at) in self.strings(t, path, name) {
+            match Glob::new(&g.to_ascii_lowercase()) {
+                Ok(glob) => {
+                    b.add(glob);
+                    len += 1;
+                }
+                Err(e) => self.issue(at, &join(path, name), format!("bad glob \"{g}\": {e}")),
+            }
+        }
+        let set = b.build().unwrap_or_else(|_| GlobSet::empty());
+        HostGlobs { set, len }
+    }
+
+    fn config(&mut self, root: &Table<'_>) -> Option<Config> {
+        self.known_keys(root, "", &["proxy", "store", "defaults", "endpoints", "tls", "security"]);
+        let empty = Table::default();
+        let proxy_t = self.sub_table(root, "", "proxy").unwrap_or(&empty);
+        let proxy = self.proxy(proxy_t);
+        let store_t = self.sub_table(root, "", "store").unwrap_or(&empty);
+        let store = self.store(store_t);
+        let defaults_t = self.sub_table(root, "", "defaults").unwrap_or(&empty);
+        self.known_keys(defaults_t, "defaults", &["rate", "burst", "max_wait", "unknown", "adaptive"]);
+        let defaults = self.policy(defaults_t, "defaults", &Policy::default());
+        let unknown = self.enumerated(
+            defaults_t,
+            "defaults",
+            "unknown",
+            UnknownEndpoints::Default,
+            &[("default", UnknownEndpoints::Default), ("reject", UnknownEndpoints::Reject)],
+        );
+        let endpoints = self.endpoints(root, &defaults);
+        let tls_t = self.sub_table(root, "", "tls").unwrap_or(&empty);
+        let tls = self.tls(tls_t);
+        let sec_t = self.sub_table(root, "", "security").unwrap_or(&empty);
+        let security = self.security(sec_t);
+        if let Some(file) = &security.auth_users_file {
+            let at = self.string(sec_t, "security", "auth_users_file").map_or(0, |(_, at)| at);
+            if proxy.endpoint_from_proxy_user {
+                self.issue(
+                    at,
+                    "security.auth_users_file",
+                    "cannot be combined with proxy.endpoint_from_proxy_user: both read Proxy-Authorization".into(),
+                );
+            } else {
+                self.issue(
+                    at,
+                    "security.auth_users_file",
+                    format!("proxy authentication ({}) is not available yet in this version of sluice; leave it empty", file.display()),
+                );
+            }
+        }
+        Some(Config {
+            proxy,
+            store,
+            defaults: Arc::new(defaults),
+            unknown,
+            endpoints,
+            tls,
+            security,
+        })
+    }
+
+    fn proxy(&mut self, t: &Table<'_>) -> ProxyConfig {
+        let p = "proxy";
+        self.known_keys(
+            t,
+            p,
+            &[
+                "listen",
+                "admin_listen",
+                "endpoint_header",
+                "endpoint_from_proxy_user",
+                "upstream_timeout",
+                "shutdown_grace",
+                "max_connections",
+                "metrics_max_endpoints",
+            ],
+        );
+        let endpoint_header = match self.string(t, p, "endpoint_header") {
+            None => HeaderName::from_static("x-endpoint-id"),
+            Some((s, at)) => HeaderName::from_bytes(s.as_bytes()).unwrap_or_else(|_| {
+                self.issue(at, "proxy.endpoint_header", format!("\"{s}\" is not a valid header name"));
+                HeaderName::from_static("x-endpoint-id")
+            }),
+        };
+        let upstream_timeout = self.duration(t, p, "upstream_timeout", Duration::from_secs(30));
+        if upstream_timeout.is_zero() {
+            self.issue(0, "proxy.upstream_timeout", "must be greater than 0".into());
+        }
+        ProxyConfig {
+            listen: self.addr(t, p, "listen", "127.0.0.1:8080"),
+            admin_listen: self.addr(t, p, "admin_listen", "127.0.0.1:9090"),
+            endpoint_header,
+            endpoint_from_proxy_user: self.boolean(t, p, "endpoint_from_proxy_user", false),
+            upstream_timeout,
+            shutdown_grace: self.duration(t, p, "shutdown_grace", Duration::from_secs(10)),
+            max_connections: self.count(t, p, "max_connections", 10_000),
+            metrics_max_endpoints: self.count(t, p, "metrics_max_endpoints", 500),
+        }
+    }
+
+    fn store(&mut self, t: &Table<'_>) -> StoreConfig {
+        let p = "store";
+        self.known_keys(t, p, &["backend", "urls", "key_prefix", "timeout", "on_error"]);
+        let backend = self.enumerated(
+            t,
+            p,
+            "backend",
+            Backend::Memory,
+            &[
+                ("memory", Backend::Memory),
+                ("redis", Backend::Redis),
+                ("redis-cluster", Backend::RedisCluster),
+            ],
+        );
+        let listed = self.strings(t, p, "urls");
+        for (u, at) in &listed {
+            if !(u.starts_with("redis://") || u.starts_with("rediss://")) {
+                self.issue(*at, "store.urls", format!("\"{}\" must start with redis:// or rediss://", redact(u)));
+            }
+        }
+        let at = t.get("urls").map_or(0, |v| v.span().start);
+        if backend == Backend::Redis && listed.len() > 1 {
+            self.issue(at, "store.urls", "backend \"redis\" takes exactly one URL".into());
+        }
+        if backend != Backend::Memory && t.get("urls").is_some() && listed.is_empty() {
+            self.issue(at, "store.urls", "needs at least one URL".into());
+        }
+        let mut urls: Vec<String> = listed.into_iter().map(|(u, _)| u).collect();
+        if urls.is_empty() {
+            urls.push("redis://127.0.0.1:6379/".into());
+        }
+        let timeout = self.duration(t, p, "timeout", Duration::from_millis(100));
+        if timeout.is_zero() {
+            self.issue(0, "store.timeout", "must be greater than 0".into());
+        }
+        StoreConfig {
+            backend,
+            urls,
+            key_prefix: self.string(t, p, "key_prefix").map_or("sluice:".into(), |(s, _)| s),
+            timeout,
+            on_error: self.enumerated(
+                t,
+                p,
+                "on_error",
+                OnError::Local,
+                &[("local", OnError::Local), ("allow", OnError::Allow), ("deny", OnError::Deny)],
+            ),
+        }
+    }
+
+    /// Reads rate/burst/max_wait/adaptive from `t`, inheriting from `base`.
+    fn policy(&mut self, t: &Table<'_>, path: &str, base: &Policy) -> Policy {
+        let rate = self.checked(t, path, "rate", base.rate, "> 0 tokens per second", |n| n > 0.0);
+        let burst = self.checked(t, path, "burst", base.burst, "≥ 1", |n| n >= 1.0);
+        let max_wait = self.duration(t, path, "max_wait", base.max_wait);
+        let base_adaptive = base.adaptive.unwrap_or_default();
+        let adaptive_path = join(path, "adaptive");
+        let adaptive = match t.get("adaptive") {
+            // An inherited floor never exceeds this endpoint's own rate.
+            None => base.adaptive.map(|a| Adaptive {
+                floor: a.floor.min(rate),
+                ..a
+            }),
+            Some(v) => match v.get_ref() {
+                DeValue::Table(a) => self.adaptive(a, &adaptive_path, &base_adaptive, rate, base.adaptive.is_some()),
+                other => {
+                    self.type_issue(v, &adaptive_path, "a table", other.type_str());
+                    base.adaptive
+                }
+            },
+        };
+        if let Some(a) = &adaptive {
+            if a.floor > rate {
+                let at = t.get("rate").map_or(0, |v| v.span().start);
+                self.issue(
+                    at,
+                    &join(path, "rate"),
+                    format!("rate {rate} is below the adaptive floor {}: lower the floor", a.floor),
+                );
+            }
+        }
+        Policy {
+            rate,
+            burst,
+            max_wait,
+            adaptive,
+        }
+    }
+
+    fn adaptive(&mut self, t: &Table<'_>, p: &str, base: &Adaptive, rate: f64, base_on: bool) -> Option<Adaptive> {
+        self.known_keys(
+            t,
+            p,
+            &["enabled", "floor", "decrease", "recovery", "default_cooldown", "max_cooldown", "floor_warn_after"],
+        );
+        let enabled = self.boolean(t, p, "enabled", base_on);
+        let floor_default = base.floor.min(rate);
+        let a = Adaptive {
+            floor: self.checked(t, p, "floor", floor_default, "> 0", |n| n > 0.0),
+            decrease: self.checked(t, p, "decrease", base.decrease, "between 0 and 1 (exclusive)", |n| {
+                n > 0.0 && n < 1.0
+            }),
+            recovery: self.duration(t, p, "recovery", base.recovery),
+            default_cooldown: self.duration(t, p, "default_cooldown", base.default_cooldown),
+            max_cooldown: self.duration(t, p, "max_cooldown", base.max_cooldown),
+            floor_warn_after: self.duration(t, p, "floor_warn_after", base.floor_warn_after),
+        };
+        if a.max_cooldown < a.default_cooldown {
+            let at = t.get("max_cooldown").or(t.get("default_cooldown")).map_or(0, |v| v.span().start);
+            self.issue(at, &join(p, "max_cooldown"), "must be at least default_cooldown".into());
+        }
+        if a.recovery.is_zero() {
+            let at = t.get("recovery").map_or(0, |v| v.span().start);
+            self.issue(at, &join(p, "recovery"), "must be greater than 0".into());
+        }
+        enabled.then_some(a)
+    }
+
+    fn endpoints(&mut self, root: &Table<'_>, defaults: &Policy) -> Vec<EndpointRule> {
+        let Some(v) = root.get("endpoints") else { return Vec::new() };
+        let DeValue::Array(items) = v.get_ref() else {
+            self.type_issue(v, "endpoints", "an array of tables ([[endpoints]])", v.get_ref().type_str());
+            return Vec::new();
+        };
+        let mut out: Vec<EndpointRule> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let path = format!("endpoints[{i}]");
+            let DeValue::Table(t) = item.get_ref() else {
+                self.type_issue(item, &path, "a table", item.get_ref().type_str());
+                continue;
+            };
+            self.known_keys(t, &path, &["id", "rate", "burst", "max_wait", "hosts", "path_prefix", "adaptive"]);
+            let id = match self.string(t, &path, "id") {
+                Some((id, at)) => {
+                    if let Err(e) = check_endpoint_id(&id) {
+                        self.issue(at, &join(&path, "id"), e);
+                    } else if out.iter().any(|r| &*r.id == id) {
+                        self.issue(at, &join(&path, "id"), format!("duplicate endpoint id \"{id}\""));
+                    }
+                    id
+                }
+                None => {
+                    self.issue(item.span().start, &join(&path, "id"), "every [[endpoints]] entry needs an id".into());
+                    continue;
+                }
+            };
+            let policy = self.policy(t, &path, defaults);
+            let hosts = self
+                .strings(t, &path, "hosts")
+                .into_iter()
+                .map(|(h, _)| h.to_ascii_lowercase())
+                .collect();
+            let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
+                if !p.starts_with('/') {
+                    self.issue(at, &join(&path, "path_prefix"), "must start with /".into());
+                }
+                p
+            });
+            out.push(EndpointRule {
+                id: id.into(),
+                policy: Arc::new(policy),
+                hosts,
+                path_prefix,
+            });
+        }
+        out
+    }
+
+    fn tls(&mut self, t: &Table<'_>) -> TlsConfig {
+        let p = "tls";
+        self.known_keys(
+            t,
+            p,
+            &["intercept", "ca_cert", "ca_key", "upstream_roots", "passthrough_hosts", "leaf_cache_size"],
+        );
+        TlsConfig {
+            intercept: self.boolean(t, p, "intercept", false),
+            ca_cert: self.string(t, p, "ca_cert").map_or("ca/ca.pem".into(), |(s, _)| s.into()),
+            ca_key: self.string(t, p, "ca_key").map_or("ca/ca.key".into(), |(s, _)| s.into()),
+            upstream_roots: self
+                .strings(t, p, "upstream_roots")
+                .into_iter()
+                .map(|(s, _)| s.into())
+                .collect(),
+            passthrough_hosts: self.globs(t, p, "passthrough_hosts"),
+            leaf_cache_size: self.count(t, p, "leaf_cache_size", 1000),
+        }
+    }
+
+    fn security(&mut self, t: &Table<'_>) -> SecurityConfig {
+        let p = "security";
+        self.known_keys(t, p, &["allow_private_destinations", "allowed_hosts", "auth_users_file"]);
+        SecurityConfig {
+            allow_private_destinations: self.boolean(t, p, "allow_private_destinations", false),
+            allowed_hosts: self.globs(t, p, "allowed_hosts"),
+            auth_users_file: self
+                .string(t, p, "auth_users_file")
+                .filter(|(s, _)| !s.is_empty())
+                .map(|(s, _)| s.into()),
+        }
+    }
+}
+
+/// Endpoint IDs become metric labels and Redis keys: keep them printable and short.
+pub fn check_endpoint_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > 128 {
+        return Err("endpoint id must be 1 to 128 characters".into());
+    }
+    if !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!("endpoint id \"{id}\" may only contain visible ASCII characters"));
+    }
+    Ok(())
+}
+
+/// Hides the password of a `redis://user:pass@host` URL.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
+                None => format!("{}***{}", &url[..s + 3], &url[at..]),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+/// The known key nearest to a typo (by edit distance ≤ 2).
+fn closest<'a>(typo: &str, known: &[&'a str]) -> Option<&'a str> {
+    known
+        .iter()
+        .map(|k| (edit_distance(typo, k), *k))
+        .filter(|(d, _)| *d <= 2)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn issues(text: &str) -> Vec<ConfigIssue> {
+        Config::parse(text).expect_err("config should be rejected")
+    }
+
+    #[test]
+    fn empty_file_gives_spec_defaults() {
+        let c = Config::parse("").unwrap();
+        assert_eq!(c.proxy.listen, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(c.proxy.admin_listen, "127.0.0.1:9090".parse().unwrap());
+        assert_eq!(c.proxy.endpoint_header, "x-endpoint-id");
+        assert_eq!(c.proxy.upstream_timeout, Duration::from_secs(30));
+        assert_eq!(c.store.backend, Backend::Memory);
+        assert_eq!(c.store.timeout, Duration::from_millis(100));
+        assert_eq!(c.store.on_error, OnError::Local);
+        assert_eq!(*c.defaults, Policy::default());
+        assert_eq!(c.unknown, UnknownEndpoints::Default);
+        assert!(!c.tls.intercept && !c.security.allow_private_destinations);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+        assert!(parse_duration("5").is_err());
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
+
+    #[test]
+    fn unknown_key_is_named_with_line_and_hint() {
+        let i = issues("[defaults]\nrate = 5.0\nbrust = 10.0\n");
+        assert_eq!(i.len(), 1);
+        assert_eq!((i[0].line, i[0].column), (3, 1));
+        assert_eq!(i[0].key, "defaults.brust");
+        assert!(i[0].message.contains("did you mean `burst`"), "{}", i[0].message);
+    }
+
+    #[test]
+    fn every_error_is_reported() {
+        let text = "[proxy]\nlisten = \"nope\"\n[defaults]\nrate = 0\nburst = 0.5\nmax_wait = \"5 years\"\n[store]\nbackend = \"etcd\"\n";
+        let i = issues(text);
+        let keys: Vec<&str> = i.iter().map(|i| i.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["proxy.listen", "defaults.rate", "defaults.burst", "defaults.max_wait", "store.backend"]
+        );
+        assert_eq!(i[1].line, 4);
+    }
+
+    #[test]
+    fn rejected_values() {
+        let cases = [
+            ("[defaults]\nrate = -1.0", "defaults.rate"),
+            ("[defaults]\nrate = \"fast\"", "defaults.rate"),
+            ("[defaults]\nunknown = \"maybe\"", "defaults.unknown"),
+            ("[defaults.adaptive]\ndecrease = 1.5", "defaults.adaptive.decrease"),
+            ("[defaults.adaptive]\nfloor = 0", "defaults.adaptive.floor"),
+            ("[defaults.adaptive]\nrecovery = \"0s\"", "defaults.adaptive.recovery"),
+            ("[defaults.adaptive]\nmax_cooldown = \"1s\"\ndefault_cooldown = \"2s\"", "defaults.adaptive.max_cooldown"),
+            ("[defaults]\nrate = 0.5\n[defaults.adaptive]\nfloor = 1.0", "defaults.rate"),
+            ("[store]\nbackend = \"redis\"\nurls = [\"redis://a/\", \"redis://b/\"]", "store.urls"),
+            ("[store]\nurls = [\"http://x/\"]", "store.urls"),
+            ("[store]\non_error = \"panic\"", "store.on_error"),
+            ("[proxy]\nendpoint_header = \"bad header\"", "proxy.endpoint_header"),
+            ("[proxy]\nmax_connections = 0", "proxy.max_connections"),
+            ("[[endpoints]]\nrate = 5.0", "endpoints[0].id"),
+            ("[[endpoints]]\nid = \"a\"\n[[endpoints]]\nid = \"a\"", "endpoints[1].id"),
+            ("[[endpoints]]\nid = \"has space\"", "endpoints[0].id"),
+            ("[[endpoints]]\nid = \"a\"\npath_prefix = \"x\"", "endpoints[0].path_prefix"),
+            ("[[endpoints]]\nid = \"a\"\ncolour = 1", "endpoints[0].colour"),
+            ("[security]\nallowed_hosts = [\"[\"]", "security.allowed_hosts"),
+            ("[security]\nauth_users_file = \"users\"", "security.auth_users_file"),
+            (
+                "[proxy]\nendpoint_from_proxy_user = true\n[security]\nauth_users_file = \"u\"",
+                "security.auth_users_file",
+            ),
+            ("[tls]\nintercept = \"yes\"", "tls.intercept"),
+            ("proxy = 3", "proxy"),
+        ];
+        for (text, key) in cases {
+            let i = issues(text);
+            assert!(i.iter().any(|i| i.key == key), "{text:?}: expected an issue for {key}, got {i:?}");
+        }
+    }
+
+    #[test]
+    fn syntax_errors_have_a_line() {
+        let i = issues("[proxy]\nlisten = \n");
+        assert_eq!(i[0].line, 2);
+    }
+
+    #[test]
+    fn endpoints_inherit_defaults_and_override() {
+        let c = Config::parse(
+            "[defaults]\nrate = 4.0\nburst = 8.0\n[defaults.adaptive]\nfloor = 2.0\n\
+             [[endpoints]]\nid = \"ep\"\nrate = 100.0\nhosts = [\"Hooks.Example.com\"]\nadaptive = { floor = 5.0 }\n\
+             [[endpoints]]\nid = \"quiet\"\nadaptive = { enabled = false }\n",
+        )
+        .unwrap();
+        let ep = &c.endpoints[0];
+        assert_eq!(ep.policy.rate, 100.0);
+        assert_eq!(ep.policy.burst, 8.0);
+        assert_eq!(ep.hosts, ["hooks.example.com"]);
+        assert_eq!(ep.policy.adaptive.unwrap().floor, 5.0);
+        assert_eq!(c.endpoints[1].policy.adaptive, None);
+        assert_eq!(c.defaults.adaptive.unwrap().floor, 2.0);
+    }
+
+    #[test]
+    fn low_rate_endpoint_gets_floor_capped_by_default() {
+        let c = Config::parse("[[endpoints]]\nid = \"slow\"\nrate = 0.5\n").unwrap();
+        assert_eq!(c.endpoints[0].policy.adaptive.unwrap().floor, 0.5);
+    }
+
+    #[test]
+    fn redaction_hides_passwords() {
+        assert_eq!(redact("redis://:hunter2@h:6379/"), "redis://:***@h:6379/");
+        assert_eq!(redact("redis://u:hunter2@h/"), "redis://u:***@h/");
+        assert_eq!(redact("redis://h:6379/"), "redis://h:6379/");
+    }
+}

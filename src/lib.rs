@@ -1,0 +1,33 @@
+//! sluice: an HTTP forward proxy that makes webhook senders and API clients keep the
+//! rate limits their receivers publish.
+//!
+//! # Layout
+//! - [`config`]: TOML → validated, typed [`config::Config`]; every rule tested.
+//! - [`server`]: accept loops, connection handling, graceful shutdown.
+//! - [`proxy`]: one request: classify → resolve endpoint → admit → forward → observe.
+//! - [`endpoint`]: endpoint resolution (header, proxy user, host/path rules, defaults).
+//! - [`destination`]: destination policy (allowed hosts, private-address refusal).
+//! - [`limiter`]: the [`limiter::Limiter`] over the [`limiter::BucketStore`] seam
+//!   (memory, Redis, Redis Cluster, fallback); the bucket math lives in [`limiter::bucket`].
+//! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.
+//! - [`forward`]: upstream client (pooled, rustls), hop-by-hop hygiene, CONNECT tunnels.
+//! - [`mitm`]: CA, leaf minting with a bounded cache, TLS termination of CONNECT.
+//! - [`upstream_tls`]: the rustls client configuration for upstream connections.
+//! - [`metrics`]: Prometheus registry and the instruments sluice exports.
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/endpoints`.
+//! - [`error`]: [`error::ProxyError`] and the one place that turns it into a response.
+#![deny(missing_docs)]
+
+pub mod adapt;
+pub mod admin;
+pub mod config;
+pub mod destination;
+pub mod endpoint;
+pub mod error;
+pub mod forward;
+pub mod limiter;
+pub mod metrics;
+pub mod mitm;
+pub mod proxy;
+pub mod server;
+pub mod upstream_tls;

@@ -1,0 +1,482 @@
+//! The bucket math, once, as pure functions over [`BucketState`].
+//!
+//! The memory store runs these functions under a lock; `lua/acquire.lua` and
+//! `lua/feedback.lua` are line-for-line ports of them, and the shared behaviour suite
+//! holds both to the same results. Times are microseconds on the store's own clock
+//! (monotonic in memory, Redis `TIME` in Redis), as `f64`.
+//!
+//! The model is a reservation bucket: `tokens` is the balance at time `ts`, and may go
+//! negative, each missing token being a reservation that starts `1/rate` later than the
+//! previous one. A cooldown empties the bucket and moves `ts` to the cooldown's end, so
+//! nothing refills (and nothing is granted) before it ends, and the first grant after it
+//! comes `1/rate` later: no burst into a receiver that just said stop.
+
+use crate::config::{Adaptive, Policy};
+
+const MICROS: f64 = 1_000_000.0;
+
+/// The stored state of one endpoint's bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BucketState {
+    /// Token balance at `ts`; negative while reservations are outstanding.
+    pub tokens: f64,
+    /// Time of `tokens` (µs); in the future during a cooldown.
+    pub ts: f64,
+    /// Rate set by the last decrease; 0 when the rate was never decreased.
+    pub dec_rate: f64,
+    /// When the climb back from `dec_rate` starts (µs): the end of that cooldown.
+    pub dec_at: f64,
+    /// No further decrease before this time (µs): "once per cooldown window".
+    pub dec_until: f64,
+    /// End of the current cooldown (µs).
+    pub cool_until: f64,
+    /// Bumped whenever a cooldown voids outstanding reservations.
+    pub generation: u64,
+    /// Throttling responses seen.
+    pub throttles: u64,
+    /// Since when the rate has been at its floor (µs); 0 when not at the floor.
+    pub floor_since: f64,
+}
+
+/// What a store answers to one acquire call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Outcome {
+    /// A token is reserved; the request may start after `wait_us`.
+    Granted {
+        /// Microseconds to wait before sending.
+        wait_us: f64,
+        /// Generation the reservation belongs to (for refunds and re-checks).
+        generation: u64,
+    },
+    /// No token within the budget; nothing was consumed.
+    Refused {
+        /// True when the refusal is due to a cooldown rather than the rate.
+        cooldown: bool,
+        /// Microseconds until a token (or the end of the cooldown).
+        retry_us: f64,
+    },
+}
+
+/// The parameters of one acquire call.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask {
+    /// Configured rate (tokens/s).
+    pub rate: f64,
+    /// Capacity.
+    pub burst: f64,
+    /// Longest acceptable wait (µs).
+    pub budget_us: f64,
+    /// Recovery time (µs) for the climb after a decrease; 0 = adaptive off.
+    pub recovery_us: f64,
+    /// A reservation already held from this generation: confirm it instead of taking another.
+    pub held: Option<u64>,
+}
+
+impl Ask {
+    /// Builds an ask from a policy and a budget.
+    pub fn new(policy: &Policy, budget_us: f64, held: Option<u64>) -> Ask {
+        Ask {
+            rate: policy.rate,
+            burst: policy.burst,
+            budget_us,
+            recovery_us: policy
+                .adaptive
+                .map_or(0.0, |a| a.recovery.as_secs_f64() * MICROS),
+            held,
+        }
+    }
+}
+
+/// The effective rate at `now`: the configured rate, or the climb from the last decrease.
+pub fn effective_rate(s: &BucketState, rate: f64, recovery_us: f64, now: f64) -> f64 {
+    if s.dec_rate <= 0.0 || recovery_us <= 0.0 {
+        return rate;
+    }
+    let progress = ((now - s.dec_at) / recovery_us).clamp(0.0, 1.0);
+    let r = s.dec_rate + (rate - s.dec_rate) * progress;
+    r.min(rate)
+}
+
+/// Brings `tokens` forward to `now` (no-op while `ts` is in the future).
+///
+/// Integrates the rate with the trapezoid rule: the climb is concave (linear, then flat),
+/// so the trapezoid never exceeds the true integral — refill can only err on the side of
+/// fewer tokens.
+fn refill(s: &mut BucketState, ask: &Ask, now: f64) {
+    if now <= s.ts {
+        return;
+    }
+    let r0 = effective_rate(s, ask.rate, ask.recovery_us, s.ts);
+    let r1 = effective_rate(s, ask.rate, ask.recovery_us, now);
+    let gained = (now - s.ts) / MICROS * (r0 + r1) / 2.0;
+    s.tokens = (s.tokens + gained).min(ask.burst);
+    s.ts = now;
+    if s.dec_rate > 0.0 && now - s.dec_at >= ask.recovery_us {
+        // Fully recovered: forget the decrease.
+        s.dec_rate = 0.0;
+        s.floor_since = 0.0;
+    }
+}
+
+/// A fresh bucket starts full.
+pub fn fresh(burst: f64, now: f64) -> BucketState {
+    BucketState {
+        tokens: burst,
+        ts: now,
+        ..BucketState::default()
+    }
+}
+
+/// One decision: refill, then reserve a token or refuse with the exact wait.
+pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
+    refill(s, ask, now);
+    if ask.held == Some(s.generation) {
+        // The reservation survived (no cooldown voided it): go.
+        return Outcome::Granted {
+            wait_us: 0.0,
+            generation: s.generation,
+        };
+    }
+    let rate = effective_rate(s, ask.rate, ask.recovery_us, now.max(s.ts));
+    let base = s.ts.max(now);
+    let missing = (1.0 - s.tokens).max(0.0);
+    let start = base + missing / rate * MICROS;
+    let wait = start - now;
+    if wait > ask.budget_us {
+        let cool_left = s.cool_until - now;
+        return if cool_left > ask.budget_us {
+            Outcome::Refused {
+                cooldown: true,
+                retry_us: cool_left,
+            }
+        } else {
+            Outcome::Refused {
+                cooldown: false,
+                retry_us: wait,
+            }
+        };
+    }
+    s.tokens -= 1.0;
+    Outcome::Granted {
+        wait_us: wait.max(0.0),
+        generation: s.generation,
+    }
+}
+
+/// Gives back a reservation whose sender went away, if no cooldown voided it.
+pub fn release(s: &mut BucketState, ask: &Ask, generation: u64, now: f64) {
+    if s.generation != generation {
+        return;
+    }
+    refill(s, ask, now);
+    s.tokens = (s.tokens + 1.0).min(ask.burst);
+}
+
+/// Applies a pause (cooldown) and, when `throttled`, a decrease once per cooldown window.
+pub fn feedback(
+    s: &mut BucketState,
+    ask: &Ask,
+    adaptive: &Adaptive,
+    pause_us: f64,
+    throttled: bool,
+    now: f64,
+) {
+    refill(s, ask, now);
+    if throttled {
+        s.throttles += 1;
+        if now >= s.dec_until {
+            let current = effective_rate(s, ask.rate, ask.recovery_us, now);
+            let lowered = (current * adaptive.decrease).max(adaptive.floor.min(ask.rate));
+            let was_at_floor = s.dec_rate > 0.0 && current <= adaptive.floor;
+            s.dec_rate = lowered;
+            s.dec_at = now + pause_us;
+            let window = pause_us.max(adaptive.default_cooldown.as_secs_f64() * MICROS);
+            s.dec_until = now + window;
+            if lowered <= adaptive.floor && !was_at_floor {
+                s.floor_since = now;
+            }
+        }
+    }
+    if pause_us > 0.0 && now + pause_us > s.cool_until {
+        s.cool_until = now + pause_us;
+        s.tokens = 0.0;
+        s.ts = s.cool_until;
+        s.generation += 1;
+    }
+}
+
+/// What operators see of a bucket.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct View {
+    /// Tokens available now (negative: reservations outstanding).
+    pub tokens: f64,
+    /// Effective rate now.
+    pub rate: f64,
+    /// Cooldown left (µs).
+    pub cooldown_us: f64,
+    /// Throttling responses seen.
+    pub throttles: u64,
+    /// Whether the rate sits at its floor.
+    pub at_floor: bool,
+    /// How long it has been at the floor (µs).
+    pub floor_for_us: f64,
+}
+
+/// The operator's view of `s` at `now`.
+pub fn view(s: &BucketState, ask: &Ask, floor: Option<f64>, now: f64) -> View {
+    let mut v = *s;
+    refill(&mut v, ask, now);
+    let rate = effective_rate(&v, ask.rate, ask.recovery_us, now);
+    let at_floor = floor.is_some_and(|f| v.dec_rate > 0.0 && rate <= f * (1.0 + 1e-9));
+    View {
+        tokens: v.tokens,
+        rate,
+        cooldown_us: (v.cool_until - now).max(0.0),
+        throttles: v.throttles,
+        at_floor,
+        floor_for_us: if at_floor && v.floor_since > 0.0 {
+            now - v.floor_since
+        } else {
+            0.0
+        },
+    }
+}
+
+/// True when the bucket holds nothing worth keeping: full, no cooldown, no decrease.
+pub fn idle(s: &BucketState, ask: &Ask, now: f64) -> bool {
+    let mut v = *s;
+    refill(&mut v, ask, now);
+    v.tokens >= ask.burst && v.cool_until <= now && v.dec_rate <= 0.0 && v.dec_until <= now
+}
+
+/// Time after which an untouched bucket is [`idle`] again (µs), for key expiry.
+pub fn time_to_idle(s: &BucketState, ask: &Ask, floor: f64, now: f64) -> f64 {
+    let slowest = floor.min(ask.rate).max(1e-6);
+    let refill_time = (ask.burst - s.tokens).max(0.0) / slowest * MICROS;
+    let until_ts = (s.ts - now).max(0.0);
+    let recovery = if s.dec_rate > 0.0 {
+        (s.dec_at + ask.recovery_us - now).max(0.0)
+    } else {
+        0.0
+    };
+    let dec_window = (s.dec_until - now).max(0.0);
+    (until_ts + refill_time).max(recovery).max(dec_window)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::time::Duration;
+
+    fn policy(rate: f64, burst: f64) -> Policy {
+        Policy {
+            rate,
+            burst,
+            max_wait: Duration::from_secs(5),
+            adaptive: Some(Adaptive::default()),
+        }
+    }
+
+    const S: f64 = MICROS;
+
+    #[test]
+    fn fresh_bucket_grants_burst_then_reserves_in_order() {
+        let p = policy(10.0, 3.0);
+        let ask = Ask::new(&p, 5.0 * S, None);
+        let mut s = fresh(3.0, 0.0);
+        for _ in 0..3 {
+            assert_eq!(
+                acquire(&mut s, &ask, 0.0),
+                Outcome::Granted {
+                    wait_us: 0.0,
+                    generation: 0
+                }
+            );
+        }
+        let waits: Vec<f64> = (0..3)
+            .map(|_| match acquire(&mut s, &ask, 0.0) {
+                Outcome::Granted { wait_us, .. } => wait_us,
+                o => panic!("{o:?}"),
+            })
+            .collect();
+        assert!((waits[0] - 0.1 * S).abs() < 1.0);
+        assert!((waits[1] - 0.2 * S).abs() < 1.0);
+        assert!((waits[2] - 0.3 * S).abs() < 1.0);
+    }
+
+    #[test]
+    fn refusal_consumes_nothing_and_reports_wait() {
+        let p = policy(1.0, 1.0);
+        let ask = Ask::new(&p, 0.0, None);
+        let mut s = fresh(1.0, 0.0);
+        assert!(matches!(acquire(&mut s, &ask, 0.0), Outcome::Granted { .. }));
+        let before = s;
+        match acquire(&mut s, &ask, 0.25 * S) {
+            Outcome::Refused { cooldown, retry_us } => {
+                assert!(!cooldown);
+                assert!((retry_us - 0.75 * S).abs() < 1.0);
+            }
+            o => panic!("{o:?}"),
+        }
+        assert!((s.tokens - (before.tokens + 0.25)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn release_refunds_only_same_generation() {
+        let p = policy(1.0, 2.0);
+        let ask = Ask::new(&p, 10.0 * S, None);
+        let mut s = fresh(2.0, 0.0);
+        acquire(&mut s, &ask, 0.0);
+        acquire(&mut s, &ask, 0.0);
+        acquire(&mut s, &ask, 0.0);
+        assert!((s.tokens + 1.0).abs() < 1e-9);
+        release(&mut s, &ask, 0, 0.0);
+        assert!(s.tokens.abs() < 1e-9);
+        release(&mut s, &ask, 7, 0.0);
+        assert!(s.tokens.abs() < 1e-9);
+    }
+
+    #[test]
+    fn cooldown_blocks_then_restarts_empty_at_reduced_rate() {
+        let p = policy(10.0, 10.0);
+        let a = p.adaptive.unwrap();
+        let ask = Ask::new(&p, 1.0 * S, None);
+        let mut s = fresh(10.0, 0.0);
+        feedback(&mut s, &ask, &a, 2.0 * S, true, 0.0);
+        assert_eq!(s.generation, 1);
+        match acquire(&mut s, &ask, 0.5 * S) {
+            Outcome::Refused { cooldown, retry_us } => {
+                assert!(cooldown);
+                assert!((retry_us - 1.5 * S).abs() < 1.0);
+            }
+            o => panic!("{o:?}"),
+        }
+        // Budget covering the cooldown: first token 1/5 s after its end (rate halved).
+        let long = Ask::new(&p, 5.0 * S, None);
+        match acquire(&mut s, &long, 0.5 * S) {
+            Outcome::Granted { wait_us, generation } => {
+                assert_eq!(generation, 1);
+                assert!((wait_us - (1.5 + 0.2) * S).abs() < 10.0, "{wait_us}");
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn many_throttles_decrease_once_per_window_and_stop_at_floor() {
+        let p = policy(64.0, 10.0);
+        let a = p.adaptive.unwrap();
+        let ask = Ask::new(&p, 1.0 * S, None);
+        let mut s = fresh(10.0, 0.0);
+        for _ in 0..50 {
+            feedback(&mut s, &ask, &a, 1.0 * S, true, 0.0);
+        }
+        assert_eq!(s.dec_rate, 32.0);
+        assert_eq!(s.throttles, 50);
+        let mut now = 0.0;
+        for _ in 0..20 {
+            now += 1.0 * S;
+            feedback(&mut s, &ask, &a, 1.0 * S, true, now);
+        }
+        assert_eq!(s.dec_rate, a.floor);
+        let v = view(&s, &ask, Some(a.floor), now + 0.5 * S);
+        assert!(v.at_floor);
+        assert!(v.floor_for_us > 0.0);
+    }
+
+    #[test]
+    fn recovery_climbs_linearly_to_configured_rate() {
+        let p = policy(100.0, 10.0);
+        let a = p.adaptive.unwrap();
+        let ask = Ask::new(&p, 1.0 * S, None);
+        let mut s = fresh(10.0, 0.0);
+        feedback(&mut s, &ask, &a, 1.0 * S, true, 0.0);
+        let rec = a.recovery.as_secs_f64() * S;
+        assert_eq!(effective_rate(&s, 100.0, rec, 1.0 * S), 50.0);
+        assert!((effective_rate(&s, 100.0, rec, 1.0 * S + rec / 2.0) - 75.0).abs() < 1e-9);
+        assert_eq!(effective_rate(&s, 100.0, rec, 1.0 * S + rec), 100.0);
+    }
+
+    #[test]
+    fn held_reservation_is_confirmed_unless_voided() {
+        let p = policy(10.0, 1.0);
+        let a = p.adaptive.unwrap();
+        let ask = Ask::new(&p, 5.0 * S, None);
+        let mut s = fresh(1.0, 0.0);
+        acquire(&mut s, &ask, 0.0);
+        let Outcome::Granted { generation, .. } = acquire(&mut s, &ask, 0.0) else {
+            panic!()
+        };
+        let confirm = Ask::new(&p, 5.0 * S, Some(generation));
+        let tokens = s.tokens;
+        assert!(matches!(
+            acquire(&mut s, &confirm, 0.1 * S),
+            Outcome::Granted { wait_us, .. } if wait_us == 0.0
+        ));
+        assert!((s.tokens - (tokens + 1.0)).abs() < 1e-6, "confirm takes nothing");
+        feedback(&mut s, &ask, &a, 1.0 * S, true, 0.1 * S);
+        match acquire(&mut s, &confirm, 0.1 * S) {
+            Outcome::Granted { wait_us, generation } => {
+                assert_eq!(generation, 1);
+                assert!(wait_us >= 1.0 * S);
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+
+    proptest! {
+        /// Never more than rate·t + burst grants start in any interval of length t.
+        #[test]
+        fn no_overdraw_for_random_patterns(
+            rate in 0.5f64..200.0,
+            burst in 1.0f64..50.0,
+            budget_s in 0.0f64..3.0,
+            gaps in proptest::collection::vec(0u32..200_000, 1..400),
+            releases in proptest::collection::vec(any::<bool>(), 400),
+        ) {
+            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None };
+            let ask = Ask::new(&p, budget_s * S, None);
+            let mut s = fresh(burst, 0.0);
+            let mut now = 0.0;
+            let mut starts: Vec<f64> = Vec::new();
+            for (i, gap) in gaps.iter().enumerate() {
+                now += *gap as f64;
+                if let Outcome::Granted { wait_us, generation } = acquire(&mut s, &ask, now) {
+                    if wait_us > 0.0 && releases[i % releases.len()] {
+                        release(&mut s, &ask, generation, now); // sender hung up
+                    } else {
+                        starts.push(now + wait_us);
+                    }
+                }
+            }
+            starts.sort_by(f64::total_cmp);
+            for (i, a) in starts.iter().enumerate() {
+                for (j, b) in starts.iter().enumerate().skip(i) {
+                    let t = (b - a) / S;
+                    let n = (j - i + 1) as f64;
+                    prop_assert!(n <= rate * t + burst + 1e-6, "{n} grants in {t}s (rate {rate}, burst {burst})");
+                }
+            }
+        }
+
+        /// A reserved wait never exceeds the budget, and refusals report a positive retry.
+        #[test]
+        fn waits_respect_budget(
+            rate in 0.5f64..100.0,
+            burst in 1.0f64..20.0,
+            budget_s in 0.0f64..2.0,
+            n in 1usize..200,
+        ) {
+            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None };
+            let ask = Ask::new(&p, budget_s * S, None);
+            let mut s = fresh(burst, 0.0);
+            for _ in 0..n {
+                match acquire(&mut s, &ask, 0.0) {
+                    Outcome::Granted { wait_us, .. } => prop_assert!(wait_us <= budget_s * S + 1e-6),
+                    Outcome::Refused { retry_us, .. } => prop_assert!(retry_us > 0.0),
+                }
+            }
+        }
+    }
+}

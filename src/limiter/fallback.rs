@@ -1,0 +1,1 @@
+//! The `on_error` wrapper around a shared store (being written).

@@ -1,0 +1,184 @@
+//! The in-process bucket store: the [`bucket`](super::bucket) math under sharded locks,
+//! on a monotonic clock.
+//!
+//! Idle buckets (full again, no cooldown, no decrease to remember) are evicted by an
+//! amortised sweep, the analogue of the Redis key expiry, so a sender spraying endpoint
+//! IDs cannot grow memory without bound.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::bucket::{self, Ask, BucketState, Outcome, View};
+use super::{BucketStore, StoreError, StoreFuture};
+use crate::config::Adaptive;
+
+const SHARDS: usize = 16;
+/// Every this many calls, one shard is swept for idle buckets.
+const SWEEP_EVERY: u64 = 1024;
+
+/// A bucket plus what the sweep needs to judge it idle.
+struct Entry {
+    state: BucketState,
+    ask: Ask,
+}
+
+/// In-process buckets, one per endpoint ID.
+pub struct MemoryStore {
+    shards: Vec<Mutex<HashMap<Box<str>, Entry>>>,
+    hasher: RandomState,
+    epoch: Instant,
+    calls: AtomicU64,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store whose clock starts now.
+    pub fn new() -> MemoryStore {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+            epoch: Instant::now(),
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e6
+    }
+
+    /// Number of buckets held (tests check eviction).
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().map_or(0, |m| m.len()))
+            .sum()
+    }
+
+    /// True when no bucket is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `f` on the endpoint's bucket (created full when absent).
+    pub fn with_bucket<T>(&self, endpoint: &str, ask: &Ask, f: impl FnOnce(&mut BucketState, f64) -> T) -> T {
+        let idx = (self.hasher.hash_one(endpoint) as usize) % SHARDS;
+        let n = self.calls.fetch_add(1, Ordering::Relaxed);
+        if n % SWEEP_EVERY == 0 {
+            self.sweep((n / SWEEP_EVERY) as usize % SHARDS);
+        }
+        let mut shard = self.shards[idx].lock().unwrap_or_else(|p| p.into_inner());
+        let now = self.now();
+        let entry = match shard.get_mut(endpoint) {
+            Some(e) => e,
+            None => shard.entry(endpoint.into()).or_insert_with(|| Entry {
+                state: bucket::fresh(ask.burst, now),
+                ask: *ask,
+            }),
+        };
+        entry.ask = *ask;
+        f(&mut entry.state, now)
+    }
+
+    /// Evicts idle buckets of one shard.
+    pub fn sweep(&self, idx: usize) {
+        let now = self.now();
+        if let Ok(mut shard) = self.shards[idx % SHARDS].lock() {
+            shard.retain(|_, e| !bucket::idle(&e.state, &e.ask, now));
+        }
+    }
+
+    /// Sweeps every shard.
+    pub fn sweep_all(&self) {
+        (0..SHARDS).for_each(|i| self.sweep(i));
+    }
+
+    /// Acquire without the future wrapper (used by the fallback path too).
+    pub fn acquire_now(&self, endpoint: &str, ask: Ask) -> Outcome {
+        self.with_bucket(endpoint, &ask, |s, now| bucket::acquire(s, &ask, now))
+    }
+
+    /// Feedback without the future wrapper.
+    pub fn feedback_now(&self, endpoint: &str, ask: Ask, adaptive: &Adaptive, pause: Duration, throttled: bool) {
+        let pause_us = pause.as_secs_f64() * 1e6;
+        self.with_bucket(endpoint, &ask, |s, now| {
+            bucket::feedback(s, &ask, adaptive, pause_us, throttled, now)
+        });
+    }
+
+    /// View without the future wrapper.
+    pub fn view_now(&self, endpoint: &str, ask: Ask, floor: Option<f64>) -> Option<View> {
+        let idx = (self.hasher.hash_one(endpoint) as usize) % SHARDS;
+        let shard = self.shards[idx].lock().unwrap_or_else(|p| p.into_inner());
+        let now = self.now();
+        shard.get(endpoint).map(|e| bucket::view(&e.state, &ask, floor, now))
+    }
+
+    /// Release without the future wrapper.
+    pub fn release_now(&self, endpoint: &str, ask: Ask, generation: u64) {
+        self.with_bucket(endpoint, &ask, |s, now| bucket::release(s, &ask, generation, now));
+    }
+}
+
+impl BucketStore for MemoryStore {
+    fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
+        let out = self.acquire_now(endpoint, ask);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
+        self.release_now(endpoint, ask, generation);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn feedback<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        adaptive: Adaptive,
+        pause: Duration,
+        throttled: bool,
+    ) -> StoreFuture<'a, ()> {
+        self.feedback_now(endpoint, ask, &adaptive, pause, throttled);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn view<'a>(&'a self, endpoint: &'a str, ask: Ask, floor: Option<f64>) -> StoreFuture<'a, Option<View>> {
+        Box::pin(std::future::ready(Ok(self.view_now(endpoint, ask, floor))))
+    }
+
+    fn ping(&self) -> StoreFuture<'_, ()> {
+        Box::pin(std::future::ready(Ok::<(), StoreError>(())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Policy;
+
+    #[test]
+    fn idle_buckets_are_evicted() {
+        let store = MemoryStore::new();
+        let p = Policy {
+            rate: 1000.0,
+            burst: 1.0,
+            max_wait: Duration::ZERO,
+            adaptive: None,
+        };
+        let ask = Ask::new(&p, 0.0, None);
+        for i in 0..5000 {
+            store.acquire_now(&format!("spray-{i}"), ask);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        store.sweep_all();
+        assert_eq!(store.len(), 0);
+    }
+}

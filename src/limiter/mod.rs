@@ -1,0 +1,213 @@
+//! Admission: the [`Limiter`] decides when a request may leave, over the
+//! [`BucketStore`] seam (memory, Redis, Redis Cluster, with a fallback wrapper).
+//!
+//! One store call decides: a request either gets a reservation with its exact start
+//! time, or a refusal with the exact time until a token. A reserved request sleeps
+//! until its start (no polling); if its wait was non-zero it confirms once on waking, so
+//! a cooldown that began meanwhile (on any replica) still holds it back. A request
+//! whose sender hangs up while waiting gives its reservation back.
+
+pub mod bucket;
+pub mod fallback;
+pub mod memory;
+pub mod redis;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+pub use bucket::{Ask, Outcome, View};
+
+use crate::config::{Adaptive, Policy};
+
+/// A boxed store future (the seam is object-safe so stores can be chosen at start-up).
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// Why a store call failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    /// The call did not answer within `store.timeout`.
+    #[error("store call timed out after {0:?}")]
+    Timeout(Duration),
+    /// The store could not be reached or dropped the connection.
+    #[error("store unreachable: {0}")]
+    Unreachable(String),
+    /// The store answered with something sluice cannot use.
+    #[error("store answered unexpectedly: {0}")]
+    Protocol(String),
+}
+
+/// Whether the store is serving normally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreHealth {
+    /// The configured store answers.
+    Ok,
+    /// The configured store fails and the fallback (`on_error`) is in force.
+    Degraded,
+}
+
+/// The bucket store seam: one call per decision, same semantics in every store.
+pub trait BucketStore: Send + Sync {
+    /// Refill, then reserve a token (or confirm `ask.held`) or refuse with the exact wait.
+    fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome>;
+    /// Gives back a reservation of `generation` whose sender went away.
+    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()>;
+    /// Applies upstream feedback: a pause and, when `throttled`, a decrease.
+    fn feedback<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        adaptive: Adaptive,
+        pause: Duration,
+        throttled: bool,
+    ) -> StoreFuture<'a, ()>;
+    /// The operator's view of an endpoint; `None` when the store holds no state for it.
+    fn view<'a>(&'a self, endpoint: &'a str, ask: Ask, floor: Option<f64>) -> StoreFuture<'a, Option<View>>;
+    /// Checks the store answers (for `/readyz`).
+    fn ping(&self) -> StoreFuture<'_, ()>;
+    /// Current health; only the fallback wrapper ever reports [`StoreHealth::Degraded`].
+    fn health(&self) -> StoreHealth {
+        StoreHealth::Ok
+    }
+}
+
+/// Why a request may not leave.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Refusal {
+    /// No token within the wait budget.
+    RateLimited {
+        /// Time until a token.
+        retry_after: Duration,
+    },
+    /// The endpoint is cooling down after a 429.
+    Cooldown {
+        /// Time left in the cooldown.
+        retry_after: Duration,
+    },
+    /// The store failed and `on_error = "deny"`.
+    StoreUnavailable,
+}
+
+/// Decides admission for requests, over a shared store.
+#[derive(Clone)]
+pub struct Limiter {
+    store: Arc<dyn BucketStore>,
+}
+
+impl Limiter {
+    /// A limiter over `store`.
+    pub fn new(store: Arc<dyn BucketStore>) -> Limiter {
+        Limiter { store }
+    }
+
+    /// The underlying store (for feedback, views and readiness).
+    pub fn store(&self) -> &Arc<dyn BucketStore> {
+        &self.store
+    }
+
+    /// Waits until `endpoint` may send, or refuses. Returns the time spent waiting.
+    ///
+    /// Cancel-safe: dropping the future while it waits gives the reservation back.
+    pub async fn admit(&self, endpoint: &str, policy: &Policy) -> Result<Duration, Refusal> {
+        let started = Instant::now();
+        let mut held = None;
+        loop {
+            let budget = policy.max_wait.saturating_sub(started.elapsed());
+            let ask = Ask::new(policy, micros(budget), held);
+            let outcome = self
+                .store
+                .acquire(endpoint, ask)
+                .await
+                .map_err(|_| Refusal::StoreUnavailable)?;
+            match outcome {
+                Outcome::Refused { cooldown, retry_us } => {
+                    let retry_after = Duration::from_secs_f64(retry_us.max(0.0) / 1e6);
+                    return Err(if cooldown {
+                        Refusal::Cooldown { retry_after }
+                    } else {
+                        Refusal::RateLimited { retry_after }
+                    });
+                }
+                Outcome::Granted { wait_us, .. } if wait_us <= 0.0 => {
+                    return Ok(started.elapsed());
+                }
+                Outcome::Granted { wait_us, generation } => {
+                    let guard = Reservation {
+                        store: Arc::clone(&self.store),
+                        endpoint: endpoint.to_owned(),
+                        ask: Ask::new(policy, 0.0, None),
+                        generation,
+                        armed: true,
+                    };
+                    tokio::time::sleep(Duration::from_secs_f64(wait_us / 1e6)).await;
+                    guard.disarm();
+                    // Re-check on waking: a cooldown started meanwhile voids the reservation.
+                    held = Some(generation);
+                }
+            }
+        }
+    }
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// A reservation held by a waiting request; dropped while armed, it is given back.
+struct Reservation {
+    store: Arc<dyn BucketStore>,
+    endpoint: String,
+    ask: Ask,
+    generation: u64,
+    armed: bool,
+}
+
+impl Reservation {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let store = Arc::clone(&self.store);
+        let endpoint = std::mem::take(&mut self.endpoint);
+        let (ask, generation) = (self.ask, self.generation);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = store.release(&endpoint, ask, generation).await {
+                    tracing::debug!(endpoint, error = %e, "could not give back a reservation");
+                }
+            });
+        }
+    }
+}
+
+/// Instruments every store records into (registered by [`crate::metrics`]).
+#[derive(Clone)]
+pub struct StoreStats {
+    /// `sluice_store_errors_total`: failed store calls.
+    pub errors: prometheus_client::metrics::counter::Counter,
+    /// `sluice_store_seconds`: latency of store calls.
+    pub seconds: prometheus_client::metrics::histogram::Histogram,
+    /// `sluice_store_degraded`: 1 while the `on_error` fallback is in force.
+    pub degraded: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Default for StoreStats {
+    fn default() -> Self {
+        StoreStats {
+            errors: Default::default(),
+            seconds: prometheus_client::metrics::histogram::Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 16),
+            ),
+            degraded: Default::default(),
+        }
+    }
+}

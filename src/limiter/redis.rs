@@ -1,0 +1,1 @@
+//! Redis / Redis Cluster bucket store (being written).
