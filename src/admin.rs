@@ -1,1 +1,208 @@
-//! (being written)
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/endpoints`, and the
+//! [`EndpointView`] rows that `/endpoints` and `sluice status` share.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use serde::{Deserialize, Serialize};
+
+use crate::config::OnError;
+use crate::error::Body;
+use crate::limiter::{Ask, StoreHealth};
+use crate::proxy::App;
+
+/// One endpoint as operators see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndpointView {
+    /// Endpoint ID.
+    pub id: String,
+    /// True when listed in `[[endpoints]]`.
+    pub configured: bool,
+    /// Configured rate (tokens/s).
+    pub configured_rate: f64,
+    /// Current effective rate (lower after 429s, climbing back).
+    pub rate: f64,
+    /// Capacity.
+    pub burst: f64,
+    /// Tokens now (negative: reservations outstanding).
+    pub tokens: f64,
+    /// Cooldown left, milliseconds.
+    pub cooldown_ms: u64,
+    /// Throttling responses (429s) seen.
+    pub throttles: u64,
+    /// Whether the rate sits at its adaptive floor.
+    pub at_floor: bool,
+    /// How long it has sat at the floor, seconds.
+    pub at_floor_secs: f64,
+}
+
+/// Views of every known endpoint: configured ones, then those seen (label-capped).
+pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
+    let rt = app.runtime.load_full();
+    let mut ids: Vec<(Arc<str>, bool)> = rt.resolver.configured().map(|(id, _)| (Arc::clone(id), true)).collect();
+    let mut seen = app.metrics.labelled_ids();
+    seen.sort();
+    for id in seen {
+        if !ids.iter().any(|(k, _)| *k == id) {
+            ids.push((id, false));
+        }
+    }
+    let mut out = Vec::with_capacity(ids.len());
+    for (id, configured) in ids {
+        let policy = rt.resolver.policy_of(&id);
+        let ask = Ask::new(&policy, 0.0, None);
+        let floor = policy.adaptive.map(|a| a.floor);
+        let view = app.limiter.store().view(&id, ask, floor).await.ok().flatten();
+        out.push(EndpointView {
+            id: id.to_string(),
+            configured,
+            configured_rate: policy.rate,
+            rate: view.map_or(policy.rate, |v| v.rate),
+            burst: policy.burst,
+            tokens: view.map_or(policy.burst, |v| v.tokens),
+            cooldown_ms: view.map_or(0, |v| (v.cooldown_us / 1000.0).ceil() as u64),
+            throttles: view.map_or(0, |v| v.throttles),
+            at_floor: view.is_some_and(|v| v.at_floor),
+            at_floor_secs: view.map_or(0.0, |v| v.floor_for_us / 1e6),
+        });
+    }
+    out
+}
+
+/// Serves one admin request.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n", "text/plain");
+    }
+    match req.uri().path() {
+        "/metrics" => text(
+            StatusCode::OK,
+            app.metrics.render(),
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+        "/healthz" => text(StatusCode::OK, "ok\n", "text/plain"),
+        "/readyz" => readyz(&app).await,
+        "/endpoints" => {
+            let views = endpoint_views(&app).await;
+            let body = serde_json::to_string_pretty(&views).unwrap_or_else(|_| "[]".into());
+            text(StatusCode::OK, body, "application/json")
+        }
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found: try /metrics /healthz /readyz /endpoints\n",
+            "text/plain",
+        ),
+    }
+}
+
+/// 200 when the store answers; while it fails, 200 "degraded" if a fallback serves
+/// (`on_error` = local/allow) and 503 when requests are being refused (`deny`).
+async fn readyz(app: &App) -> Response<Body> {
+    let rt = app.runtime.load_full();
+    let store = app.limiter.store();
+    let answers = store.ping().await.is_ok() && store.health() == StoreHealth::Ok;
+    let on_error = match rt.config.store.on_error {
+        OnError::Local => "local",
+        OnError::Allow => "allow",
+        OnError::Deny => "deny",
+    };
+    let (status, state) = match (answers, rt.config.store.on_error) {
+        (true, _) => (StatusCode::OK, "ok"),
+        (false, OnError::Deny) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+        (false, _) => (StatusCode::OK, "degraded"),
+    };
+    let body = serde_json::json!({ "store": state, "on_error": on_error }).to_string();
+    text(status, body, "application/json")
+}
+
+fn text(status: StatusCode, body: impl Into<Bytes>, content_type: &'static str) -> Response<Body> {
+    let mut r = Response::new(Either::Right(Full::new(body.into())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+/// Fetches `/endpoints` from a running sluice's admin listener (`http://host:port`).
+pub async fn fetch_endpoints(admin: &str) -> Result<String, String> {
+    let base = admin.trim_end_matches('/');
+    let uri: http::Uri = format!("{base}/endpoints")
+        .parse()
+        .map_err(|e| format!("bad admin URL {admin:?}: {e}"))?;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<Bytes>>();
+    let fetch = async {
+        let resp = client
+            .get(uri)
+            .await
+            .map_err(|e| format!("cannot reach sluice admin at {admin}: {e} (is sluice running? see --admin)"))?;
+        let status = resp.status();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .map_err(|e| format!("reading {admin}/endpoints: {e}"))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(format!("{admin}/endpoints answered {status}"));
+        }
+        String::from_utf8(body.to_vec()).map_err(|_| "endpoints JSON is not UTF-8".to_string())
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), fetch)
+        .await
+        .map_err(|_| format!("{admin} did not answer within 5s"))?
+}
+
+/// Renders endpoint views as an aligned table for people.
+pub fn render_table(views: &[EndpointView]) -> String {
+    let header = ["ENDPOINT", "RATE/S", "CONFIGURED", "BURST", "TOKENS", "COOLDOWN", "429S", "AT FLOOR"];
+    let rows: Vec<[String; 8]> = views
+        .iter()
+        .map(|v| {
+            [
+                v.id.clone(),
+                format!("{:.2}", v.rate),
+                format!("{:.2}", v.configured_rate),
+                format!("{:.0}", v.burst),
+                format!("{:.1}", v.tokens),
+                if v.cooldown_ms > 0 {
+                    format!("{:.1}s", v.cooldown_ms as f64 / 1000.0)
+                } else {
+                    "-".into()
+                },
+                v.throttles.to_string(),
+                if v.at_floor {
+                    format!("yes ({:.0}s)", v.at_floor_secs)
+                } else {
+                    "no".into()
+                },
+            ]
+        })
+        .collect();
+    let mut widths = header.map(str::len);
+    for r in &rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut s = cells
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ");
+        s.truncate(s.trim_end().len());
+        s.push('\n');
+        s
+    };
+    let mut out = line(header.to_vec());
+    for r in &rows {
+        out.push_str(&line(r.iter().map(String::as_str).collect()));
+    }
+    if rows.is_empty() {
+        out.push_str("(no endpoints yet)\n");
+    }
+    out
+}

@@ -774,7 +774,7 @@ impl Reader<'_> {
                 Some((id, at)) => {
                     if let Err(e) = check_endpoint_id(&id) {
                         self.issue(at, &join(&path, "id"), e);
-                    } else if out.iter().any(|r| &*r.id == id) {
+                    } else if out.iter().any(|r| *r.id == id) {
                         self.issue(at, &join(&path, "id"), format!("duplicate endpoint id \"{id}\""));
                     }
                     id

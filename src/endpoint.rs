@@ -1,1 +1,201 @@
-//! (being written)
+//! Endpoint resolution: which bucket a request draws from.
+//!
+//! First match wins: the endpoint header; the `Proxy-Authorization` user name when
+//! `endpoint_from_proxy_user` is on; the first `[[endpoints]]` rule whose hosts (and
+//! path prefix) match the target; the destination host itself under `[defaults]` (or a
+//! 403 when `unknown = "reject"`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use base64::Engine;
+use http::{HeaderMap, HeaderName};
+
+use crate::config::{Config, EndpointRule, Policy, UnknownEndpoints, check_endpoint_id};
+use crate::error::ProxyError;
+
+/// The endpoint a request belongs to.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The endpoint ID.
+    pub id: Arc<str>,
+    /// Its policy.
+    pub policy: Arc<Policy>,
+}
+
+/// Compiled resolution rules.
+#[derive(Debug, Clone)]
+pub struct Resolver {
+    header: HeaderName,
+    from_proxy_user: bool,
+    rules: Vec<EndpointRule>,
+    by_id: HashMap<Arc<str>, Arc<Policy>>,
+    defaults: Arc<Policy>,
+    unknown: UnknownEndpoints,
+}
+
+impl Resolver {
+    /// From the validated config.
+    pub fn new(cfg: &Config) -> Resolver {
+        Resolver {
+            header: cfg.proxy.endpoint_header.clone(),
+            from_proxy_user: cfg.proxy.endpoint_from_proxy_user,
+            by_id: cfg
+                .endpoints
+                .iter()
+                .map(|r| (Arc::clone(&r.id), Arc::clone(&r.policy)))
+                .collect(),
+            rules: cfg.endpoints.clone(),
+            defaults: Arc::clone(&cfg.defaults),
+            unknown: cfg.unknown,
+        }
+    }
+
+    /// The header naming the endpoint (removed before forwarding).
+    pub fn header(&self) -> &HeaderName {
+        &self.header
+    }
+
+    /// Whether the proxy user names the endpoint.
+    pub fn uses_proxy_user(&self) -> bool {
+        self.from_proxy_user
+    }
+
+    /// Configured endpoints with their policies (for `/endpoints`).
+    pub fn configured(&self) -> impl Iterator<Item = (&Arc<str>, &Arc<Policy>)> {
+        self.rules.iter().map(|r| (&r.id, &r.policy))
+    }
+
+    /// The policy an ID gets (configured, or the defaults).
+    pub fn policy_of(&self, id: &str) -> Arc<Policy> {
+        self.by_id.get(id).cloned().unwrap_or_else(|| Arc::clone(&self.defaults))
+    }
+
+    /// Resolves a request. `proxy_user` is the user name of the connection's
+    /// `Proxy-Authorization` (from this request, or from the CONNECT of its tunnel).
+    pub fn resolve(
+        &self,
+        headers: &HeaderMap,
+        proxy_user: Option<&str>,
+        host: &str,
+        path: &str,
+    ) -> Result<Resolved, ProxyError> {
+        if let Some(v) = headers.get(&self.header) {
+            let id = v
+                .to_str()
+                .map_err(|_| ProxyError::BadRequest(format!("{} must be visible ASCII", self.header)))?;
+            check_endpoint_id(id).map_err(|e| ProxyError::BadRequest(format!("{}: {e}", self.header)))?;
+            return self.by_name(id);
+        }
+        if self.from_proxy_user {
+            if let Some(user) = proxy_user.filter(|u| !u.is_empty()) {
+                check_endpoint_id(user)
+                    .map_err(|e| ProxyError::BadRequest(format!("proxy user name: {e}")))?;
+                return self.by_name(user);
+            }
+        }
+        let host = host.to_ascii_lowercase();
+        if let Some(rule) = self.rules.iter().find(|r| {
+            r.hosts.contains(&host)
+                && r.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
+        }) {
+            return Ok(Resolved {
+                id: Arc::clone(&rule.id),
+                policy: Arc::clone(&rule.policy),
+            });
+        }
+        self.by_name(&host)
+    }
+
+    fn by_name(&self, id: &str) -> Result<Resolved, ProxyError> {
+        if let Some((k, p)) = self.by_id.get_key_value(id) {
+            return Ok(Resolved {
+                id: Arc::clone(k),
+                policy: Arc::clone(p),
+            });
+        }
+        match self.unknown {
+            UnknownEndpoints::Default => Ok(Resolved {
+                id: id.into(),
+                policy: Arc::clone(&self.defaults),
+            }),
+            UnknownEndpoints::Reject => Err(ProxyError::UnknownEndpoint(id.to_owned())),
+        }
+    }
+}
+
+/// The user name of a `Proxy-Authorization: Basic ...` header, if any.
+pub fn proxy_user(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get(http::header::PROXY_AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, creds) = v.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let raw = base64::engine::general_purpose::STANDARD.decode(creds.trim()).ok()?;
+    let text = String::from_utf8(raw).ok()?;
+    let user = text.split_once(':').map_or(text.as_str(), |(u, _)| u);
+    Some(user.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resolver(text: &str) -> Resolver {
+        Resolver::new(&Config::parse(text).unwrap())
+    }
+
+    const RULES: &str = "[[endpoints]]\nid = \"hooks\"\nrate = 5.0\nhosts = [\"hooks.example.com\"]\npath_prefix = \"/v1\"\n\
+                         [[endpoints]]\nid = \"all\"\nhosts = [\"hooks.example.com\"]\n\
+                         [[endpoints]]\nid = \"ep_42\"\nrate = 100.0\n";
+
+    #[test]
+    fn header_wins_then_rules_then_host() {
+        let r = resolver(RULES);
+        let mut h = HeaderMap::new();
+        assert_eq!(&*r.resolve(&h, None, "hooks.example.com", "/v1/x").unwrap().id, "hooks");
+        assert_eq!(&*r.resolve(&h, None, "HOOKS.example.com", "/v2").unwrap().id, "all");
+        let other = r.resolve(&h, None, "api.other.com", "/").unwrap();
+        assert_eq!(&*other.id, "api.other.com");
+        assert_eq!(other.policy.rate, 10.0);
+        h.insert("x-endpoint-id", "ep_42".parse().unwrap());
+        let ep = r.resolve(&h, None, "hooks.example.com", "/v1").unwrap();
+        assert_eq!((&*ep.id, ep.policy.rate), ("ep_42", 100.0));
+    }
+
+    #[test]
+    fn proxy_user_only_when_enabled() {
+        let off = resolver(RULES);
+        let on = resolver(&format!("[proxy]\nendpoint_from_proxy_user = true\n{RULES}"));
+        let h = HeaderMap::new();
+        assert_eq!(&*off.resolve(&h, Some("ep_42"), "x.com", "/").unwrap().id, "x.com");
+        assert_eq!(&*on.resolve(&h, Some("ep_42"), "x.com", "/").unwrap().id, "ep_42");
+    }
+
+    #[test]
+    fn unknown_reject() {
+        let r = resolver(&format!("[defaults]\nunknown = \"reject\"\n{RULES}"));
+        let mut h = HeaderMap::new();
+        assert!(matches!(r.resolve(&h, None, "x.com", "/"), Err(ProxyError::UnknownEndpoint(_))));
+        h.insert("x-endpoint-id", "nope".parse().unwrap());
+        assert!(matches!(r.resolve(&h, None, "x.com", "/"), Err(ProxyError::UnknownEndpoint(_))));
+        assert!(r.resolve(&HeaderMap::new(), None, "hooks.example.com", "/").is_ok());
+    }
+
+    #[test]
+    fn bad_header_value_is_bad_request() {
+        let r = resolver("");
+        let mut h = HeaderMap::new();
+        h.insert("x-endpoint-id", "a b".parse().unwrap());
+        assert!(matches!(r.resolve(&h, None, "x.com", "/"), Err(ProxyError::BadRequest(_))));
+    }
+
+    #[test]
+    fn proxy_user_parsing() {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::PROXY_AUTHORIZATION, "Basic ZXBfeDo=".parse().unwrap()); // "ep_x:"
+        assert_eq!(proxy_user(&h).as_deref(), Some("ep_x"));
+        h.insert(http::header::PROXY_AUTHORIZATION, "Basic !!!".parse().unwrap());
+        assert_eq!(proxy_user(&h), None);
+    }
+}

@@ -1,1 +1,170 @@
-//! (being written)
+//! [`ProxyError`]: every way a request can fail to be forwarded, and the ONE place
+//! ([`ProxyError::into_response`]) that turns it into an HTTP response with the status,
+//! `X-Sluice-Reason`, `Retry-After` and JSON body of SPEC.md's table.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+
+/// The body sluice answers with: the upstream's streamed body, or one of its own.
+pub type Body = Either<Incoming, Full<Bytes>>;
+
+/// Header carrying the reason of sluice's own refusals.
+pub const REASON_HEADER: &str = "x-sluice-reason";
+
+/// Why a request was not (fully) served.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProxyError {
+    /// Origin-form request: someone talked to sluice as if it were a web server.
+    #[error("sluice is an HTTP proxy: send absolute-form requests (e.g. curl -x http://this-host:port http://example.com/)")]
+    NotAProxyRequest,
+    /// The request is malformed in a way hyper did not catch.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// `unknown = "reject"` and the endpoint is not configured.
+    #[error("endpoint {0:?} is not configured and unknown endpoints are rejected")]
+    UnknownEndpoint(String),
+    /// The destination policy refuses the target.
+    #[error("destination {host} refused: {why}")]
+    DestinationDenied {
+        /// The requested host.
+        host: String,
+        /// Which rule refused it.
+        why: String,
+    },
+    /// No token within `max_wait`.
+    #[error("endpoint {endpoint} is rate limited")]
+    RateLimited {
+        /// The endpoint ID.
+        endpoint: String,
+        /// Time until a token.
+        retry_after: Duration,
+    },
+    /// The endpoint is cooling down after a 429.
+    #[error("endpoint {endpoint} is cooling down after the receiver throttled it")]
+    Cooldown {
+        /// The endpoint ID.
+        endpoint: String,
+        /// Time left in the cooldown.
+        retry_after: Duration,
+    },
+    /// The store failed and `on_error = "deny"`.
+    #[error("rate-limit store unavailable for endpoint {endpoint}")]
+    StoreUnavailable {
+        /// The endpoint ID.
+        endpoint: String,
+    },
+    /// The upstream failed after the request left (connect, TLS, reset...).
+    #[error("upstream error: {0}")]
+    Upstream(String),
+    /// The upstream did not answer within `upstream_timeout`.
+    #[error("upstream did not answer within {0:?}")]
+    UpstreamTimeout(Duration),
+}
+
+impl ProxyError {
+    /// The `X-Sluice-Reason` value (also the `outcome` metric label).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::UnknownEndpoint(_) => "unknown_endpoint",
+            ProxyError::DestinationDenied { .. } => "destination_denied",
+            ProxyError::RateLimited { .. } => "rate_limited",
+            ProxyError::Cooldown { .. } => "cooldown",
+            ProxyError::StoreUnavailable { .. } => "store_unavailable",
+            ProxyError::Upstream(_) => "upstream_error",
+            ProxyError::UpstreamTimeout(_) => "upstream_timeout",
+        }
+    }
+
+    /// The status sluice answers with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::UnknownEndpoint(_) | ProxyError::DestinationDenied { .. } => StatusCode::FORBIDDEN,
+            ProxyError::RateLimited { .. }
+            | ProxyError::Cooldown { .. }
+            | ProxyError::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// `Retry-After` for refusals that have one.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ProxyError::RateLimited { retry_after, .. } | ProxyError::Cooldown { retry_after, .. } => {
+                Some(*retry_after)
+            }
+            ProxyError::StoreUnavailable { .. } => Some(Duration::from_secs(1)),
+            _ => None,
+        }
+    }
+
+    fn endpoint(&self) -> Option<&str> {
+        match self {
+            ProxyError::RateLimited { endpoint, .. }
+            | ProxyError::Cooldown { endpoint, .. }
+            | ProxyError::StoreUnavailable { endpoint } => Some(endpoint),
+            ProxyError::UnknownEndpoint(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The response a sender gets. 503s carry the JSON body of SPEC.md; the others a
+    /// JSON body with the reason and a human-readable message.
+    pub fn into_response(self) -> Response<Body> {
+        let retry = self.retry_after();
+        let mut body = serde_json::json!({ "reason": self.reason(), "message": self.to_string() });
+        if let Some(e) = self.endpoint() {
+            body["endpoint"] = e.into();
+        }
+        if let Some(r) = retry {
+            body["retry_after_ms"] = (r.as_millis() as u64).into();
+        }
+        let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body.to_string()))));
+        *resp.status_mut() = self.status();
+        let h = resp.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(REASON_HEADER, HeaderValue::from_static(self.reason()));
+        if let Some(r) = retry {
+            h.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(r)));
+        }
+        resp
+    }
+}
+
+/// Whole seconds for `Retry-After`: rounded up, at least 1.
+pub fn retry_after_secs(d: Duration) -> u64 {
+    let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    s.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one() {
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(retry_after_secs(Duration::from_secs(3)), 3);
+    }
+
+    #[test]
+    fn rate_limited_response_shape() {
+        let r = ProxyError::RateLimited {
+            endpoint: "ep".into(),
+            retry_after: Duration::from_millis(1500),
+        }
+        .into_response();
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()[REASON_HEADER], "rate_limited");
+        assert_eq!(r.headers()[RETRY_AFTER], "2");
+    }
+}

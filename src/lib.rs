@@ -2,6 +2,7 @@
 //! rate limits their receivers publish.
 //!
 //! # Layout
+//! - [`app`]: wiring: builds the app from a config, binds, runs, reloads.
 //! - [`config`]: TOML → validated, typed [`config::Config`]; every rule tested.
 //! - [`server`]: accept loops, connection handling, graceful shutdown.
 //! - [`proxy`]: one request: classify → resolve endpoint → admit → forward → observe.
@@ -14,12 +15,14 @@
 //! - [`mitm`]: CA, leaf minting with a bounded cache, TLS termination of CONNECT.
 //! - [`upstream_tls`]: the rustls client configuration for upstream connections.
 //! - [`metrics`]: Prometheus registry and the instruments sluice exports.
+//! - [`observer`]: periodic endpoint look: gauges and state-change logs.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/endpoints`.
 //! - [`error`]: [`error::ProxyError`] and the one place that turns it into a response.
 #![deny(missing_docs)]
 
 pub mod adapt;
 pub mod admin;
+pub mod app;
 pub mod config;
 pub mod destination;
 pub mod endpoint;
@@ -28,6 +31,7 @@ pub mod forward;
 pub mod limiter;
 pub mod metrics;
 pub mod mitm;
+pub mod observer;
 pub mod proxy;
 pub mod server;
 pub mod upstream_tls;

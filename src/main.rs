@@ -1,1 +1,213 @@
-fn main(){}
+//! The `sluice` binary: parses the command line, then calls the library.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use sluice::admin::EndpointView;
+use sluice::config::{Config, ConfigError};
+
+#[derive(Parser)]
+#[command(name = "sluice", version, about = "HTTP forward proxy that keeps the rate limits receivers publish")]
+struct Cli {
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value = "text", global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy and its admin listener.
+    Run {
+        /// Config file (TOML).
+        #[arg(long, env = "SLUICE_CONFIG")]
+        config: PathBuf,
+    },
+    /// Validate a config file and print a one-line summary.
+    Check {
+        /// Config file (TOML).
+        #[arg(long, env = "SLUICE_CONFIG")]
+        config: PathBuf,
+    },
+    /// Manage the interception CA.
+    Ca {
+        #[command(subcommand)]
+        command: CaCommand,
+    },
+    /// Print the endpoints of a running sluice.
+    Status {
+        /// Admin listener URL.
+        #[arg(long, default_value = "http://127.0.0.1:9090")]
+        admin: String,
+        /// Print the raw JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Write a new CA (ca.pem, ca.key) into DIR; refuses to overwrite.
+    Init {
+        /// Directory for ca.pem and ca.key.
+        #[arg(long)]
+        dir: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logs(cli.log_format);
+    let result = match cli.command {
+        Command::Check { config } => check(&config),
+        Command::Run { config } => run(&config),
+        Command::Ca {
+            command: CaCommand::Init { dir },
+        } => ca_init(&dir),
+        Command::Status { admin, json } => status(&admin, json),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn load(path: &Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|e| {
+        eprintln!("{e}");
+        ExitCode::from(1)
+    })
+}
+
+fn check(path: &Path) -> anyhow::Result<ExitCode> {
+    Ok(match load(path) {
+        Ok(c) => {
+            println!("{}: {}", path.display(), c.summary());
+            ExitCode::SUCCESS
+        }
+        Err(code) => code,
+    })
+}
+
+fn ca_init(dir: &Path) -> anyhow::Result<ExitCode> {
+    match sluice::mitm::generate_ca(dir) {
+        Ok(files) => {
+            println!("wrote {} and {} (mode 0600)", files.cert.display(), files.key.display());
+            println!("trust it in senders, e.g.:");
+            println!("  curl --proxy http://127.0.0.1:8080 --cacert {} https://...", files.cert.display());
+            println!("  SSL_CERT_FILE / REQUESTS_CA_BUNDLE / NODE_EXTRA_CA_CERTS={}", files.cert.display());
+            println!("keep {} secret: anyone holding it can impersonate any site to your senders", files.key.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+fn run(path: &Path) -> anyhow::Result<ExitCode> {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return Ok(code),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(path.to_owned(), config))
+}
+
+async fn serve(path: PathBuf, config: Config) -> anyhow::Result<ExitCode> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut running = match sluice::app::start(config).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
+    let app = std::sync::Arc::clone(&running.app);
+    let mut seen = modified(&path);
+    let mut poll = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            // SIGTERM / SIGINT: drain and exit 0.
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            // SIGHUP: reload now.
+            _ = hup.recv() => reload(&app, &path),
+            // The file changed on disk: reload.
+            _ = poll.tick() => {
+                let now = modified(&path);
+                if now != seen {
+                    seen = now;
+                    reload(&app, &path);
+                }
+            }
+        }
+    }
+    if let Some(stop) = running.stop_handle() {
+        let _ = stop.send(());
+    }
+    running.wait().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+fn reload(app: &sluice::proxy::App, path: &Path) {
+    match sluice::app::reload(app, path) {
+        Ok(()) => {}
+        Err(ConfigError::Invalid { issues, .. }) => {
+            for i in &issues {
+                tracing::error!(%i, "reload refused: keeping the running config");
+            }
+        }
+        Err(e) => tracing::error!(error = %e, "reload refused: keeping the running config"),
+    }
+}
+
+fn status(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let body = rt.block_on(sluice::admin::fetch_endpoints(admin)).map_err(anyhow::Error::msg)?;
+    if json {
+        println!("{body}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let views: Vec<EndpointView> =
+        serde_json::from_str(&body).with_context(|| format!("{admin}/endpoints did not return endpoint JSON"))?;
+    print!("{}", sluice::admin::render_table(&views));
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,1 +1,188 @@
-//! (being written)
+//! The Prometheus registry and every instrument sluice exports.
+//!
+//! Endpoint labels are capped: the configured endpoints and the first
+//! `proxy.metrics_max_endpoints` other IDs seen get their own label value, the rest are
+//! counted under `endpoint="_other"`, so a sender spraying IDs cannot blow up `/metrics`.
+
+use std::collections::HashSet;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, RwLock};
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::limiter::StoreStats;
+
+/// An endpoint label value (cheap to clone).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct EndpointLabel(Arc<str>);
+
+impl EncodeLabelValue for EndpointLabel {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, &self.0)
+    }
+}
+
+/// `{endpoint}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct EndpointLabels {
+    /// The endpoint (or `_other`).
+    pub endpoint: EndpointLabel,
+}
+
+/// `{endpoint, outcome}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// The endpoint (or `_other`).
+    pub endpoint: EndpointLabel,
+    /// `forwarded`, or the `X-Sluice-Reason` of a refusal/failure.
+    pub outcome: &'static str,
+}
+
+/// `{endpoint, code}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct CodeLabels {
+    /// The endpoint (or `_other`).
+    pub endpoint: EndpointLabel,
+    /// The upstream status code.
+    pub code: u16,
+}
+
+fn wait_histogram() -> Histogram {
+    // 1 ms .. ~65 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// All instruments.
+pub struct Metrics {
+    registry: Registry,
+    /// `sluice_requests_total{endpoint,outcome}`.
+    pub requests: Family<OutcomeLabels, Counter>,
+    /// `sluice_wait_seconds{endpoint}`: time held before forwarding.
+    pub wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
+    /// `sluice_upstream_responses_total{endpoint,code}`.
+    pub upstream: Family<CodeLabels, Counter>,
+    /// `sluice_upstream_throttles_total{endpoint}`: 429s (and 503 + Retry-After) seen.
+    pub throttles: Family<EndpointLabels, Counter>,
+    /// `sluice_endpoint_rate{endpoint}`: current effective rate.
+    pub rate: Family<EndpointLabels, Gauge<f64, AtomicU64>>,
+    /// `sluice_endpoint_at_floor{endpoint}`.
+    pub at_floor: Family<EndpointLabels, Gauge>,
+    /// `sluice_endpoint_cooldown_seconds{endpoint}`: cooldown left.
+    pub cooldown: Family<EndpointLabels, Gauge<f64, AtomicU64>>,
+    /// `sluice_tunnels_total{endpoint}`: CONNECT tunnels opened without interception.
+    pub tunnels: Family<EndpointLabels, Counter>,
+    /// `sluice_connections_open`.
+    pub connections: Gauge,
+    /// Store instruments.
+    pub store: StoreStats,
+    labelled: RwLock<HashSet<Arc<str>>>,
+    max_labels: usize,
+    other: EndpointLabel,
+}
+
+impl Metrics {
+    /// Registers everything; `configured` endpoints always get their own label.
+    pub fn new<'a>(max_labels: usize, configured: impl Iterator<Item = &'a Arc<str>>) -> Metrics {
+        let mut registry = Registry::with_prefix("sluice");
+        let m = Metrics {
+            requests: Family::default(),
+            wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
+            upstream: Family::default(),
+            throttles: Family::default(),
+            rate: Family::default(),
+            at_floor: Family::default(),
+            cooldown: Family::default(),
+            tunnels: Family::default(),
+            connections: Gauge::default(),
+            store: StoreStats::default(),
+            labelled: RwLock::new(configured.cloned().collect()),
+            max_labels,
+            other: EndpointLabel("_other".into()),
+            registry: Registry::default(),
+        };
+        registry.register("requests", "Requests by endpoint and outcome", m.requests.clone());
+        registry.register("wait_seconds", "Time requests waited for their token", m.wait.clone());
+        registry.register("upstream_responses", "Upstream responses by status code", m.upstream.clone());
+        registry.register("upstream_throttles", "Throttling responses (429, 503 with Retry-After)", m.throttles.clone());
+        registry.register("endpoint_rate", "Current effective rate (tokens/s)", m.rate.clone());
+        registry.register("endpoint_at_floor", "1 while the endpoint's rate sits at its adaptive floor", m.at_floor.clone());
+        registry.register("endpoint_cooldown_seconds", "Cooldown left", m.cooldown.clone());
+        registry.register("tunnels", "CONNECT tunnels paced as one unit (not intercepted)", m.tunnels.clone());
+        registry.register("connections_open", "Open sender connections", m.connections.clone());
+        registry.register("store_errors", "Failed store calls", m.store.errors.clone());
+        registry.register("store_seconds", "Latency of store calls", m.store.seconds.clone());
+        registry.register("store_degraded", "1 while the on_error fallback is in force", m.store.degraded.clone());
+        Metrics { registry, ..m }
+    }
+
+    /// The label for an endpoint: its ID while under the cap, else `_other`.
+    pub fn label(&self, id: &Arc<str>) -> EndpointLabel {
+        if let Ok(set) = self.labelled.read() {
+            if set.contains(id) {
+                return EndpointLabel(Arc::clone(id));
+            }
+            if set.len() >= self.max_labels {
+                return self.other.clone();
+            }
+        }
+        match self.labelled.write() {
+            Ok(mut set) if set.len() < self.max_labels || set.contains(id) => {
+                set.insert(Arc::clone(id));
+                EndpointLabel(Arc::clone(id))
+            }
+            _ => self.other.clone(),
+        }
+    }
+
+    /// Endpoint IDs that have their own label (configured, then first seen).
+    pub fn labelled_ids(&self) -> Vec<Arc<str>> {
+        self.labelled
+            .read()
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Counts one request outcome.
+    pub fn outcome(&self, endpoint: &EndpointLabel, outcome: &'static str) {
+        self.requests
+            .get_or_create(&OutcomeLabels {
+                endpoint: endpoint.clone(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_cap_holds() {
+        let configured: Vec<Arc<str>> = vec!["configured".into()];
+        let m = Metrics::new(10, configured.iter());
+        for i in 0..1000 {
+            let l = m.label(&Arc::from(format!("ep{i}")));
+            m.outcome(&l, "forwarded");
+        }
+        assert_eq!(m.label(&Arc::from("configured")), EndpointLabel("configured".into()));
+        assert_eq!(m.label(&Arc::from("ep999")).0.as_ref(), "_other");
+        let text = m.render();
+        let series = text.lines().filter(|l| l.starts_with("sluice_requests_total{")).count();
+        assert!(series <= 11, "{series} series");
+    }
+}

@@ -1,0 +1,171 @@
+//! Wiring: builds the [`App`] from a validated config (store, upstream client, TLS
+//! interception, metrics), binds the listeners, runs it, and applies live reloads.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::config::{Backend, Config, ConfigError};
+use crate::destination::DestinationPolicy;
+use crate::forward::Forwarder;
+use crate::limiter::memory::MemoryStore;
+use crate::limiter::{BucketStore, Limiter, StoreError};
+use crate::metrics::Metrics;
+use crate::mitm::{CertAuthority, Interceptor, MitmError};
+use crate::proxy::{App, Runtime};
+use crate::server::Lifecycle;
+use crate::upstream_tls::UpstreamTlsError;
+
+/// How often the observer refreshes gauges and looks for state changes.
+const OBSERVE_EVERY: Duration = Duration::from_secs(1);
+/// Lifetime of minted leaf certificates.
+const LEAF_VALIDITY: Duration = Duration::from_secs(24 * 3600);
+
+/// Why sluice could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The store could not be reached and `on_error = "deny"` (fail-closed).
+    #[error("store unreachable at start and store.on_error = \"deny\": {0}")]
+    Store(StoreError),
+    /// The CA for interception could not be loaded.
+    #[error("TLS interception: {0}")]
+    Mitm(#[from] MitmError),
+    /// Upstream trust roots could not be loaded.
+    #[error("upstream TLS roots: {0}")]
+    UpstreamTls(#[from] UpstreamTlsError),
+    /// A listener address is taken or not ours.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+/// Builds everything a request needs, once.
+pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
+    let metrics = Arc::new(Metrics::new(
+        config.proxy.metrics_max_endpoints,
+        config.endpoints.iter().map(|e| &e.id),
+    ));
+    let store: Arc<dyn BucketStore> = match config.store.backend {
+        Backend::Memory => Arc::new(MemoryStore::new()),
+        Backend::Redis | Backend::RedisCluster => {
+            return Err(StartError::Store(StoreError::Unreachable("WIP".into())));
+        }
+    };
+    let policy = Arc::new(ArcSwap::from_pointee(DestinationPolicy::new(&config.security)));
+    let tls = crate::upstream_tls::client_config(&config.tls.upstream_roots)?;
+    let forwarder = Forwarder::new(tls, config.proxy.upstream_timeout, policy);
+    let interceptor = if config.tls.intercept {
+        let ca = CertAuthority::load(&config.tls.ca_cert, &config.tls.ca_key)?;
+        Some(Arc::new(Interceptor::new(ca, config.tls.leaf_cache_size, LEAF_VALIDITY)))
+    } else {
+        None
+    };
+    Ok(Arc::new(App {
+        runtime: ArcSwap::from_pointee(Runtime::new(config)),
+        limiter: Limiter::new(store),
+        forwarder,
+        metrics,
+        interceptor,
+        lifecycle: Lifecycle::new(),
+    }))
+}
+
+/// A running sluice (used by `main` and by the tests).
+pub struct Running {
+    /// Where the proxy listens.
+    pub proxy_addr: SocketAddr,
+    /// Where the admin listener listens.
+    pub admin_addr: SocketAddr,
+    /// The shared state (for reloads and inspection).
+    pub app: Arc<App>,
+    stop: Option<oneshot::Sender<()>>,
+    join: JoinHandle<()>,
+}
+
+impl Running {
+    /// Asks for a graceful shutdown and waits for it (bounded by `shutdown_grace`).
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let _ = (&mut self.join).await;
+    }
+
+    /// Waits until the server ends (after a shutdown request).
+    pub async fn wait(self) {
+        let _ = self.join.await;
+    }
+
+    /// Takes the stop handle (for signal handlers).
+    pub fn stop_handle(&mut self) -> Option<oneshot::Sender<()>> {
+        self.stop.take()
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })
+}
+
+/// Binds the listeners (port 0 allowed) and starts serving.
+pub async fn start(config: Config) -> Result<Running, StartError> {
+    let config = Arc::new(config);
+    let proxy = bind(config.proxy.listen).await?;
+    let admin = bind(config.proxy.admin_listen).await?;
+    let app = build(Arc::clone(&config)).await?;
+    let proxy_addr = proxy.local_addr().map_err(|source| StartError::Bind {
+        addr: config.proxy.listen,
+        source,
+    })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
+        addr: config.proxy.admin_listen,
+        source,
+    })?;
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(crate::observer::run(Arc::clone(&app), OBSERVE_EVERY));
+    let join = tokio::spawn(crate::server::run(Arc::clone(&app), proxy, admin, async move {
+        let _ = rx.await;
+    }));
+    tracing::info!(%proxy_addr, %admin_addr, "sluice listening");
+    Ok(Running {
+        proxy_addr,
+        admin_addr,
+        app,
+        stop: Some(tx),
+        join,
+    })
+}
+
+/// Validates `path` and, if good, swaps it in. Endpoint state (tokens, rate, cooldown)
+/// lives in the store and survives; in-flight requests keep the policy they started with.
+/// Settings that need a restart (listeners, store, TLS) are kept and logged.
+pub fn reload(app: &App, path: &Path) -> Result<(), ConfigError> {
+    let new = Config::load(path)?;
+    let old = app.runtime.load_full();
+    let cfg = &old.config;
+    for (what, changed) in [
+        ("proxy.listen", new.proxy.listen != cfg.proxy.listen),
+        ("proxy.admin_listen", new.proxy.admin_listen != cfg.proxy.admin_listen),
+        ("store", new.store.backend != cfg.store.backend || new.store.urls != cfg.store.urls),
+        ("tls.intercept", new.tls.intercept != cfg.tls.intercept),
+    ] {
+        if changed {
+            tracing::warn!(setting = what, "changed in the config file but needs a restart: keeping the running value");
+        }
+    }
+    app.forwarder.set_policy(DestinationPolicy::new(&new.security));
+    app.runtime.store(Arc::new(Runtime::new(Arc::new(new))));
+    tracing::info!(path = %path.display(), "config reloaded");
+    Ok(())
+}

@@ -1,0 +1,210 @@
+//! Shared test fixtures: a real upstream HTTP server on 127.0.0.1:0 that records
+//! arrival times, a sluice started through the library, and property checks.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+/// One request as the upstream saw it.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub at: Instant,
+    pub method: String,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// What the upstream answers.
+pub type Responder = Arc<dyn Fn(&Arrival) -> Reply + Send + Sync>;
+
+/// A canned reply (with an optional delay before the head).
+#[derive(Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+    pub delay: Duration,
+}
+
+impl Reply {
+    pub fn ok() -> Reply {
+        Reply {
+            status: 200,
+            headers: vec![],
+            body: "ok".into(),
+            delay: Duration::ZERO,
+        }
+    }
+    pub fn status(status: u16) -> Reply {
+        Reply {
+            status,
+            ..Reply::ok()
+        }
+    }
+    pub fn header(mut self, k: &str, v: &str) -> Reply {
+        self.headers.push((k.into(), v.into()));
+        self
+    }
+    pub fn delay(mut self, d: Duration) -> Reply {
+        self.delay = d;
+        self
+    }
+}
+
+/// A real HTTP upstream that records every arrival.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub arrivals: Arc<Mutex<Vec<Arrival>>>,
+    responder: Arc<Mutex<Responder>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        Upstream::with(Arc::new(|_| Reply::ok())).await
+    }
+
+    pub async fn with(responder: Responder) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let arrivals = Arc::new(Mutex::new(Vec::new()));
+        let responder = Arc::new(Mutex::new(responder));
+        let (a, r) = (Arc::clone(&arrivals), Arc::clone(&responder));
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                let (a, r) = (Arc::clone(&a), Arc::clone(&r));
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| serve(req, Arc::clone(&a), Arc::clone(&r)));
+                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                });
+            }
+        });
+        Upstream {
+            addr,
+            arrivals,
+            responder,
+            task,
+        }
+    }
+
+    /// Serves a TLS upstream instead (for interception tests) on an existing listener.
+    pub fn set_responder(&self, responder: Responder) {
+        *self.responder.lock().unwrap() = responder;
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn arrivals(&self) -> Vec<Arrival> {
+        self.arrivals.lock().unwrap().clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.arrivals.lock().unwrap().len()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub async fn serve(
+    req: Request<Incoming>,
+    arrivals: Arc<Mutex<Vec<Arrival>>>,
+    responder: Arc<Mutex<Responder>>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let at = Instant::now();
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let arrival = Arrival {
+        at,
+        method: parts.method.to_string(),
+        path: parts.uri.path_and_query().map(|p| p.to_string()).unwrap_or_default(),
+        headers: parts.headers,
+        body,
+    };
+    let reply = {
+        let f = responder.lock().unwrap().clone();
+        f(&arrival)
+    };
+    arrivals.lock().unwrap().push(arrival);
+    if !reply.delay.is_zero() {
+        tokio::time::sleep(reply.delay).await;
+    }
+    let mut resp = Response::new(Full::new(Bytes::from(reply.body)));
+    *resp.status_mut() = StatusCode::from_u16(reply.status).unwrap();
+    for (k, v) in reply.headers {
+        resp.headers_mut().insert(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
+    }
+    Ok(resp)
+}
+
+/// The config used by tests: ephemeral ports, loopback upstreams allowed.
+pub fn config(extra: &str) -> sluice::config::Config {
+    let text = format!(
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_grace = \"5s\"\n\
+         [security]\nallow_private_destinations = true\n{extra}"
+    );
+    sluice::config::Config::parse(&text).unwrap_or_else(|e| panic!("test config invalid: {e:?}\n{text}"))
+}
+
+pub async fn sluice(extra: &str) -> sluice::app::Running {
+    sluice::app::start(config(extra)).await.expect("sluice starts")
+}
+
+/// A reqwest client that uses sluice as its HTTP proxy.
+pub fn client(proxy: SocketAddr) -> reqwest::Client {
+    reqwest::Client::builder()
+        .proxy(reqwest::Proxy::http(format!("http://{proxy}")).unwrap())
+        .pool_max_idle_per_host(64)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+/// Asserts the overdraw bound: in every window of each length, arrivals ≤ rate·W + burst + 1.
+pub fn assert_no_overdraw(times: &[Instant], rate: f64, burst: f64) {
+    let mut t: Vec<Instant> = times.to_vec();
+    t.sort();
+    for w in [0.25, 0.5, 1.0, 2.0] {
+        let win = Duration::from_secs_f64(w);
+        let bound = rate * w + burst + 1.0;
+        let mut j = 0;
+        for i in 0..t.len() {
+            while j < t.len() && t[j] < t[i] + win {
+                j += 1;
+            }
+            let n = (j - i) as f64;
+            assert!(n <= bound, "{n} arrivals in a {w}s window (bound {bound}: rate {rate}, burst {burst})");
+        }
+    }
+}
+
+/// Sustained rate after the initial burst: (n - burst) / (last - first).
+pub fn sustained_rate(times: &[Instant], burst: usize) -> f64 {
+    let mut t: Vec<Instant> = times.to_vec();
+    t.sort();
+    let n = t.len();
+    assert!(n > burst + 1, "too few arrivals: {n}");
+    let span = (t[n - 1] - t[0]).as_secs_f64();
+    (n - burst) as f64 / span
+}
