@@ -1,9 +1,313 @@
-//! (temporary stub until the real module lands)
-#![allow(missing_docs)]
-use std::time::{Duration, SystemTime};
+//! Pure policy: what an upstream response tells the limiter.
+//!
+//! A 429 (or a 503 with `Retry-After`) is throttling: a pause and a rate decrease. A
+//! response whose quota headers say nothing is left (`X-RateLimit-Remaining: 0`, the
+//! IETF `RateLimit` field with `r=0`) is a proactive pause without a decrease. Every
+//! parser here accepts arbitrary bytes and never panics.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use http::{HeaderMap, StatusCode};
+
+/// Per-endpoint knobs this module needs (built once from config by the caller).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CooldownPolicy { pub default_cooldown: Duration, pub max_cooldown: Duration }
+pub struct CooldownPolicy {
+    /// Cooldown when a throttling response carries no usable Retry-After.
+    pub default_cooldown: Duration,
+    /// Upper clamp on any pause derived from headers.
+    pub max_cooldown: Duration,
+}
+
+/// What an upstream response tells the limiter.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Feedback { pub pause: Duration, pub throttled: bool }
-pub fn feedback(_s: StatusCode, _h: &HeaderMap, _n: SystemTime, _p: &CooldownPolicy) -> Option<Feedback> { None }
+pub struct Feedback {
+    /// Nothing may be sent to the endpoint for this long (clamped to `max_cooldown`).
+    pub pause: Duration,
+    /// True for throttling (429, 503 + Retry-After): the rate is decreased too.
+    pub throttled: bool,
+}
+
+/// Longest pause any header may ask for before clamping (guards float conversions).
+const MAX_SECS: f64 = 365.0 * 86_400.0;
+
+/// Reads a response; `None` when it carries nothing for the limiter (the common case:
+/// a 2xx without quota headers costs two header lookups).
+pub fn feedback(status: StatusCode, headers: &HeaderMap, now: SystemTime, policy: &CooldownPolicy) -> Option<Feedback> {
+    let clamp = |d: Duration| d.min(policy.max_cooldown);
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        let pause = retry_after(headers, now)
+            .or_else(|| reset_hint(headers, now))
+            .unwrap_or(policy.default_cooldown);
+        return Some(Feedback {
+            pause: clamp(pause),
+            throttled: true,
+        });
+    }
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        return retry_after(headers, now).map(|pause| Feedback {
+            pause: clamp(pause),
+            throttled: true,
+        });
+    }
+    exhausted_until(headers, now)
+        .filter(|d| !d.is_zero())
+        .map(|pause| Feedback {
+            pause: clamp(pause),
+            throttled: false,
+        })
+}
+
+/// `Retry-After` (delta-seconds or HTTP-date), then `retry-after-ms`.
+fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    headers
+        .get_all(http::header::RETRY_AFTER)
+        .iter()
+        .find_map(|v| parse_retry_after(v.as_bytes(), now))
+        .or_else(|| {
+            headers
+                .get_all("retry-after-ms")
+                .iter()
+                .find_map(|v| parse_number(v.as_bytes()).and_then(|ms| secs(ms / 1000.0)))
+        })
+}
+
+/// A reset time from the quota headers, whatever the remaining count.
+fn reset_hint(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    ietf_items(headers)
+        .into_iter()
+        .filter_map(|(_, t)| t)
+        .max()
+        .or_else(|| legacy_reset(headers, now))
+}
+
+/// How long until the quota refills, when a quota header says nothing is left.
+fn exhausted_until(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let ietf = ietf_items(headers)
+        .into_iter()
+        .filter(|(r, _)| *r == Some(0))
+        .filter_map(|(_, t)| t)
+        .max();
+    if ietf.is_some() {
+        return ietf;
+    }
+    let remaining = ["x-ratelimit-remaining", "ratelimit-remaining"]
+        .iter()
+        .find_map(|h| headers.get(*h))
+        .and_then(|v| parse_number(v.as_bytes()))?;
+    if remaining > 0.0 {
+        return None;
+    }
+    legacy_reset(headers, now)
+}
+
+fn legacy_reset(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    ["x-ratelimit-reset", "ratelimit-reset"]
+        .iter()
+        .find_map(|h| headers.get(*h))
+        .and_then(|v| parse_reset(v.as_bytes(), now))
+}
+
+/// Items of the IETF `RateLimit` field: `"default";r=0;t=5, "burst";r=3;t=1` as
+/// (remaining, time-to-reset) pairs.
+fn ietf_items(headers: &HeaderMap) -> Vec<(Option<u64>, Option<Duration>)> {
+    let Some(v) = headers.get("ratelimit").and_then(|v| v.to_str().ok()) else {
+        return Vec::new();
+    };
+    parse_ratelimit_field(v)
+}
+
+/// Parses the IETF `RateLimit` structured field into (remaining, reset) per item.
+pub fn parse_ratelimit_field(value: &str) -> Vec<(Option<u64>, Option<Duration>)> {
+    value
+        .split(',')
+        .map(|item| {
+            let mut r = None;
+            let mut t = None;
+            for param in item.split(';').skip(1) {
+                let Some((k, v)) = param.split_once('=') else { continue };
+                match k.trim() {
+                    "r" => r = v.trim().parse::<u64>().ok(),
+                    "t" => t = parse_number(v.trim().as_bytes()).and_then(secs),
+                    _ => {}
+                }
+            }
+            (r, t)
+        })
+        .filter(|(r, t)| r.is_some() || t.is_some())
+        .collect()
+}
+
+/// Parses a `Retry-After` value: delta-seconds (an integer, or a decimal such as
+/// `1.5`) or an HTTP-date; a date in the past gives zero. `None` for garbage.
+pub fn parse_retry_after(value: &[u8], now: SystemTime) -> Option<Duration> {
+    let text = std::str::from_utf8(value).ok()?.trim();
+    if text.is_empty() {
+        return None;
+    }
+    if text.as_bytes()[0].is_ascii_digit() {
+        return parse_number(text.as_bytes()).and_then(secs);
+    }
+    let at = httpdate::parse_http_date(text).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// Parses `X-RateLimit-Reset`-style values: seconds until the reset, or a unix
+/// timestamp (guessed by magnitude: > 1e9 is seconds since the epoch, > 1e12
+/// milliseconds); a timestamp in the past gives zero. `None` for garbage.
+pub fn parse_reset(value: &[u8], now: SystemTime) -> Option<Duration> {
+    let n = parse_number(value)?;
+    let epoch_secs = if n > 1e12 {
+        n / 1000.0
+    } else if n > 1e9 {
+        n
+    } else {
+        return secs(n);
+    };
+    let now_secs = now.duration_since(UNIX_EPOCH).ok()?.as_secs_f64();
+    secs((epoch_secs - now_secs).max(0.0))
+}
+
+/// A finite, non-negative decimal number.
+fn parse_number(value: &[u8]) -> Option<f64> {
+    let text = std::str::from_utf8(value).ok()?.trim();
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return None;
+    }
+    let n: f64 = text.parse().ok()?;
+    n.is_finite().then_some(n)
+}
+
+/// Seconds to a Duration, saturating at a year (never panics on huge values).
+fn secs(n: f64) -> Option<Duration> {
+    (n.is_finite() && n >= 0.0).then(|| Duration::from_secs_f64(n.min(MAX_SECS)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+    use proptest::prelude::*;
+
+    const POLICY: CooldownPolicy = CooldownPolicy {
+        default_cooldown: Duration::from_secs(1),
+        max_cooldown: Duration::from_secs(300),
+    };
+
+    fn now() -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(1_780_000_000)
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    fn fb(status: u16, pairs: &[(&str, &str)]) -> Option<Feedback> {
+        feedback(StatusCode::from_u16(status).unwrap(), &headers(pairs), now(), &POLICY)
+    }
+
+    fn pause(secs: f64, throttled: bool) -> Option<Feedback> {
+        Some(Feedback {
+            pause: Duration::from_secs_f64(secs),
+            throttled,
+        })
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        assert_eq!(parse_retry_after(b"120", now()), Some(Duration::from_secs(120)));
+        assert_eq!(parse_retry_after(b" 1.5 ", now()), Some(Duration::from_millis(1500)));
+        let later = now() + Duration::from_secs(30);
+        let imf = httpdate::fmt_http_date(later);
+        assert_eq!(parse_retry_after(imf.as_bytes(), now()), Some(Duration::from_secs(30)));
+        // RFC 850 and asctime forms.
+        let base = httpdate::parse_http_date("Thu, 28 May 2026 20:27:10 GMT").unwrap();
+        let earlier = base - Duration::from_secs(10);
+        assert_eq!(
+            parse_retry_after(b"Thursday, 28-May-26 20:27:10 GMT", earlier),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(parse_retry_after(b"Thu May 28 20:27:10 2026", earlier), Some(Duration::from_secs(10)));
+        assert_eq!(parse_retry_after(b"Thu, 01 Jan 2015 00:00:00 GMT", now()), Some(Duration::ZERO));
+        for bad in [&b""[..], b"soon", b"-5", b"1e3", b"\xff\xfe", b"12abc"] {
+            assert_eq!(parse_retry_after(bad, now()), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn reset_forms() {
+        assert_eq!(parse_reset(b"5", now()), Some(Duration::from_secs(5)));
+        assert_eq!(parse_reset(b"1780000042", now()), Some(Duration::from_secs(42)));
+        assert_eq!(parse_reset(b"1780000042000", now()), Some(Duration::from_secs(42)));
+        assert_eq!(parse_reset(b"1700000000", now()), Some(Duration::ZERO));
+        assert_eq!(parse_reset(b"x", now()), None);
+    }
+
+    #[test]
+    fn throttling_responses() {
+        assert_eq!(fb(429, &[("retry-after", "7")]), pause(7.0, true));
+        assert_eq!(fb(429, &[]), pause(1.0, true), "default cooldown");
+        assert_eq!(fb(429, &[("retry-after", "garbage")]), pause(1.0, true));
+        assert_eq!(fb(429, &[("retry-after", "99999")]), pause(300.0, true), "clamped");
+        assert_eq!(fb(429, &[("retry-after-ms", "250")]), pause(0.25, true));
+        assert_eq!(fb(429, &[("x-ratelimit-reset", "4")]), pause(4.0, true));
+        assert_eq!(fb(429, &[("ratelimit", "\"default\";r=0;t=9")]), pause(9.0, true));
+        assert_eq!(fb(429, &[("retry-after", "bad"), ("retry-after", "3")]), pause(3.0, true));
+        assert_eq!(fb(503, &[("retry-after", "2")]), pause(2.0, true));
+        assert_eq!(fb(503, &[]), None);
+    }
+
+    #[test]
+    fn proactive_hints() {
+        assert_eq!(
+            fb(200, &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "3")]),
+            pause(3.0, false)
+        );
+        assert_eq!(fb(200, &[("x-ratelimit-remaining", "5"), ("x-ratelimit-reset", "3")]), None);
+        assert_eq!(fb(200, &[("ratelimit-remaining", "0"), ("ratelimit-reset", "2")]), pause(2.0, false));
+        assert_eq!(
+            fb(200, &[("ratelimit", "\"a\";r=0;t=5, \"b\";r=0;t=8, \"c\";r=4;t=60"), ("ratelimit-policy", "\"a\";q=100;w=60")]),
+            pause(8.0, false)
+        );
+        assert_eq!(fb(200, &[("ratelimit", "\"a\";r=3;t=5")]), None);
+        assert_eq!(fb(200, &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "0")]), None);
+        assert_eq!(fb(200, &[]), None);
+        assert_eq!(fb(500, &[]), None);
+    }
+
+    proptest! {
+        #[test]
+        fn parsers_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = parse_retry_after(&bytes, now());
+            let _ = parse_reset(&bytes, now());
+            if let Ok(v) = HeaderValue::from_bytes(&bytes) {
+                for name in ["retry-after", "retry-after-ms", "x-ratelimit-reset", "ratelimit", "x-ratelimit-remaining"] {
+                    let mut h = HeaderMap::new();
+                    h.insert(name, v.clone());
+                    h.insert("x-ratelimit-remaining", HeaderValue::from_static("0"));
+                    for status in [200u16, 429, 503] {
+                        if let Some(f) = feedback(StatusCode::from_u16(status).unwrap(), &h, now(), &POLICY) {
+                            prop_assert!(f.pause <= POLICY.max_cooldown);
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn delta_seconds_round_trip(d in 0u32..31_536_000) {
+            prop_assert_eq!(parse_retry_after(d.to_string().as_bytes(), now()), Some(Duration::from_secs(d as u64)));
+        }
+
+        #[test]
+        fn http_dates_round_trip(at in 0u64..7_258_118_400, ahead in 0u64..1_000_000) {
+            let date = UNIX_EPOCH + Duration::from_secs(at);
+            let text = httpdate::fmt_http_date(date);
+            let before = date - Duration::from_secs(ahead.min(at));
+            prop_assert_eq!(parse_retry_after(text.as_bytes(), before), Some(Duration::from_secs(ahead.min(at))));
+        }
+    }
+}

@@ -187,12 +187,12 @@ pub fn feedback(
         if now >= s.dec_until {
             let current = effective_rate(s, ask.rate, ask.recovery_us, now);
             let lowered = (current * adaptive.decrease).max(adaptive.floor.min(ask.rate));
-            let was_at_floor = s.dec_rate > 0.0 && current <= adaptive.floor;
+            let was_at_floor = s.dec_rate > 0.0 && near_floor(current, adaptive.floor, ask.rate);
             s.dec_rate = lowered;
             s.dec_at = now + pause_us;
             let window = pause_us.max(adaptive.default_cooldown.as_secs_f64() * MICROS);
             s.dec_until = now + window;
-            if lowered <= adaptive.floor && !was_at_floor {
+            if near_floor(lowered, adaptive.floor, ask.rate) && !was_at_floor {
                 s.floor_since = now;
             }
         }
@@ -203,6 +203,13 @@ pub fn feedback(
         s.ts = s.cool_until;
         s.generation += 1;
     }
+}
+
+/// "At the floor": within the bottom tenth of the range between floor and configured
+/// rate. The rate starts climbing right after each cooldown, so an endpoint knocked back
+/// by every 429 hovers just above its floor rather than exactly on it.
+pub fn near_floor(rate: f64, floor: f64, configured: f64) -> bool {
+    rate <= floor + 0.1 * (configured - floor).max(0.0) + 1e-9
 }
 
 /// What operators see of a bucket.
@@ -227,7 +234,7 @@ pub fn view(s: &BucketState, ask: &Ask, floor: Option<f64>, now: f64) -> View {
     let mut v = *s;
     refill(&mut v, ask, now);
     let rate = effective_rate(&v, ask.rate, ask.recovery_us, now);
-    let at_floor = floor.is_some_and(|f| v.dec_rate > 0.0 && rate <= f * (1.0 + 1e-9));
+    let at_floor = floor.is_some_and(|f| v.dec_rate > 0.0 && near_floor(rate, f, ask.rate));
     View {
         tokens: v.tokens,
         rate,

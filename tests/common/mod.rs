@@ -16,6 +16,8 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
+pub mod tls;
+
 /// One request as the upstream saw it.
 #[derive(Debug, Clone)]
 pub struct Arrival {
