@@ -32,7 +32,12 @@ const MAX_SECS: f64 = 365.0 * 86_400.0;
 
 /// Reads a response; `None` when it carries nothing for the limiter (the common case:
 /// a 2xx without quota headers costs two header lookups).
-pub fn feedback(status: StatusCode, headers: &HeaderMap, now: SystemTime, policy: &CooldownPolicy) -> Option<Feedback> {
+pub fn feedback(
+    status: StatusCode,
+    headers: &HeaderMap,
+    now: SystemTime,
+    policy: &CooldownPolicy,
+) -> Option<Feedback> {
     let clamp = |d: Duration| d.min(policy.max_cooldown);
     if status == StatusCode::TOO_MANY_REQUESTS {
         let pause = retry_after(headers, now)
@@ -124,7 +129,9 @@ pub fn parse_ratelimit_field(value: &str) -> Vec<(Option<u64>, Option<Duration>)
             let mut r = None;
             let mut t = None;
             for param in item.split(';').skip(1) {
-                let Some((k, v)) = param.split_once('=') else { continue };
+                let Some((k, v)) = param.split_once('=') else {
+                    continue;
+                };
                 match k.trim() {
                     "r" => r = v.trim().parse::<u64>().ok(),
                     "t" => t = parse_number(v.trim().as_bytes()).and_then(secs),
@@ -200,13 +207,21 @@ mod tests {
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+            h.append(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
         h
     }
 
     fn fb(status: u16, pairs: &[(&str, &str)]) -> Option<Feedback> {
-        feedback(StatusCode::from_u16(status).unwrap(), &headers(pairs), now(), &POLICY)
+        feedback(
+            StatusCode::from_u16(status).unwrap(),
+            &headers(pairs),
+            now(),
+            &POLICY,
+        )
     }
 
     fn pause(secs: f64, throttled: bool) -> Option<Feedback> {
@@ -218,11 +233,20 @@ mod tests {
 
     #[test]
     fn retry_after_forms() {
-        assert_eq!(parse_retry_after(b"120", now()), Some(Duration::from_secs(120)));
-        assert_eq!(parse_retry_after(b" 1.5 ", now()), Some(Duration::from_millis(1500)));
+        assert_eq!(
+            parse_retry_after(b"120", now()),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(
+            parse_retry_after(b" 1.5 ", now()),
+            Some(Duration::from_millis(1500))
+        );
         let later = now() + Duration::from_secs(30);
         let imf = httpdate::fmt_http_date(later);
-        assert_eq!(parse_retry_after(imf.as_bytes(), now()), Some(Duration::from_secs(30)));
+        assert_eq!(
+            parse_retry_after(imf.as_bytes(), now()),
+            Some(Duration::from_secs(30))
+        );
         // RFC 850 and asctime forms.
         let base = httpdate::parse_http_date("Thu, 28 May 2026 20:27:10 GMT").unwrap();
         let earlier = base - Duration::from_secs(10);
@@ -230,8 +254,14 @@ mod tests {
             parse_retry_after(b"Thursday, 28-May-26 20:27:10 GMT", earlier),
             Some(Duration::from_secs(10))
         );
-        assert_eq!(parse_retry_after(b"Thu May 28 20:27:10 2026", earlier), Some(Duration::from_secs(10)));
-        assert_eq!(parse_retry_after(b"Thu, 01 Jan 2015 00:00:00 GMT", now()), Some(Duration::ZERO));
+        assert_eq!(
+            parse_retry_after(b"Thu May 28 20:27:10 2026", earlier),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(
+            parse_retry_after(b"Thu, 01 Jan 2015 00:00:00 GMT", now()),
+            Some(Duration::ZERO)
+        );
         for bad in [&b""[..], b"soon", b"-5", b"1e3", b"\xff\xfe", b"12abc"] {
             assert_eq!(parse_retry_after(bad, now()), None, "{bad:?}");
         }
@@ -240,8 +270,14 @@ mod tests {
     #[test]
     fn reset_forms() {
         assert_eq!(parse_reset(b"5", now()), Some(Duration::from_secs(5)));
-        assert_eq!(parse_reset(b"1780000042", now()), Some(Duration::from_secs(42)));
-        assert_eq!(parse_reset(b"1780000042000", now()), Some(Duration::from_secs(42)));
+        assert_eq!(
+            parse_reset(b"1780000042", now()),
+            Some(Duration::from_secs(42))
+        );
+        assert_eq!(
+            parse_reset(b"1780000042000", now()),
+            Some(Duration::from_secs(42))
+        );
         assert_eq!(parse_reset(b"1700000000", now()), Some(Duration::ZERO));
         assert_eq!(parse_reset(b"x", now()), None);
     }
@@ -251,11 +287,21 @@ mod tests {
         assert_eq!(fb(429, &[("retry-after", "7")]), pause(7.0, true));
         assert_eq!(fb(429, &[]), pause(1.0, true), "default cooldown");
         assert_eq!(fb(429, &[("retry-after", "garbage")]), pause(1.0, true));
-        assert_eq!(fb(429, &[("retry-after", "99999")]), pause(300.0, true), "clamped");
+        assert_eq!(
+            fb(429, &[("retry-after", "99999")]),
+            pause(300.0, true),
+            "clamped"
+        );
         assert_eq!(fb(429, &[("retry-after-ms", "250")]), pause(0.25, true));
         assert_eq!(fb(429, &[("x-ratelimit-reset", "4")]), pause(4.0, true));
-        assert_eq!(fb(429, &[("ratelimit", "\"default\";r=0;t=9")]), pause(9.0, true));
-        assert_eq!(fb(429, &[("retry-after", "bad"), ("retry-after", "3")]), pause(3.0, true));
+        assert_eq!(
+            fb(429, &[("ratelimit", "\"default\";r=0;t=9")]),
+            pause(9.0, true)
+        );
+        assert_eq!(
+            fb(429, &[("retry-after", "bad"), ("retry-after", "3")]),
+            pause(3.0, true)
+        );
         assert_eq!(fb(503, &[("retry-after", "2")]), pause(2.0, true));
         assert_eq!(fb(503, &[]), None);
     }
@@ -263,17 +309,44 @@ mod tests {
     #[test]
     fn proactive_hints() {
         assert_eq!(
-            fb(200, &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "3")]),
+            fb(
+                200,
+                &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "3")]
+            ),
             pause(3.0, false)
         );
-        assert_eq!(fb(200, &[("x-ratelimit-remaining", "5"), ("x-ratelimit-reset", "3")]), None);
-        assert_eq!(fb(200, &[("ratelimit-remaining", "0"), ("ratelimit-reset", "2")]), pause(2.0, false));
         assert_eq!(
-            fb(200, &[("ratelimit", "\"a\";r=0;t=5, \"b\";r=0;t=8, \"c\";r=4;t=60"), ("ratelimit-policy", "\"a\";q=100;w=60")]),
+            fb(
+                200,
+                &[("x-ratelimit-remaining", "5"), ("x-ratelimit-reset", "3")]
+            ),
+            None
+        );
+        assert_eq!(
+            fb(
+                200,
+                &[("ratelimit-remaining", "0"), ("ratelimit-reset", "2")]
+            ),
+            pause(2.0, false)
+        );
+        assert_eq!(
+            fb(
+                200,
+                &[
+                    ("ratelimit", "\"a\";r=0;t=5, \"b\";r=0;t=8, \"c\";r=4;t=60"),
+                    ("ratelimit-policy", "\"a\";q=100;w=60")
+                ]
+            ),
             pause(8.0, false)
         );
         assert_eq!(fb(200, &[("ratelimit", "\"a\";r=3;t=5")]), None);
-        assert_eq!(fb(200, &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "0")]), None);
+        assert_eq!(
+            fb(
+                200,
+                &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "0")]
+            ),
+            None
+        );
         assert_eq!(fb(200, &[]), None);
         assert_eq!(fb(500, &[]), None);
     }

@@ -43,7 +43,11 @@ pub struct EndpointView {
 /// Views of every known endpoint: configured ones, then those seen (label-capped).
 pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
     let rt = app.runtime.load_full();
-    let mut ids: Vec<(Arc<str>, bool)> = rt.resolver.configured().map(|(id, _)| (Arc::clone(id), true)).collect();
+    let mut ids: Vec<(Arc<str>, bool)> = rt
+        .resolver
+        .configured()
+        .map(|(id, _)| (Arc::clone(id), true))
+        .collect();
     let mut seen = app.metrics.labelled_ids();
     seen.sort();
     for id in seen {
@@ -56,7 +60,13 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
         let policy = rt.resolver.policy_of(&id);
         let ask = Ask::new(&policy, 0.0, None);
         let floor = policy.adaptive.map(|a| a.floor);
-        let view = app.limiter.store().view(&id, ask, floor).await.ok().flatten();
+        let view = app
+            .limiter
+            .store()
+            .view(&id, ask, floor)
+            .await
+            .ok()
+            .flatten();
         out.push(EndpointView {
             id: id.to_string(),
             configured,
@@ -122,7 +132,8 @@ async fn readyz(app: &App) -> Response<Body> {
 fn text(status: StatusCode, body: impl Into<Bytes>, content_type: &'static str) -> Response<Body> {
     let mut r = Response::new(Either::Right(Full::new(body.into())));
     *r.status_mut() = status;
-    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     r
 }
 
@@ -135,10 +146,9 @@ pub async fn fetch_endpoints(admin: &str) -> Result<String, String> {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<http_body_util::Empty<Bytes>>();
     let fetch = async {
-        let resp = client
-            .get(uri)
-            .await
-            .map_err(|e| format!("cannot reach sluice admin at {admin}: {e} (is sluice running? see --admin)"))?;
+        let resp = client.get(uri).await.map_err(|e| {
+            format!("cannot reach sluice admin at {admin}: {e} (is sluice running? see --admin)")
+        })?;
         let status = resp.status();
         let body = http_body_util::BodyExt::collect(resp.into_body())
             .await
@@ -156,7 +166,16 @@ pub async fn fetch_endpoints(admin: &str) -> Result<String, String> {
 
 /// Renders endpoint views as an aligned table for people.
 pub fn render_table(views: &[EndpointView]) -> String {
-    let header = ["ENDPOINT", "RATE/S", "CONFIGURED", "BURST", "TOKENS", "COOLDOWN", "429S", "AT FLOOR"];
+    let header = [
+        "ENDPOINT",
+        "RATE/S",
+        "CONFIGURED",
+        "BURST",
+        "TOKENS",
+        "COOLDOWN",
+        "429S",
+        "AT FLOOR",
+    ];
     let rows: Vec<[String; 8]> = views
         .iter()
         .map(|v| {

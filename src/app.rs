@@ -11,10 +11,12 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::config::{Backend, Config, ConfigError};
+use crate::config::{Backend, Config, ConfigError, OnError};
 use crate::destination::DestinationPolicy;
 use crate::forward::Forwarder;
+use crate::limiter::fallback::Resilient;
 use crate::limiter::memory::MemoryStore;
+use crate::limiter::redis::RedisStore;
 use crate::limiter::{BucketStore, Limiter, StoreError};
 use crate::metrics::Metrics;
 use crate::mitm::{CertAuthority, Interceptor, MitmError};
@@ -58,15 +60,36 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     let store: Arc<dyn BucketStore> = match config.store.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
         Backend::Redis | Backend::RedisCluster => {
-            return Err(StartError::Store(StoreError::Unreachable("WIP".into())));
+            let primary = RedisStore::connect(&config.store, metrics.store.clone())
+                .await
+                .map_err(StartError::Store)?;
+            let store = Resilient::new(
+                Arc::new(primary),
+                config.store.on_error,
+                metrics.store.clone(),
+            );
+            // Fail closed only when refusing is the configured answer to a dead store.
+            if let Err(e) = store.ping().await {
+                if config.store.on_error == OnError::Deny {
+                    return Err(StartError::Store(e));
+                }
+                tracing::warn!(error = %e, "store unreachable at start: serving with the on_error fallback");
+            }
+            Arc::new(store)
         }
     };
-    let policy = Arc::new(ArcSwap::from_pointee(DestinationPolicy::new(&config.security)));
+    let policy = Arc::new(ArcSwap::from_pointee(DestinationPolicy::new(
+        &config.security,
+    )));
     let tls = crate::upstream_tls::client_config(&config.tls.upstream_roots)?;
     let forwarder = Forwarder::new(tls, config.proxy.upstream_timeout, policy);
     let interceptor = if config.tls.intercept {
         let ca = CertAuthority::load(&config.tls.ca_cert, &config.tls.ca_key)?;
-        Some(Arc::new(Interceptor::new(ca, config.tls.leaf_cache_size, LEAF_VALIDITY)))
+        Some(Arc::new(Interceptor::new(
+            ca,
+            config.tls.leaf_cache_size,
+            LEAF_VALIDITY,
+        )))
     } else {
         None
     };
@@ -134,9 +157,14 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     })?;
     let (tx, rx) = oneshot::channel();
     tokio::spawn(crate::observer::run(Arc::clone(&app), OBSERVE_EVERY));
-    let join = tokio::spawn(crate::server::run(Arc::clone(&app), proxy, admin, async move {
-        let _ = rx.await;
-    }));
+    let join = tokio::spawn(crate::server::run(
+        Arc::clone(&app),
+        proxy,
+        admin,
+        async move {
+            let _ = rx.await;
+        },
+    ));
     tracing::info!(%proxy_addr, %admin_addr, "sluice listening");
     Ok(Running {
         proxy_addr,
@@ -156,15 +184,25 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ConfigError> {
     let cfg = &old.config;
     for (what, changed) in [
         ("proxy.listen", new.proxy.listen != cfg.proxy.listen),
-        ("proxy.admin_listen", new.proxy.admin_listen != cfg.proxy.admin_listen),
-        ("store", new.store.backend != cfg.store.backend || new.store.urls != cfg.store.urls),
+        (
+            "proxy.admin_listen",
+            new.proxy.admin_listen != cfg.proxy.admin_listen,
+        ),
+        (
+            "store",
+            new.store.backend != cfg.store.backend || new.store.urls != cfg.store.urls,
+        ),
         ("tls.intercept", new.tls.intercept != cfg.tls.intercept),
     ] {
         if changed {
-            tracing::warn!(setting = what, "changed in the config file but needs a restart: keeping the running value");
+            tracing::warn!(
+                setting = what,
+                "changed in the config file but needs a restart: keeping the running value"
+            );
         }
     }
-    app.forwarder.set_policy(DestinationPolicy::new(&new.security));
+    app.forwarder
+        .set_policy(DestinationPolicy::new(&new.security));
     app.runtime.store(Arc::new(Runtime::new(Arc::new(new))));
     tracing::info!(path = %path.display(), "config reloaded");
     Ok(())

@@ -328,7 +328,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "s" => 1.0,
         "m" => 60.0,
         "h" => 3600.0,
-        _ => return Err(format!("unknown unit \"{unit}\" in \"{s}\": use ms, s, m or h")),
+        _ => {
+            return Err(format!(
+                "unknown unit \"{unit}\" in \"{s}\": use ms, s, m or h"
+            ));
+        }
     };
     let secs = n * scale;
     if !secs.is_finite() || secs > 86_400.0 * 365.0 {
@@ -350,7 +354,10 @@ impl Reader<'_> {
     fn issue(&mut self, offset: usize, key: &str, message: String) {
         let before = &self.src[..offset.min(self.src.len())];
         let line = before.matches('\n').count() + 1;
-        let column = before.rfind('\n').map_or(before.len(), |p| before.len() - p - 1) + 1;
+        let column = before
+            .rfind('\n')
+            .map_or(before.len(), |p| before.len() - p - 1)
+            + 1;
         self.issues.push(ConfigIssue {
             line,
             column,
@@ -453,7 +460,11 @@ impl Reader<'_> {
         match self.number(t, path, name) {
             Some((n, _)) if ok(n) => n,
             Some((n, at)) => {
-                self.issue(at, &join(path, name), format!("{n} is invalid: must be {rule}"));
+                self.issue(
+                    at,
+                    &join(path, name),
+                    format!("{n} is invalid: must be {rule}"),
+                );
                 default
             }
             None => default,
@@ -464,7 +475,11 @@ impl Reader<'_> {
         match self.number(t, path, name) {
             Some((n, _)) if n >= 1.0 && n.fract() == 0.0 && n <= 1e9 => n as usize,
             Some((n, at)) => {
-                self.issue(at, &join(path, name), format!("{n} is invalid: must be a whole number ≥ 1"));
+                self.issue(
+                    at,
+                    &join(path, name),
+                    format!("{n} is invalid: must be a whole number ≥ 1"),
+                );
                 default
             }
             None => default,
@@ -485,7 +500,9 @@ impl Reader<'_> {
     }
 
     fn strings(&mut self, t: &Table<'_>, path: &str, name: &str) -> Vec<(String, usize)> {
-        let Some(v) = t.get(name) else { return Vec::new() };
+        let Some(v) = t.get(name) else {
+            return Vec::new();
+        };
         let key = join(path, name);
         let DeValue::Array(items) = v.get_ref() else {
             self.type_issue(v, &key, "an array of strings", v.get_ref().type_str());
@@ -516,19 +533,29 @@ impl Reader<'_> {
             return *v;
         }
         let names: Vec<String> = choices.iter().map(|(c, _)| format!("\"{c}\"")).collect();
-        self.issue(at, &join(path, name), format!("\"{s}\" is not one of {}", names.join(", ")));
+        self.issue(
+            at,
+            &join(path, name),
+            format!("\"{s}\" is not one of {}", names.join(", ")),
+        );
         default
     }
 
     fn addr(&mut self, t: &Table<'_>, path: &str, name: &str, default: &str) -> SocketAddr {
-        let fallback: SocketAddr = default.parse().unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
+        let fallback: SocketAddr = default
+            .parse()
+            .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
         let Some((s, at)) = self.string(t, path, name) else {
             return fallback;
         };
         match s.parse() {
             Ok(a) => a,
             Err(_) => {
-                self.issue(at, &join(path, name), format!("\"{s}\" is not an address like \"127.0.0.1:8080\""));
+                self.issue(
+                    at,
+                    &join(path, name),
+                    format!("\"{s}\" is not an address like \"127.0.0.1:8080\""),
+                );
                 fallback
             }
         }
@@ -551,21 +578,32 @@ impl Reader<'_> {
     }
 
     fn config(&mut self, root: &Table<'_>) -> Option<Config> {
-        self.known_keys(root, "", &["proxy", "store", "defaults", "endpoints", "tls", "security"]);
+        self.known_keys(
+            root,
+            "",
+            &["proxy", "store", "defaults", "endpoints", "tls", "security"],
+        );
         let empty = Table::default();
         let proxy_t = self.sub_table(root, "", "proxy").unwrap_or(&empty);
         let proxy = self.proxy(proxy_t);
         let store_t = self.sub_table(root, "", "store").unwrap_or(&empty);
         let store = self.store(store_t);
         let defaults_t = self.sub_table(root, "", "defaults").unwrap_or(&empty);
-        self.known_keys(defaults_t, "defaults", &["rate", "burst", "max_wait", "unknown", "adaptive"]);
+        self.known_keys(
+            defaults_t,
+            "defaults",
+            &["rate", "burst", "max_wait", "unknown", "adaptive"],
+        );
         let defaults = self.policy(defaults_t, "defaults", &Policy::default());
         let unknown = self.enumerated(
             defaults_t,
             "defaults",
             "unknown",
             UnknownEndpoints::Default,
-            &[("default", UnknownEndpoints::Default), ("reject", UnknownEndpoints::Reject)],
+            &[
+                ("default", UnknownEndpoints::Default),
+                ("reject", UnknownEndpoints::Reject),
+            ],
         );
         let endpoints = self.endpoints(root, &defaults);
         let tls_t = self.sub_table(root, "", "tls").unwrap_or(&empty);
@@ -573,7 +611,9 @@ impl Reader<'_> {
         let sec_t = self.sub_table(root, "", "security").unwrap_or(&empty);
         let security = self.security(sec_t);
         if let Some(file) = &security.auth_users_file {
-            let at = self.string(sec_t, "security", "auth_users_file").map_or(0, |(_, at)| at);
+            let at = self
+                .string(sec_t, "security", "auth_users_file")
+                .map_or(0, |(_, at)| at);
             if proxy.endpoint_from_proxy_user {
                 self.issue(
                     at,
@@ -618,7 +658,11 @@ impl Reader<'_> {
         let endpoint_header = match self.string(t, p, "endpoint_header") {
             None => HeaderName::from_static("x-endpoint-id"),
             Some((s, at)) => HeaderName::from_bytes(s.as_bytes()).unwrap_or_else(|_| {
-                self.issue(at, "proxy.endpoint_header", format!("\"{s}\" is not a valid header name"));
+                self.issue(
+                    at,
+                    "proxy.endpoint_header",
+                    format!("\"{s}\" is not a valid header name"),
+                );
                 HeaderName::from_static("x-endpoint-id")
             }),
         };
@@ -640,7 +684,11 @@ impl Reader<'_> {
 
     fn store(&mut self, t: &Table<'_>) -> StoreConfig {
         let p = "store";
-        self.known_keys(t, p, &["backend", "urls", "key_prefix", "timeout", "on_error"]);
+        self.known_keys(
+            t,
+            p,
+            &["backend", "urls", "key_prefix", "timeout", "on_error"],
+        );
         let backend = self.enumerated(
             t,
             p,
@@ -655,12 +703,20 @@ impl Reader<'_> {
         let listed = self.strings(t, p, "urls");
         for (u, at) in &listed {
             if !(u.starts_with("redis://") || u.starts_with("rediss://")) {
-                self.issue(*at, "store.urls", format!("\"{}\" must start with redis:// or rediss://", redact(u)));
+                self.issue(
+                    *at,
+                    "store.urls",
+                    format!("\"{}\" must start with redis:// or rediss://", redact(u)),
+                );
             }
         }
         let at = t.get("urls").map_or(0, |v| v.span().start);
         if backend == Backend::Redis && listed.len() > 1 {
-            self.issue(at, "store.urls", "backend \"redis\" takes exactly one URL".into());
+            self.issue(
+                at,
+                "store.urls",
+                "backend \"redis\" takes exactly one URL".into(),
+            );
         }
         if backend != Backend::Memory && t.get("urls").is_some() && listed.is_empty() {
             self.issue(at, "store.urls", "needs at least one URL".into());
@@ -676,21 +732,29 @@ impl Reader<'_> {
         StoreConfig {
             backend,
             urls,
-            key_prefix: self.string(t, p, "key_prefix").map_or("sluice:".into(), |(s, _)| s),
+            key_prefix: self
+                .string(t, p, "key_prefix")
+                .map_or("sluice:".into(), |(s, _)| s),
             timeout,
             on_error: self.enumerated(
                 t,
                 p,
                 "on_error",
                 OnError::Local,
-                &[("local", OnError::Local), ("allow", OnError::Allow), ("deny", OnError::Deny)],
+                &[
+                    ("local", OnError::Local),
+                    ("allow", OnError::Allow),
+                    ("deny", OnError::Deny),
+                ],
             ),
         }
     }
 
     /// Reads rate/burst/max_wait/adaptive from `t`, inheriting from `base`.
     fn policy(&mut self, t: &Table<'_>, path: &str, base: &Policy) -> Policy {
-        let rate = self.checked(t, path, "rate", base.rate, "> 0 tokens per second", |n| n > 0.0);
+        let rate = self.checked(t, path, "rate", base.rate, "> 0 tokens per second", |n| {
+            n > 0.0
+        });
         let burst = self.checked(t, path, "burst", base.burst, "≥ 1", |n| n >= 1.0);
         let max_wait = self.duration(t, path, "max_wait", base.max_wait);
         let base_adaptive = base.adaptive.unwrap_or_default();
@@ -702,7 +766,13 @@ impl Reader<'_> {
                 ..a
             }),
             Some(v) => match v.get_ref() {
-                DeValue::Table(a) => self.adaptive(a, &adaptive_path, &base_adaptive, rate, base.adaptive.is_some()),
+                DeValue::Table(a) => self.adaptive(
+                    a,
+                    &adaptive_path,
+                    &base_adaptive,
+                    rate,
+                    base.adaptive.is_some(),
+                ),
                 other => {
                     self.type_issue(v, &adaptive_path, "a table", other.type_str());
                     base.adaptive
@@ -715,7 +785,10 @@ impl Reader<'_> {
                 self.issue(
                     at,
                     &join(path, "rate"),
-                    format!("rate {rate} is below the adaptive floor {}: lower the floor", a.floor),
+                    format!(
+                        "rate {rate} is below the adaptive floor {}: lower the floor",
+                        a.floor
+                    ),
                 );
             }
         }
@@ -727,27 +800,54 @@ impl Reader<'_> {
         }
     }
 
-    fn adaptive(&mut self, t: &Table<'_>, p: &str, base: &Adaptive, rate: f64, base_on: bool) -> Option<Adaptive> {
+    fn adaptive(
+        &mut self,
+        t: &Table<'_>,
+        p: &str,
+        base: &Adaptive,
+        rate: f64,
+        base_on: bool,
+    ) -> Option<Adaptive> {
         self.known_keys(
             t,
             p,
-            &["enabled", "floor", "decrease", "recovery", "default_cooldown", "max_cooldown", "floor_warn_after"],
+            &[
+                "enabled",
+                "floor",
+                "decrease",
+                "recovery",
+                "default_cooldown",
+                "max_cooldown",
+                "floor_warn_after",
+            ],
         );
         let enabled = self.boolean(t, p, "enabled", base_on);
         let floor_default = base.floor.min(rate);
         let a = Adaptive {
             floor: self.checked(t, p, "floor", floor_default, "> 0", |n| n > 0.0),
-            decrease: self.checked(t, p, "decrease", base.decrease, "between 0 and 1 (exclusive)", |n| {
-                n > 0.0 && n < 1.0
-            }),
+            decrease: self.checked(
+                t,
+                p,
+                "decrease",
+                base.decrease,
+                "between 0 and 1 (exclusive)",
+                |n| n > 0.0 && n < 1.0,
+            ),
             recovery: self.duration(t, p, "recovery", base.recovery),
             default_cooldown: self.duration(t, p, "default_cooldown", base.default_cooldown),
             max_cooldown: self.duration(t, p, "max_cooldown", base.max_cooldown),
             floor_warn_after: self.duration(t, p, "floor_warn_after", base.floor_warn_after),
         };
         if a.max_cooldown < a.default_cooldown {
-            let at = t.get("max_cooldown").or(t.get("default_cooldown")).map_or(0, |v| v.span().start);
-            self.issue(at, &join(p, "max_cooldown"), "must be at least default_cooldown".into());
+            let at = t
+                .get("max_cooldown")
+                .or(t.get("default_cooldown"))
+                .map_or(0, |v| v.span().start);
+            self.issue(
+                at,
+                &join(p, "max_cooldown"),
+                "must be at least default_cooldown".into(),
+            );
         }
         if a.recovery.is_zero() {
             let at = t.get("recovery").map_or(0, |v| v.span().start);
@@ -757,9 +857,16 @@ impl Reader<'_> {
     }
 
     fn endpoints(&mut self, root: &Table<'_>, defaults: &Policy) -> Vec<EndpointRule> {
-        let Some(v) = root.get("endpoints") else { return Vec::new() };
+        let Some(v) = root.get("endpoints") else {
+            return Vec::new();
+        };
         let DeValue::Array(items) = v.get_ref() else {
-            self.type_issue(v, "endpoints", "an array of tables ([[endpoints]])", v.get_ref().type_str());
+            self.type_issue(
+                v,
+                "endpoints",
+                "an array of tables ([[endpoints]])",
+                v.get_ref().type_str(),
+            );
             return Vec::new();
         };
         let mut out: Vec<EndpointRule> = Vec::new();
@@ -769,18 +876,38 @@ impl Reader<'_> {
                 self.type_issue(item, &path, "a table", item.get_ref().type_str());
                 continue;
             };
-            self.known_keys(t, &path, &["id", "rate", "burst", "max_wait", "hosts", "path_prefix", "adaptive"]);
+            self.known_keys(
+                t,
+                &path,
+                &[
+                    "id",
+                    "rate",
+                    "burst",
+                    "max_wait",
+                    "hosts",
+                    "path_prefix",
+                    "adaptive",
+                ],
+            );
             let id = match self.string(t, &path, "id") {
                 Some((id, at)) => {
                     if let Err(e) = check_endpoint_id(&id) {
                         self.issue(at, &join(&path, "id"), e);
                     } else if out.iter().any(|r| *r.id == id) {
-                        self.issue(at, &join(&path, "id"), format!("duplicate endpoint id \"{id}\""));
+                        self.issue(
+                            at,
+                            &join(&path, "id"),
+                            format!("duplicate endpoint id \"{id}\""),
+                        );
                     }
                     id
                 }
                 None => {
-                    self.issue(item.span().start, &join(&path, "id"), "every [[endpoints]] entry needs an id".into());
+                    self.issue(
+                        item.span().start,
+                        &join(&path, "id"),
+                        "every [[endpoints]] entry needs an id".into(),
+                    );
                     continue;
                 }
             };
@@ -811,12 +938,23 @@ impl Reader<'_> {
         self.known_keys(
             t,
             p,
-            &["intercept", "ca_cert", "ca_key", "upstream_roots", "passthrough_hosts", "leaf_cache_size"],
+            &[
+                "intercept",
+                "ca_cert",
+                "ca_key",
+                "upstream_roots",
+                "passthrough_hosts",
+                "leaf_cache_size",
+            ],
         );
         TlsConfig {
             intercept: self.boolean(t, p, "intercept", false),
-            ca_cert: self.string(t, p, "ca_cert").map_or("ca/ca.pem".into(), |(s, _)| s.into()),
-            ca_key: self.string(t, p, "ca_key").map_or("ca/ca.key".into(), |(s, _)| s.into()),
+            ca_cert: self
+                .string(t, p, "ca_cert")
+                .map_or("ca/ca.pem".into(), |(s, _)| s.into()),
+            ca_key: self
+                .string(t, p, "ca_key")
+                .map_or("ca/ca.key".into(), |(s, _)| s.into()),
             upstream_roots: self
                 .strings(t, p, "upstream_roots")
                 .into_iter()
@@ -829,7 +967,15 @@ impl Reader<'_> {
 
     fn security(&mut self, t: &Table<'_>) -> SecurityConfig {
         let p = "security";
-        self.known_keys(t, p, &["allow_private_destinations", "allowed_hosts", "auth_users_file"]);
+        self.known_keys(
+            t,
+            p,
+            &[
+                "allow_private_destinations",
+                "allowed_hosts",
+                "auth_users_file",
+            ],
+        );
         SecurityConfig {
             allow_private_destinations: self.boolean(t, p, "allow_private_destinations", false),
             allowed_hosts: self.globs(t, p, "allowed_hosts"),
@@ -847,7 +993,9 @@ pub fn check_endpoint_id(id: &str) -> Result<(), String> {
         return Err("endpoint id must be 1 to 128 characters".into());
     }
     if !id.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(format!("endpoint id \"{id}\" may only contain visible ASCII characters"));
+        return Err(format!(
+            "endpoint id \"{id}\" may only contain visible ASCII characters"
+        ));
     }
     Ok(())
 }
@@ -940,7 +1088,11 @@ mod tests {
         assert_eq!(i.len(), 1);
         assert_eq!((i[0].line, i[0].column), (3, 1));
         assert_eq!(i[0].key, "defaults.brust");
-        assert!(i[0].message.contains("did you mean `burst`"), "{}", i[0].message);
+        assert!(
+            i[0].message.contains("did you mean `burst`"),
+            "{}",
+            i[0].message
+        );
     }
 
     #[test]
@@ -950,7 +1102,13 @@ mod tests {
         let keys: Vec<&str> = i.iter().map(|i| i.key.as_str()).collect();
         assert_eq!(
             keys,
-            ["proxy.listen", "defaults.rate", "defaults.burst", "defaults.max_wait", "store.backend"]
+            [
+                "proxy.listen",
+                "defaults.rate",
+                "defaults.burst",
+                "defaults.max_wait",
+                "store.backend"
+            ]
         );
         assert_eq!(i[1].line, 4);
     }
@@ -961,23 +1119,56 @@ mod tests {
             ("[defaults]\nrate = -1.0", "defaults.rate"),
             ("[defaults]\nrate = \"fast\"", "defaults.rate"),
             ("[defaults]\nunknown = \"maybe\"", "defaults.unknown"),
-            ("[defaults.adaptive]\ndecrease = 1.5", "defaults.adaptive.decrease"),
+            (
+                "[defaults.adaptive]\ndecrease = 1.5",
+                "defaults.adaptive.decrease",
+            ),
             ("[defaults.adaptive]\nfloor = 0", "defaults.adaptive.floor"),
-            ("[defaults.adaptive]\nrecovery = \"0s\"", "defaults.adaptive.recovery"),
-            ("[defaults.adaptive]\nmax_cooldown = \"1s\"\ndefault_cooldown = \"2s\"", "defaults.adaptive.max_cooldown"),
-            ("[defaults]\nrate = 0.5\n[defaults.adaptive]\nfloor = 1.0", "defaults.rate"),
-            ("[store]\nbackend = \"redis\"\nurls = [\"redis://a/\", \"redis://b/\"]", "store.urls"),
+            (
+                "[defaults.adaptive]\nrecovery = \"0s\"",
+                "defaults.adaptive.recovery",
+            ),
+            (
+                "[defaults.adaptive]\nmax_cooldown = \"1s\"\ndefault_cooldown = \"2s\"",
+                "defaults.adaptive.max_cooldown",
+            ),
+            (
+                "[defaults]\nrate = 0.5\n[defaults.adaptive]\nfloor = 1.0",
+                "defaults.rate",
+            ),
+            (
+                "[store]\nbackend = \"redis\"\nurls = [\"redis://a/\", \"redis://b/\"]",
+                "store.urls",
+            ),
             ("[store]\nurls = [\"http://x/\"]", "store.urls"),
             ("[store]\non_error = \"panic\"", "store.on_error"),
-            ("[proxy]\nendpoint_header = \"bad header\"", "proxy.endpoint_header"),
+            (
+                "[proxy]\nendpoint_header = \"bad header\"",
+                "proxy.endpoint_header",
+            ),
             ("[proxy]\nmax_connections = 0", "proxy.max_connections"),
             ("[[endpoints]]\nrate = 5.0", "endpoints[0].id"),
-            ("[[endpoints]]\nid = \"a\"\n[[endpoints]]\nid = \"a\"", "endpoints[1].id"),
+            (
+                "[[endpoints]]\nid = \"a\"\n[[endpoints]]\nid = \"a\"",
+                "endpoints[1].id",
+            ),
             ("[[endpoints]]\nid = \"has space\"", "endpoints[0].id"),
-            ("[[endpoints]]\nid = \"a\"\npath_prefix = \"x\"", "endpoints[0].path_prefix"),
-            ("[[endpoints]]\nid = \"a\"\ncolour = 1", "endpoints[0].colour"),
-            ("[security]\nallowed_hosts = [\"[\"]", "security.allowed_hosts"),
-            ("[security]\nauth_users_file = \"users\"", "security.auth_users_file"),
+            (
+                "[[endpoints]]\nid = \"a\"\npath_prefix = \"x\"",
+                "endpoints[0].path_prefix",
+            ),
+            (
+                "[[endpoints]]\nid = \"a\"\ncolour = 1",
+                "endpoints[0].colour",
+            ),
+            (
+                "[security]\nallowed_hosts = [\"[\"]",
+                "security.allowed_hosts",
+            ),
+            (
+                "[security]\nauth_users_file = \"users\"",
+                "security.auth_users_file",
+            ),
             (
                 "[proxy]\nendpoint_from_proxy_user = true\n[security]\nauth_users_file = \"u\"",
                 "security.auth_users_file",
@@ -987,7 +1178,10 @@ mod tests {
         ];
         for (text, key) in cases {
             let i = issues(text);
-            assert!(i.iter().any(|i| i.key == key), "{text:?}: expected an issue for {key}, got {i:?}");
+            assert!(
+                i.iter().any(|i| i.key == key),
+                "{text:?}: expected an issue for {key}, got {i:?}"
+            );
         }
     }
 

@@ -68,7 +68,10 @@ impl Resolver {
 
     /// The policy an ID gets (configured, or the defaults).
     pub fn policy_of(&self, id: &str) -> Arc<Policy> {
-        self.by_id.get(id).cloned().unwrap_or_else(|| Arc::clone(&self.defaults))
+        self.by_id
+            .get(id)
+            .cloned()
+            .unwrap_or_else(|| Arc::clone(&self.defaults))
     }
 
     /// Resolves a request. `proxy_user` is the user name of the connection's
@@ -81,10 +84,11 @@ impl Resolver {
         path: &str,
     ) -> Result<Resolved, ProxyError> {
         if let Some(v) = headers.get(&self.header) {
-            let id = v
-                .to_str()
-                .map_err(|_| ProxyError::BadRequest(format!("{} must be visible ASCII", self.header)))?;
-            check_endpoint_id(id).map_err(|e| ProxyError::BadRequest(format!("{}: {e}", self.header)))?;
+            let id = v.to_str().map_err(|_| {
+                ProxyError::BadRequest(format!("{} must be visible ASCII", self.header))
+            })?;
+            check_endpoint_id(id)
+                .map_err(|e| ProxyError::BadRequest(format!("{}: {e}", self.header)))?;
             return self.by_name(id);
         }
         if self.from_proxy_user {
@@ -96,8 +100,7 @@ impl Resolver {
         }
         let host = host.to_ascii_lowercase();
         if let Some(rule) = self.rules.iter().find(|r| {
-            r.hosts.contains(&host)
-                && r.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
+            r.hosts.contains(&host) && r.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
         }) {
             return Ok(Resolved {
                 id: Arc::clone(&rule.id),
@@ -126,12 +129,17 @@ impl Resolver {
 
 /// The user name of a `Proxy-Authorization: Basic ...` header, if any.
 pub fn proxy_user(headers: &HeaderMap) -> Option<String> {
-    let v = headers.get(http::header::PROXY_AUTHORIZATION)?.to_str().ok()?;
+    let v = headers
+        .get(http::header::PROXY_AUTHORIZATION)?
+        .to_str()
+        .ok()?;
     let (scheme, creds) = v.trim().split_once(' ')?;
     if !scheme.eq_ignore_ascii_case("basic") {
         return None;
     }
-    let raw = base64::engine::general_purpose::STANDARD.decode(creds.trim()).ok()?;
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(creds.trim())
+        .ok()?;
     let text = String::from_utf8(raw).ok()?;
     let user = text.split_once(':').map_or(text.as_str(), |(u, _)| u);
     Some(user.to_owned())
@@ -153,8 +161,16 @@ mod tests {
     fn header_wins_then_rules_then_host() {
         let r = resolver(RULES);
         let mut h = HeaderMap::new();
-        assert_eq!(&*r.resolve(&h, None, "hooks.example.com", "/v1/x").unwrap().id, "hooks");
-        assert_eq!(&*r.resolve(&h, None, "HOOKS.example.com", "/v2").unwrap().id, "all");
+        assert_eq!(
+            &*r.resolve(&h, None, "hooks.example.com", "/v1/x")
+                .unwrap()
+                .id,
+            "hooks"
+        );
+        assert_eq!(
+            &*r.resolve(&h, None, "HOOKS.example.com", "/v2").unwrap().id,
+            "all"
+        );
         let other = r.resolve(&h, None, "api.other.com", "/").unwrap();
         assert_eq!(&*other.id, "api.other.com");
         assert_eq!(other.policy.rate, 10.0);
@@ -166,20 +182,37 @@ mod tests {
     #[test]
     fn proxy_user_only_when_enabled() {
         let off = resolver(RULES);
-        let on = resolver(&format!("[proxy]\nendpoint_from_proxy_user = true\n{RULES}"));
+        let on = resolver(&format!(
+            "[proxy]\nendpoint_from_proxy_user = true\n{RULES}"
+        ));
         let h = HeaderMap::new();
-        assert_eq!(&*off.resolve(&h, Some("ep_42"), "x.com", "/").unwrap().id, "x.com");
-        assert_eq!(&*on.resolve(&h, Some("ep_42"), "x.com", "/").unwrap().id, "ep_42");
+        assert_eq!(
+            &*off.resolve(&h, Some("ep_42"), "x.com", "/").unwrap().id,
+            "x.com"
+        );
+        assert_eq!(
+            &*on.resolve(&h, Some("ep_42"), "x.com", "/").unwrap().id,
+            "ep_42"
+        );
     }
 
     #[test]
     fn unknown_reject() {
         let r = resolver(&format!("[defaults]\nunknown = \"reject\"\n{RULES}"));
         let mut h = HeaderMap::new();
-        assert!(matches!(r.resolve(&h, None, "x.com", "/"), Err(ProxyError::UnknownEndpoint(_))));
+        assert!(matches!(
+            r.resolve(&h, None, "x.com", "/"),
+            Err(ProxyError::UnknownEndpoint(_))
+        ));
         h.insert("x-endpoint-id", "nope".parse().unwrap());
-        assert!(matches!(r.resolve(&h, None, "x.com", "/"), Err(ProxyError::UnknownEndpoint(_))));
-        assert!(r.resolve(&HeaderMap::new(), None, "hooks.example.com", "/").is_ok());
+        assert!(matches!(
+            r.resolve(&h, None, "x.com", "/"),
+            Err(ProxyError::UnknownEndpoint(_))
+        ));
+        assert!(
+            r.resolve(&HeaderMap::new(), None, "hooks.example.com", "/")
+                .is_ok()
+        );
     }
 
     #[test]
@@ -187,15 +220,24 @@ mod tests {
         let r = resolver("");
         let mut h = HeaderMap::new();
         h.insert("x-endpoint-id", "a b".parse().unwrap());
-        assert!(matches!(r.resolve(&h, None, "x.com", "/"), Err(ProxyError::BadRequest(_))));
+        assert!(matches!(
+            r.resolve(&h, None, "x.com", "/"),
+            Err(ProxyError::BadRequest(_))
+        ));
     }
 
     #[test]
     fn proxy_user_parsing() {
         let mut h = HeaderMap::new();
-        h.insert(http::header::PROXY_AUTHORIZATION, "Basic ZXBfeDo=".parse().unwrap()); // "ep_x:"
+        h.insert(
+            http::header::PROXY_AUTHORIZATION,
+            "Basic ZXBfeDo=".parse().unwrap(),
+        ); // "ep_x:"
         assert_eq!(proxy_user(&h).as_deref(), Some("ep_x"));
-        h.insert(http::header::PROXY_AUTHORIZATION, "Basic !!!".parse().unwrap());
+        h.insert(
+            http::header::PROXY_AUTHORIZATION,
+            "Basic !!!".parse().unwrap(),
+        );
         assert_eq!(proxy_user(&h), None);
     }
 }

@@ -20,7 +20,9 @@ pub const REASON_HEADER: &str = "x-sluice-reason";
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ProxyError {
     /// Origin-form request: someone talked to sluice as if it were a web server.
-    #[error("sluice is an HTTP proxy: send absolute-form requests (e.g. curl -x http://this-host:port http://example.com/)")]
+    #[error(
+        "sluice is an HTTP proxy: send absolute-form requests (e.g. curl -x http://this-host:port http://example.com/)"
+    )]
     NotAProxyRequest,
     /// The request is malformed in a way hyper did not catch.
     #[error("bad request: {0}")]
@@ -85,7 +87,9 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ProxyError::UnknownEndpoint(_) | ProxyError::DestinationDenied { .. } => StatusCode::FORBIDDEN,
+            ProxyError::UnknownEndpoint(_) | ProxyError::DestinationDenied { .. } => {
+                StatusCode::FORBIDDEN
+            }
             ProxyError::RateLimited { .. }
             | ProxyError::Cooldown { .. }
             | ProxyError::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -97,9 +101,8 @@ impl ProxyError {
     /// `Retry-After` for refusals that have one.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            ProxyError::RateLimited { retry_after, .. } | ProxyError::Cooldown { retry_after, .. } => {
-                Some(*retry_after)
-            }
+            ProxyError::RateLimited { retry_after, .. }
+            | ProxyError::Cooldown { retry_after, .. } => Some(*retry_after),
             ProxyError::StoreUnavailable { .. } => Some(Duration::from_secs(1)),
             _ => None,
         }

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::header::{
-    CONNECTION, HeaderName, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER, TRANSFER_ENCODING,
-    UPGRADE,
+    CONNECTION, HeaderName, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER,
+    TRANSFER_ENCODING, UPGRADE,
 };
 use http::{HeaderMap, Request, Response};
 use hyper::body::Incoming;
@@ -130,10 +130,14 @@ impl Forwarder {
 
     /// Opens a TCP connection for a CONNECT tunnel to an address that passed the policy.
     pub async fn connect_tunnel(&self, host: &str, port: u16) -> Result<TcpStream, ForwardError> {
-        let addrs = self.policy().resolve(host, port).await.map_err(|e| match e {
-            ResolveError::Denied(d) => ForwardError::Denied(d),
-            ResolveError::Dns(m) => ForwardError::Connect(m),
-        })?;
+        let addrs = self
+            .policy()
+            .resolve(host, port)
+            .await
+            .map_err(|e| match e {
+                ResolveError::Denied(d) => ForwardError::Denied(d),
+                ResolveError::Dns(m) => ForwardError::Connect(m),
+            })?;
         let mut last = String::from("no address");
         for addr in addrs {
             match tokio::time::timeout(self.timeout, TcpStream::connect(addr)).await {
@@ -210,7 +214,10 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 }
 
 /// Copies bytes both ways between a sender's upgraded CONNECT and the upstream socket.
-pub async fn tunnel(upgraded: hyper::upgrade::Upgraded, mut upstream: TcpStream) -> std::io::Result<(u64, u64)> {
+pub async fn tunnel(
+    upgraded: hyper::upgrade::Upgraded,
+    mut upstream: TcpStream,
+) -> std::io::Result<(u64, u64)> {
     let mut client = TokioIo::new(upgraded);
     tokio::io::copy_bidirectional(&mut client, &mut upstream).await
 }

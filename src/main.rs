@@ -10,7 +10,11 @@ use sluice::admin::EndpointView;
 use sluice::config::{Config, ConfigError};
 
 #[derive(Parser)]
-#[command(name = "sluice", version, about = "HTTP forward proxy that keeps the rate limits receivers publish")]
+#[command(
+    name = "sluice",
+    version,
+    about = "HTTP forward proxy that keeps the rate limits receivers publish"
+)]
 struct Cli {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value = "text", global = true)]
@@ -88,7 +92,9 @@ fn main() -> ExitCode {
 fn init_logs(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
@@ -115,11 +121,24 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
 fn ca_init(dir: &Path) -> anyhow::Result<ExitCode> {
     match sluice::mitm::generate_ca(dir) {
         Ok(files) => {
-            println!("wrote {} and {} (mode 0600)", files.cert.display(), files.key.display());
+            println!(
+                "wrote {} and {} (mode 0600)",
+                files.cert.display(),
+                files.key.display()
+            );
             println!("trust it in senders, e.g.:");
-            println!("  curl --proxy http://127.0.0.1:8080 --cacert {} https://...", files.cert.display());
-            println!("  SSL_CERT_FILE / REQUESTS_CA_BUNDLE / NODE_EXTRA_CA_CERTS={}", files.cert.display());
-            println!("keep {} secret: anyone holding it can impersonate any site to your senders", files.key.display());
+            println!(
+                "  curl --proxy http://127.0.0.1:8080 --cacert {} https://...",
+                files.cert.display()
+            );
+            println!(
+                "  SSL_CERT_FILE / REQUESTS_CA_BUNDLE / NODE_EXTRA_CA_CERTS={}",
+                files.cert.display()
+            );
+            println!(
+                "keep {} secret: anyone holding it can impersonate any site to your senders",
+                files.key.display()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Err(e) => {
@@ -201,13 +220,15 @@ fn status(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let body = rt.block_on(sluice::admin::fetch_endpoints(admin)).map_err(anyhow::Error::msg)?;
+    let body = rt
+        .block_on(sluice::admin::fetch_endpoints(admin))
+        .map_err(anyhow::Error::msg)?;
     if json {
         println!("{body}");
         return Ok(ExitCode::SUCCESS);
     }
-    let views: Vec<EndpointView> =
-        serde_json::from_str(&body).with_context(|| format!("{admin}/endpoints did not return endpoint JSON"))?;
+    let views: Vec<EndpointView> = serde_json::from_str(&body)
+        .with_context(|| format!("{admin}/endpoints did not return endpoint JSON"))?;
     print!("{}", sluice::admin::render_table(&views));
     Ok(ExitCode::SUCCESS)
 }

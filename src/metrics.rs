@@ -105,18 +105,62 @@ impl Metrics {
             other: EndpointLabel("_other".into()),
             registry: Registry::default(),
         };
-        registry.register("requests", "Requests by endpoint and outcome", m.requests.clone());
-        registry.register("wait_seconds", "Time requests waited for their token", m.wait.clone());
-        registry.register("upstream_responses", "Upstream responses by status code", m.upstream.clone());
-        registry.register("upstream_throttles", "Throttling responses (429, 503 with Retry-After)", m.throttles.clone());
-        registry.register("endpoint_rate", "Current effective rate (tokens/s)", m.rate.clone());
-        registry.register("endpoint_at_floor", "1 while the endpoint's rate sits at its adaptive floor", m.at_floor.clone());
-        registry.register("endpoint_cooldown_seconds", "Cooldown left", m.cooldown.clone());
-        registry.register("tunnels", "CONNECT tunnels paced as one unit (not intercepted)", m.tunnels.clone());
-        registry.register("connections_open", "Open sender connections", m.connections.clone());
+        registry.register(
+            "requests",
+            "Requests by endpoint and outcome",
+            m.requests.clone(),
+        );
+        registry.register(
+            "wait_seconds",
+            "Time requests waited for their token",
+            m.wait.clone(),
+        );
+        registry.register(
+            "upstream_responses",
+            "Upstream responses by status code",
+            m.upstream.clone(),
+        );
+        registry.register(
+            "upstream_throttles",
+            "Throttling responses (429, 503 with Retry-After)",
+            m.throttles.clone(),
+        );
+        registry.register(
+            "endpoint_rate",
+            "Current effective rate (tokens/s)",
+            m.rate.clone(),
+        );
+        registry.register(
+            "endpoint_at_floor",
+            "1 while the endpoint's rate sits at its adaptive floor",
+            m.at_floor.clone(),
+        );
+        registry.register(
+            "endpoint_cooldown_seconds",
+            "Cooldown left",
+            m.cooldown.clone(),
+        );
+        registry.register(
+            "tunnels",
+            "CONNECT tunnels paced as one unit (not intercepted)",
+            m.tunnels.clone(),
+        );
+        registry.register(
+            "connections_open",
+            "Open sender connections",
+            m.connections.clone(),
+        );
         registry.register("store_errors", "Failed store calls", m.store.errors.clone());
-        registry.register("store_seconds", "Latency of store calls", m.store.seconds.clone());
-        registry.register("store_degraded", "1 while the on_error fallback is in force", m.store.degraded.clone());
+        registry.register(
+            "store_seconds",
+            "Latency of store calls",
+            m.store.seconds.clone(),
+        );
+        registry.register(
+            "store_degraded",
+            "1 while the on_error fallback is in force",
+            m.store.degraded.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -179,10 +223,16 @@ mod tests {
             let l = m.label(&Arc::from(format!("ep{i}")));
             m.outcome(&l, "forwarded");
         }
-        assert_eq!(m.label(&Arc::from("configured")), EndpointLabel("configured".into()));
+        assert_eq!(
+            m.label(&Arc::from("configured")),
+            EndpointLabel("configured".into())
+        );
         assert_eq!(m.label(&Arc::from("ep999")).0.as_ref(), "_other");
         let text = m.render();
-        let series = text.lines().filter(|l| l.starts_with("sluice_requests_total{")).count();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("sluice_requests_total{"))
+            .count();
         assert!(series <= 11, "{series} series");
     }
 }

@@ -25,10 +25,18 @@ pub async fn run(app: Arc<App>, every: Duration) {
         let rt = app.runtime.load_full();
         for v in views {
             let id: Arc<str> = v.id.as_str().into();
-            let label = EndpointLabels { endpoint: app.metrics.label(&id) };
+            let label = EndpointLabels {
+                endpoint: app.metrics.label(&id),
+            };
             app.metrics.rate.get_or_create(&label).set(v.rate);
-            app.metrics.at_floor.get_or_create(&label).set(i64::from(v.at_floor));
-            app.metrics.cooldown.get_or_create(&label).set(v.cooldown_ms as f64 / 1000.0);
+            app.metrics
+                .at_floor
+                .get_or_create(&label)
+                .set(i64::from(v.at_floor));
+            app.metrics
+                .cooldown
+                .get_or_create(&label)
+                .set(v.cooldown_ms as f64 / 1000.0);
             if let Some(prev) = last.get(&v.id) {
                 if prev.cooldown_ms > 0 && v.cooldown_ms == 0 {
                     tracing::info!(endpoint = %v.id, rate = v.rate, "cooldown ended: sending again at the reduced rate");
@@ -37,8 +45,13 @@ pub async fn run(app: Arc<App>, every: Duration) {
                     tracing::warn!(endpoint = %v.id, rate = v.rate, "rate reached its adaptive floor");
                 }
             }
-            let warn_after = rt.resolver.policy_of(&v.id).adaptive.map(|a| a.floor_warn_after);
-            let stuck = warn_after.is_some_and(|w| v.at_floor && v.at_floor_secs >= w.as_secs_f64());
+            let warn_after = rt
+                .resolver
+                .policy_of(&v.id)
+                .adaptive
+                .map(|a| a.floor_warn_after);
+            let stuck =
+                warn_after.is_some_and(|w| v.at_floor && v.at_floor_secs >= w.as_secs_f64());
             let was = warned.insert(v.id.clone(), stuck).unwrap_or(false);
             if stuck && !was {
                 tracing::warn!(

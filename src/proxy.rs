@@ -69,7 +69,11 @@ pub struct Tunnel {
 }
 
 /// Serves one request from a sender (or from inside an intercepted tunnel).
-pub async fn handle(app: Arc<App>, req: Request<Incoming>, tunnel: Option<Arc<Tunnel>>) -> Response<Body> {
+pub async fn handle(
+    app: Arc<App>,
+    req: Request<Incoming>,
+    tunnel: Option<Arc<Tunnel>>,
+) -> Response<Body> {
     if req.method() == Method::CONNECT && tunnel.is_none() {
         return connect(app, req).await;
     }
@@ -95,7 +99,9 @@ fn refuse(app: &App, label: Option<&EndpointLabel>, e: ProxyError) -> Response<B
         app.metrics.outcome(l, e.reason());
     }
     match &e {
-        ProxyError::Upstream(_) | ProxyError::UpstreamTimeout(_) | ProxyError::StoreUnavailable { .. } => {
+        ProxyError::Upstream(_)
+        | ProxyError::UpstreamTimeout(_)
+        | ProxyError::StoreUnavailable { .. } => {
             tracing::warn!(reason = e.reason(), error = %e, "request failed")
         }
         _ => tracing::info!(reason = e.reason(), error = %e, "request refused"),
@@ -118,18 +124,25 @@ async fn forward_request(
         None if rt.resolver.uses_proxy_user() => proxy_user(&parts.headers),
         None => None,
     };
-    let ep = rt.resolver.resolve(&parts.headers, user.as_deref(), host, uri.path())?;
+    let ep = rt
+        .resolver
+        .resolve(&parts.headers, user.as_deref(), host, uri.path())?;
     let l = app.metrics.label(&ep.id);
     *label = Some(l.clone());
     app.forwarder
         .policy()
         .check_host(host)
-        .map_err(|d| ProxyError::DestinationDenied { host: d.host, why: d.why })?;
+        .map_err(|d| ProxyError::DestinationDenied {
+            host: d.host,
+            why: d.why,
+        })?;
 
     let waited = admit(app, &ep).await?;
     app.metrics
         .wait
-        .get_or_create(&EndpointLabels { endpoint: l.clone() })
+        .get_or_create(&EndpointLabels {
+            endpoint: l.clone(),
+        })
         .observe(waited.as_secs_f64());
 
     strip_hop_by_hop(&mut parts.headers);
@@ -164,11 +177,16 @@ fn target_uri(uri: &Uri, tunnel: Option<&Tunnel>) -> Result<Uri, ProxyError> {
     match (uri.authority(), tunnel) {
         (Some(_), None) => match uri.scheme() {
             Some(s) if *s == Scheme::HTTP || *s == Scheme::HTTPS => Ok(uri.clone()),
-            _ => Err(ProxyError::BadRequest(format!("unsupported scheme in {uri}"))),
+            _ => Err(ProxyError::BadRequest(format!(
+                "unsupported scheme in {uri}"
+            ))),
         },
         (None, None) => Err(ProxyError::NotAProxyRequest),
         (_, Some(t)) => {
-            let pq = uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+            let pq = uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/"));
             Uri::builder()
                 .scheme(Scheme::HTTPS)
                 .authority(t.authority.clone())
@@ -182,22 +200,30 @@ fn target_uri(uri: &Uri, tunnel: Option<&Tunnel>) -> Result<Uri, ProxyError> {
 /// Waits for the endpoint's token, mapping refusals to [`ProxyError`].
 async fn admit(app: &App, ep: &Resolved) -> Result<Duration, ProxyError> {
     let endpoint = || ep.id.to_string();
-    app.limiter.admit(&ep.id, &ep.policy).await.map_err(|r| match r {
-        Refusal::RateLimited { retry_after } => ProxyError::RateLimited {
-            endpoint: endpoint(),
-            retry_after,
-        },
-        Refusal::Cooldown { retry_after } => ProxyError::Cooldown {
-            endpoint: endpoint(),
-            retry_after,
-        },
-        Refusal::StoreUnavailable => ProxyError::StoreUnavailable { endpoint: endpoint() },
-    })
+    app.limiter
+        .admit(&ep.id, &ep.policy)
+        .await
+        .map_err(|r| match r {
+            Refusal::RateLimited { retry_after } => ProxyError::RateLimited {
+                endpoint: endpoint(),
+                retry_after,
+            },
+            Refusal::Cooldown { retry_after } => ProxyError::Cooldown {
+                endpoint: endpoint(),
+                retry_after,
+            },
+            Refusal::StoreUnavailable => ProxyError::StoreUnavailable {
+                endpoint: endpoint(),
+            },
+        })
 }
 
 fn upstream_error(e: ForwardError) -> ProxyError {
     match e {
-        ForwardError::Denied(d) => ProxyError::DestinationDenied { host: d.host, why: d.why },
+        ForwardError::Denied(d) => ProxyError::DestinationDenied {
+            host: d.host,
+            why: d.why,
+        },
         ForwardError::Timeout(t) => ProxyError::UpstreamTimeout(t),
         other => ProxyError::Upstream(other.to_string()),
     }
@@ -223,7 +249,9 @@ async fn observe(
     if fb.throttled {
         app.metrics
             .throttles
-            .get_or_create(&EndpointLabels { endpoint: label.clone() })
+            .get_or_create(&EndpointLabels {
+                endpoint: label.clone(),
+            })
             .inc();
     }
     let ask = Ask::new(&ep.policy, 0.0, None);
@@ -240,7 +268,9 @@ async fn observe(
             throttled = fb.throttled,
             "receiver asked to slow down: cooldown started"
         ),
-        Err(e) => tracing::warn!(endpoint = %ep.id, error = %e, "could not record upstream feedback"),
+        Err(e) => {
+            tracing::warn!(endpoint = %ep.id, error = %e, "could not record upstream feedback")
+        }
     }
 }
 
@@ -254,7 +284,14 @@ pub async fn connect(app: Arc<App>, mut req: Request<Incoming>) -> Response<Body
     let host = authority.host().to_owned();
     let user = proxy_user(req.headers());
     if let Err(d) = app.forwarder.policy().check_host(&host) {
-        return refuse(&app, None, ProxyError::DestinationDenied { host: d.host, why: d.why });
+        return refuse(
+            &app,
+            None,
+            ProxyError::DestinationDenied {
+                host: d.host,
+                why: d.why,
+            },
+        );
     }
     let on_upgrade = hyper::upgrade::on(&mut req);
     if let Some(interceptor) = app
@@ -279,7 +316,9 @@ pub async fn connect(app: Arc<App>, mut req: Request<Incoming>) -> Response<Body
             let app3 = Arc::clone(&app2);
             let svc = hyper::service::service_fn(move |req| {
                 let (app, tunnel) = (Arc::clone(&app3), Arc::clone(&tunnel));
-                async move { Ok::<_, std::convert::Infallible>(handle_boxed(app, req, Some(tunnel)).await) }
+                async move {
+                    Ok::<_, std::convert::Infallible>(handle_boxed(app, req, Some(tunnel)).await)
+                }
             });
             crate::server::serve_http1(TokioIo::new(tls), svc, app2.lifecycle.signal()).await;
         });
@@ -287,7 +326,11 @@ pub async fn connect(app: Arc<App>, mut req: Request<Incoming>) -> Response<Body
     }
 
     // Not intercepted: the tunnel is one unit, paced once.
-    let user_ref = rt.resolver.uses_proxy_user().then_some(user.as_deref()).flatten();
+    let user_ref = rt
+        .resolver
+        .uses_proxy_user()
+        .then_some(user.as_deref())
+        .flatten();
     let ep = match rt.resolver.resolve(req.headers(), user_ref, &host, "") {
         Ok(ep) => ep,
         Err(e) => return refuse(&app, None, e),
@@ -299,7 +342,9 @@ pub async fn connect(app: Arc<App>, mut req: Request<Incoming>) -> Response<Body
     };
     app.metrics
         .wait
-        .get_or_create(&EndpointLabels { endpoint: label.clone() })
+        .get_or_create(&EndpointLabels {
+            endpoint: label.clone(),
+        })
         .observe(waited.as_secs_f64());
     let port = authority.port_u16().unwrap_or(443);
     let upstream = match app.forwarder.connect_tunnel(&host, port).await {

@@ -64,7 +64,9 @@ impl Lifecycle {
     pub async fn shutdown(&self, grace: Duration) -> bool {
         self.tx.send_replace(true);
         self.tracker.close();
-        tokio::time::timeout(grace, self.tracker.wait()).await.is_ok()
+        tokio::time::timeout(grace, self.tracker.wait())
+            .await
+            .is_ok()
     }
 }
 
@@ -109,7 +111,12 @@ where
 
 /// Runs the proxy and admin listeners until `shutdown` resolves, then drains within
 /// `proxy.shutdown_grace`.
-pub async fn run(app: Arc<App>, proxy: TcpListener, admin: TcpListener, shutdown: impl Future<Output = ()>) {
+pub async fn run(
+    app: Arc<App>,
+    proxy: TcpListener,
+    admin: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) {
     let cfg = app.runtime.load_full().config.clone();
     let limit = Arc::new(Semaphore::new(cfg.proxy.max_connections));
     let stop = app.lifecycle.signal();
@@ -128,7 +135,10 @@ pub async fn run(app: Arc<App>, proxy: TcpListener, admin: TcpListener, shutdown
         // Our caller asked us to stop.
         _ = shutdown => {}
     }
-    tracing::info!(grace_ms = cfg.proxy.shutdown_grace.as_millis() as u64, "shutting down: draining connections");
+    tracing::info!(
+        grace_ms = cfg.proxy.shutdown_grace.as_millis() as u64,
+        "shutting down: draining connections"
+    );
     if app.lifecycle.shutdown(cfg.proxy.shutdown_grace).await {
         tracing::info!("all connections drained");
     } else {

@@ -30,7 +30,10 @@ impl Fleet {
 
     async fn redis(extra: &str, n: usize) -> Fleet {
         let server = redis_support::RedisServer::start();
-        let store = format!("[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n", server.url());
+        let store = format!(
+            "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
+            server.url()
+        );
         let mut replicas = Vec::new();
         for _ in 0..n {
             replicas.push(common::sluice(&format!("{store}{extra}")).await);
@@ -93,31 +96,62 @@ const POLICY: &str = "[defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"15s\"\n
 /// afterwards the bucket restarts empty at the decreased rate (no burst).
 async fn cooldown_holds_everywhere(fleet: Fleet, retry_after: String, min_quiet: Duration) {
     let up = Upstream::with(throttle_once(retry_after)).await;
-    let r = fleet.client(0).get(up.url("/trigger")).header("x-endpoint-id", "cool").send().await.unwrap();
-    assert_eq!(r.status(), 429, "the receiver's 429 reaches the sender unchanged");
+    let r = fleet
+        .client(0)
+        .get(up.url("/trigger"))
+        .header("x-endpoint-id", "cool")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        429,
+        "the receiver's 429 reaches the sender unchanged"
+    );
     assert!(r.headers().get("x-sluice-reason").is_none());
     let t429 = Instant::now();
     let mut waiters = Vec::new();
     for i in 0..24 {
         let (c, url) = (fleet.client(i), up.url(&format!("/w/{i}")));
         waiters.push(tokio::spawn(async move {
-            c.get(&url).header("x-endpoint-id", "cool").send().await.unwrap().status()
+            c.get(&url)
+                .header("x-endpoint-id", "cool")
+                .send()
+                .await
+                .unwrap()
+                .status()
         }));
     }
     for w in waiters {
         assert_eq!(w.await.unwrap(), 200);
     }
     let after = arrivals_after(&up, "/w/", t429);
-    assert_eq!(after.len(), 24, "every waiting request was served exactly once");
+    assert_eq!(
+        after.len(),
+        24,
+        "every waiting request was served exactly once"
+    );
     let quiet = after[0] - t429;
-    assert!(quiet >= min_quiet, "a request arrived {quiet:?} after the 429 (cooldown {min_quiet:?})");
+    assert!(
+        quiet >= min_quiet,
+        "a request arrived {quiet:?} after the 429 (cooldown {min_quiet:?})"
+    );
     // No burst at the cooldown's end: the first second holds at most rate/2·1 + 1.
-    let first_second = after.iter().filter(|t| **t < after[0] + Duration::from_secs(1)).count();
-    assert!(first_second <= 6, "{first_second} arrivals in the first second after the cooldown");
+    let first_second = after
+        .iter()
+        .filter(|t| **t < after[0] + Duration::from_secs(1))
+        .count();
+    assert!(
+        first_second <= 6,
+        "{first_second} arrivals in the first second after the cooldown"
+    );
     // And the sustained rate is the decreased one (5/s), not the configured 10/s.
     let span = (after[after.len() - 1] - after[0]).as_secs_f64();
     let rate = (after.len() - 1) as f64 / span;
-    assert!((4.5..=5.3).contains(&rate), "rate after the cooldown: {rate:.2}/s");
+    assert!(
+        (4.5..=5.3).contains(&rate),
+        "rate after the cooldown: {rate:.2}/s"
+    );
     let ep = fleet.endpoint("cool").await;
     assert!((ep["rate"].as_f64().unwrap() - 5.0).abs() < 0.2, "{ep}");
     assert_eq!(ep["throttles"], 1);
@@ -125,12 +159,23 @@ async fn cooldown_holds_everywhere(fleet: Fleet, retry_after: String, min_quiet:
 }
 
 async fn fifty_concurrent_429s_decrease_once(fleet: Fleet) {
-    let up = Upstream::with(Arc::new(|_| Reply::status(429).header("retry-after", "1"))).await;
+    // The receiver answers slowly, so all fifty are in flight before the first 429 returns.
+    let up = Upstream::with(Arc::new(|_| {
+        Reply::status(429)
+            .header("retry-after", "1")
+            .delay(Duration::from_millis(400))
+    }))
+    .await;
     let mut all = Vec::new();
     for i in 0..50 {
         let (c, url) = (fleet.client(i), up.url("/all"));
         all.push(tokio::spawn(async move {
-            c.get(&url).header("x-endpoint-id", "fifty").send().await.unwrap().status()
+            c.get(&url)
+                .header("x-endpoint-id", "fifty")
+                .send()
+                .await
+                .unwrap()
+                .status()
         }));
     }
     for a in all {
@@ -139,7 +184,10 @@ async fn fifty_concurrent_429s_decrease_once(fleet: Fleet) {
     assert_eq!(up.count(), 50);
     let ep = fleet.endpoint("fifty").await;
     let rate = ep["rate"].as_f64().unwrap();
-    assert!((rate - 32.0).abs() < 0.5, "rate {rate} after 50 concurrent 429s (64 → 32 expected): {ep}");
+    assert!(
+        (rate - 32.0).abs() < 0.5,
+        "rate {rate} after 50 concurrent 429s (64 → 32 expected): {ep}"
+    );
     assert_eq!(ep["throttles"], 50);
     fleet.stop().await;
 }
@@ -150,7 +198,12 @@ async fn endless_429s_stop_at_the_floor(fleet: Fleet) {
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut sent = 0;
     while Instant::now() < deadline && sent < 200 {
-        let r = c.get(up.url("/x")).header("x-endpoint-id", "floor").send().await.unwrap();
+        let r = c
+            .get(up.url("/x"))
+            .header("x-endpoint-id", "floor")
+            .send()
+            .await
+            .unwrap();
         assert!(r.status() == 429 || r.status() == 503, "{}", r.status());
         sent += 1;
     }
@@ -158,14 +211,26 @@ async fn endless_429s_stop_at_the_floor(fleet: Fleet) {
     assert!((ep["rate"].as_f64().unwrap() - 2.0).abs() < 0.05, "{ep}");
     assert_eq!(ep["at_floor"], true, "{ep}");
     // Still trickling: 8 → 4 → 2 → 2 ... with 200 ms cooldowns, at least 6 reached it.
-    assert!(up.count() >= 6, "only {} requests reached the upstream", up.count());
+    assert!(
+        up.count() >= 6,
+        "only {} requests reached the upstream",
+        up.count()
+    );
     fleet.stop().await;
 }
 
 async fn recovery_reaches_the_configured_rate(fleet: Fleet) {
     let up = Upstream::with(throttle_once("1".into())).await;
     let c = fleet.client(0);
-    assert_eq!(c.get(up.url("/trigger")).header("x-endpoint-id", "rec").send().await.unwrap().status(), 429);
+    assert_eq!(
+        c.get(up.url("/trigger"))
+            .header("x-endpoint-id", "rec")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        429
+    );
     let ep = fleet.endpoint("rec").await;
     assert!((ep["rate"].as_f64().unwrap() - 5.0).abs() < 0.1, "{ep}");
     // Cooldown 1 s + recovery 2 s.
@@ -178,7 +243,12 @@ async fn recovery_reaches_the_configured_rate(fleet: Fleet) {
     for i in 0..30 {
         let (c, url) = (fleet.client(i), up.url(&format!("/r/{i}")));
         tasks.push(tokio::spawn(async move {
-            c.get(&url).header("x-endpoint-id", "rec").send().await.unwrap().status()
+            c.get(&url)
+                .header("x-endpoint-id", "rec")
+                .send()
+                .await
+                .unwrap()
+                .status()
         }));
     }
     for t in tasks {
@@ -186,7 +256,10 @@ async fn recovery_reaches_the_configured_rate(fleet: Fleet) {
     }
     let times = arrivals_after(&up, "/r/", t0);
     let rate = common::sustained_rate(&times, 5);
-    assert!(rate >= 9.5 && rate <= 10.5, "recovered rate measured at the upstream: {rate:.2}/s");
+    assert!(
+        rate >= 9.5 && rate <= 10.5,
+        "recovered rate measured at the upstream: {rate:.2}/s"
+    );
     fleet.stop().await;
 }
 
@@ -194,21 +267,45 @@ async fn remaining_zero_pauses_until_reset(fleet: Fleet) {
     let fired = Arc::new(AtomicUsize::new(0));
     let up = Upstream::with(Arc::new(move |a| {
         if a.path == "/quota" && fired.fetch_add(1, Ordering::SeqCst) == 0 {
-            Reply::ok().header("x-ratelimit-remaining", "0").header("x-ratelimit-reset", "2")
+            Reply::ok()
+                .header("x-ratelimit-remaining", "0")
+                .header("x-ratelimit-reset", "2")
         } else {
             Reply::ok()
         }
     }))
     .await;
     let c = fleet.client(0);
-    assert_eq!(c.get(up.url("/quota")).header("x-endpoint-id", "quota").send().await.unwrap().status(), 200);
+    assert_eq!(
+        c.get(up.url("/quota"))
+            .header("x-endpoint-id", "quota")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
     let t0 = Instant::now();
-    let r = fleet.client(1).get(up.url("/next")).header("x-endpoint-id", "quota").send().await.unwrap();
+    let r = fleet
+        .client(1)
+        .get(up.url("/next"))
+        .header("x-endpoint-id", "quota")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let next = arrivals_after(&up, "/next", t0);
-    assert!(next[0] - t0 >= Duration::from_millis(1950), "sent {:?} after a 2 s reset", next[0] - t0);
+    assert!(
+        next[0] - t0 >= Duration::from_millis(1950),
+        "sent {:?} after a 2 s reset",
+        next[0] - t0
+    );
     let ep = fleet.endpoint("quota").await;
-    assert_eq!(ep["rate"].as_f64().unwrap(), 10.0, "a proactive pause does not lower the rate: {ep}");
+    assert_eq!(
+        ep["rate"].as_f64().unwrap(),
+        10.0,
+        "a proactive pause does not lower the rate: {ep}"
+    );
     assert_eq!(ep["throttles"], 0);
     fleet.stop().await;
 }

@@ -10,11 +10,17 @@ fn sluice() -> Command {
 fn every_shipped_config_passes_check() {
     let mut checked = 0;
     for dir in ["config", "deploy"] {
-        let Ok(entries) = std::fs::read_dir(dir) else { continue };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
         for e in entries {
             let path = e.unwrap().path();
             if path.extension().is_some_and(|x| x == "toml") {
-                let out = sluice().args(["check", "--config"]).arg(&path).output().unwrap();
+                let out = sluice()
+                    .args(["check", "--config"])
+                    .arg(&path)
+                    .output()
+                    .unwrap();
                 assert!(
                     out.status.success(),
                     "{} fails check: {}",
@@ -33,8 +39,16 @@ fn every_shipped_config_passes_check() {
 fn check_names_every_bad_key_with_line_and_column() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bad.toml");
-    std::fs::write(&path, "[defaults]\nrate = -3.0\nbrust = 5\n\n[store]\nbackend = \"etcd\"\n").unwrap();
-    let out = sluice().args(["check", "--config"]).arg(&path).output().unwrap();
+    std::fs::write(
+        &path,
+        "[defaults]\nrate = -3.0\nbrust = 5\n\n[store]\nbackend = \"etcd\"\n",
+    )
+    .unwrap();
+    let out = sluice()
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("2:8: defaults.rate"), "{err}");
@@ -45,7 +59,10 @@ fn check_names_every_bad_key_with_line_and_column() {
 
 #[test]
 fn check_on_a_missing_file_exits_1() {
-    let out = sluice().args(["check", "--config", "/nonexistent/sluice.toml"]).output().unwrap();
+    let out = sluice()
+        .args(["check", "--config", "/nonexistent/sluice.toml"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/sluice.toml"));
 }
@@ -61,7 +78,11 @@ fn run_exits_2_naming_a_taken_port() {
         format!("[proxy]\nlisten = \"{addr}\"\nadmin_listen = \"127.0.0.1:0\"\n"),
     )
     .unwrap();
-    let out = sluice().args(["run", "--config"]).arg(&path).output().unwrap();
+    let out = sluice()
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&addr.to_string()), "{err}");

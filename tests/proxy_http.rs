@@ -15,7 +15,10 @@ use tokio::net::TcpStream;
 async fn sixteen_senders_never_overdraw_and_use_the_rate() {
     let up = Upstream::start().await;
     let (rate, burst) = (100.0, 10.0);
-    let s = sluice(&format!("[defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"30s\"\n")).await;
+    let s = sluice(&format!(
+        "[defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"30s\"\n"
+    ))
+    .await;
     let c = client(s.proxy_addr);
     let mut tasks = Vec::new();
     for sender in 0..16 {
@@ -23,7 +26,12 @@ async fn sixteen_senders_never_overdraw_and_use_the_rate() {
         tasks.push(tokio::spawn(async move {
             let mut ok = 0;
             for _ in 0..25 {
-                let r = c.get(&url).header("x-endpoint-id", "ep").send().await.unwrap();
+                let r = c
+                    .get(&url)
+                    .header("x-endpoint-id", "ep")
+                    .send()
+                    .await
+                    .unwrap();
                 assert_eq!(r.status(), 200);
                 ok += 1;
             }
@@ -35,11 +43,18 @@ async fn sixteen_senders_never_overdraw_and_use_the_rate() {
         granted += t.await.unwrap();
     }
     let times: Vec<Instant> = up.arrivals().iter().map(|a| a.at).collect();
-    assert_eq!(times.len(), granted, "every granted request arrived exactly once");
+    assert_eq!(
+        times.len(),
+        granted,
+        "every granted request arrived exactly once"
+    );
     assert_no_overdraw(&times, rate, burst);
     let achieved = sustained_rate(&times, burst as usize);
     eprintln!("utilization: {:.1}% of {rate}/s", achieved / rate * 100.0);
-    assert!(achieved >= 0.95 * rate, "sustained {achieved:.1}/s < 95% of {rate}/s");
+    assert!(
+        achieved >= 0.95 * rate,
+        "sustained {achieved:.1}/s < 95% of {rate}/s"
+    );
     s.stop().await;
 }
 
@@ -52,7 +67,12 @@ async fn waiting_requests_are_served_in_arrival_order() {
     for i in 0..12 {
         let (c, url) = (c.clone(), up.url(&format!("/seq/{i}")));
         tasks.push(tokio::spawn(async move {
-            c.get(&url).header("x-endpoint-id", "fifo").send().await.unwrap().status()
+            c.get(&url)
+                .header("x-endpoint-id", "fifo")
+                .send()
+                .await
+                .unwrap()
+                .status()
         }));
         // Space the senders so their arrival order at sluice is the index order.
         tokio::time::sleep(Duration::from_millis(15)).await;
@@ -71,13 +91,27 @@ async fn refusal_is_503_with_retry_after_and_consumes_nothing() {
     let up = Upstream::start().await;
     let s = sluice("[defaults]\nrate = 2.0\nburst = 1.0\nmax_wait = \"0s\"\n").await;
     let c = client(s.proxy_addr);
-    let first = c.get(up.url("/a")).header("x-endpoint-id", "r").send().await.unwrap();
+    let first = c
+        .get(up.url("/a"))
+        .header("x-endpoint-id", "r")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(first.status(), 200);
     for _ in 0..5 {
-        let r = c.get(up.url("/refused")).header("x-endpoint-id", "r").send().await.unwrap();
+        let r = c
+            .get(up.url("/refused"))
+            .header("x-endpoint-id", "r")
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 503);
         assert_eq!(r.headers()["x-sluice-reason"], "rate_limited");
-        let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+        let retry: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
         assert!(retry >= 1);
         let body: serde_json::Value = r.json().await.unwrap();
         assert_eq!(body["reason"], "rate_limited");
@@ -87,10 +121,19 @@ async fn refusal_is_503_with_retry_after_and_consumes_nothing() {
     }
     // The refusals took nothing: one token is back after 1/rate.
     tokio::time::sleep(Duration::from_millis(550)).await;
-    let again = c.get(up.url("/b")).header("x-endpoint-id", "r").send().await.unwrap();
+    let again = c
+        .get(up.url("/b"))
+        .header("x-endpoint-id", "r")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(again.status(), 200);
     let paths: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
-    assert_eq!(paths, ["/a", "/b"], "refused requests never reach the upstream");
+    assert_eq!(
+        paths,
+        ["/a", "/b"],
+        "refused requests never reach the upstream"
+    );
     s.stop().await;
 }
 
@@ -103,15 +146,28 @@ async fn saturating_one_endpoint_adds_no_wait_to_another() {
     for _ in 0..20 {
         let (c, url) = (c.clone(), up.url("/hog"));
         hogs.push(tokio::spawn(async move {
-            c.get(&url).header("x-endpoint-id", "busy").send().await.map(|r| r.status())
+            c.get(&url)
+                .header("x-endpoint-id", "busy")
+                .send()
+                .await
+                .map(|r| r.status())
         }));
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     for i in 0..5 {
         let started = Instant::now();
-        let r = c.get(up.url("/quiet")).header("x-endpoint-id", format!("quiet{i}")).send().await.unwrap();
+        let r = c
+            .get(up.url("/quiet"))
+            .header("x-endpoint-id", format!("quiet{i}"))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
-        assert!(started.elapsed() < Duration::from_millis(250), "quiet endpoint waited {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_millis(250),
+            "quiet endpoint waited {:?}",
+            started.elapsed()
+        );
     }
     for h in hogs {
         h.abort();
@@ -140,7 +196,14 @@ async fn hop_by_hop_and_proxy_headers_never_reach_the_upstream() {
         .unwrap();
     assert_eq!(r.status(), 200);
     let a = &up.arrivals()[0];
-    for h in ["x-endpoint-id", "proxy-authorization", "x-drop-me", "keep-alive", "proxy-connection", "te"] {
+    for h in [
+        "x-endpoint-id",
+        "proxy-authorization",
+        "x-drop-me",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+    ] {
         assert!(!a.headers.contains_key(h), "{h} reached the upstream");
     }
     assert_eq!(a.headers["x-keep"], "yes");
@@ -169,11 +232,19 @@ async fn bad_input_gets_4xx_and_the_proxy_keeps_serving() {
     );
     let big = raw(s.proxy_addr, big.as_bytes()).await;
     assert!(big.starts_with("HTTP/1.1 431"), "{big}");
-    let origin = raw(s.proxy_addr, b"GET /index.html HTTP/1.1\r\nHost: sluice\r\nConnection: close\r\n\r\n").await;
+    let origin = raw(
+        s.proxy_addr,
+        b"GET /index.html HTTP/1.1\r\nHost: sluice\r\nConnection: close\r\n\r\n",
+    )
+    .await;
     assert!(origin.starts_with("HTTP/1.1 400"), "{origin}");
     assert!(origin.contains("proxy"), "{origin}");
     assert_eq!(up.count(), 0);
-    let ok = client(s.proxy_addr).get(up.url("/after")).send().await.unwrap();
+    let ok = client(s.proxy_addr)
+        .get(up.url("/after"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(ok.status(), 200);
     s.stop().await;
 }
@@ -183,7 +254,10 @@ async fn connect_tunnels_are_paced_once_per_connect() {
     let up = Upstream::start().await;
     let s = sluice("[defaults]\nrate = 1.0\nburst = 1.0\nmax_wait = \"0s\"\n").await;
     let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
-    let connect = format!("CONNECT {0} HTTP/1.1\r\nHost: {0}\r\nX-Endpoint-Id: tun\r\n\r\n", up.addr);
+    let connect = format!(
+        "CONNECT {0} HTTP/1.1\r\nHost: {0}\r\nX-Endpoint-Id: tun\r\n\r\n",
+        up.addr
+    );
     t.write_all(connect.as_bytes()).await.unwrap();
     let mut buf = vec![0u8; 1024];
     let n = t.read(&mut buf).await.unwrap();
@@ -198,7 +272,11 @@ async fn connect_tunnels_are_paced_once_per_connect() {
     // A second CONNECT on the same endpoint is refused: no token left.
     let second = raw(s.proxy_addr, connect.as_bytes()).await;
     assert!(second.starts_with("HTTP/1.1 503"), "{second}");
-    assert!(second.to_ascii_lowercase().contains("x-sluice-reason: rate_limited"));
+    assert!(
+        second
+            .to_ascii_lowercase()
+            .contains("x-sluice-reason: rate_limited")
+    );
     assert_eq!(up.count(), 2);
     s.stop().await;
 }
@@ -225,29 +303,51 @@ async fn upstream_failures_map_to_502_and_504() {
 async fn sluice_with_timeout() -> sluice::app::Running {
     let text = "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nupstream_timeout = \"300ms\"\n\
                 [security]\nallow_private_destinations = true\n";
-    sluice::app::start(sluice::config::Config::parse(text).unwrap()).await.unwrap()
+    sluice::app::start(sluice::config::Config::parse(text).unwrap())
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
 async fn destination_policy_refuses_before_sending() {
     let up = Upstream::start().await;
     let text = "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
-    let s = sluice::app::start(sluice::config::Config::parse(text).unwrap()).await.unwrap();
+    let s = sluice::app::start(sluice::config::Config::parse(text).unwrap())
+        .await
+        .unwrap();
     let c = client(s.proxy_addr);
     let r = c.get(up.url("/private")).send().await.unwrap();
     assert_eq!(r.status(), 403);
     assert_eq!(r.headers()["x-sluice-reason"], "destination_denied");
-    let r = c.get(format!("http://localhost:{}/by-name", up.addr.port())).send().await.unwrap();
-    assert_eq!(r.status(), 403, "a name resolving to loopback is refused after resolution");
-    let tunnel = raw(s.proxy_addr, format!("CONNECT {0} HTTP/1.1\r\nHost: {0}\r\n\r\n", up.addr).as_bytes()).await;
+    let r = c
+        .get(format!("http://localhost:{}/by-name", up.addr.port()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        403,
+        "a name resolving to loopback is refused after resolution"
+    );
+    let tunnel = raw(
+        s.proxy_addr,
+        format!("CONNECT {0} HTTP/1.1\r\nHost: {0}\r\n\r\n", up.addr).as_bytes(),
+    )
+    .await;
     assert!(tunnel.starts_with("HTTP/1.1 403"), "{tunnel}");
     assert_eq!(up.count(), 0);
     s.stop().await;
 
     let text = "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
                 [security]\nallow_private_destinations = true\nallowed_hosts = [\"allowed.test\"]\n";
-    let s = sluice::app::start(sluice::config::Config::parse(text).unwrap()).await.unwrap();
-    let r = client(s.proxy_addr).get(up.url("/not-listed")).send().await.unwrap();
+    let s = sluice::app::start(sluice::config::Config::parse(text).unwrap())
+        .await
+        .unwrap();
+    let r = client(s.proxy_addr)
+        .get(up.url("/not-listed"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 403);
     assert_eq!(up.count(), 0);
     s.stop().await;
@@ -258,10 +358,20 @@ async fn unknown_endpoints_rejected_when_configured() {
     let up = Upstream::start().await;
     let s = sluice("[defaults]\nunknown = \"reject\"\n[[endpoints]]\nid = \"known\"\n").await;
     let c = client(s.proxy_addr);
-    let r = c.get(up.url("/")).header("x-endpoint-id", "stranger").send().await.unwrap();
+    let r = c
+        .get(up.url("/"))
+        .header("x-endpoint-id", "stranger")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 403);
     assert_eq!(r.headers()["x-sluice-reason"], "unknown_endpoint");
-    let r = c.get(up.url("/")).header("x-endpoint-id", "known").send().await.unwrap();
+    let r = c
+        .get(up.url("/"))
+        .header("x-endpoint-id", "known")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(up.count(), 1);
     s.stop().await;
@@ -277,7 +387,11 @@ async fn shutdown_lets_waiting_requests_finish() {
     let waiting = tokio::spawn(async move { c2.get(&url).send().await.map(|r| r.status()) });
     tokio::time::sleep(Duration::from_millis(100)).await;
     s.stop().await;
-    assert_eq!(waiting.await.unwrap().unwrap(), 200, "the waiting request was served before exit");
+    assert_eq!(
+        waiting.await.unwrap().unwrap(),
+        200,
+        "the waiting request was served before exit"
+    );
     let paths: HashSet<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
     assert!(paths.contains("/2"));
 }
@@ -287,18 +401,60 @@ async fn admin_endpoints_and_metrics() {
     let up = Upstream::start().await;
     let s = sluice("[[endpoints]]\nid = \"listed\"\nrate = 7.0\nburst = 3.0\n").await;
     let c = client(s.proxy_addr);
-    c.get(up.url("/")).header("x-endpoint-id", "listed").send().await.unwrap();
+    c.get(up.url("/"))
+        .header("x-endpoint-id", "listed")
+        .send()
+        .await
+        .unwrap();
     let admin = reqwest::Client::new();
     let base = format!("http://{}", s.admin_addr);
-    assert_eq!(admin.get(format!("{base}/healthz")).send().await.unwrap().status(), 200);
-    assert_eq!(admin.get(format!("{base}/readyz")).send().await.unwrap().status(), 200);
-    let eps: serde_json::Value = admin.get(format!("{base}/endpoints")).send().await.unwrap().json().await.unwrap();
-    let listed = eps.as_array().unwrap().iter().find(|e| e["id"] == "listed").unwrap();
+    assert_eq!(
+        admin
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        admin
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let eps: serde_json::Value = admin
+        .get(format!("{base}/endpoints"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let listed = eps
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == "listed")
+        .unwrap();
     assert_eq!(listed["configured_rate"], 7.0);
     assert_eq!(listed["burst"], 3.0);
     assert!((listed["tokens"].as_f64().unwrap() - 2.0).abs() < 0.2);
-    let metrics = admin.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("sluice_requests_total{endpoint=\"listed\",outcome=\"forwarded\"} 1"), "{metrics}");
+    let metrics = admin
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("sluice_requests_total{endpoint=\"listed\",outcome=\"forwarded\"} 1"),
+        "{metrics}"
+    );
     assert!(metrics.contains("sluice_wait_seconds_bucket{"), "{metrics}");
     s.stop().await;
 }

@@ -68,21 +68,37 @@ async fn intercepted_requests_are_paced_one_by_one_over_one_tunnel() {
     .await;
     let c = st.client(s.proxy_addr, &st.sluice_ca);
     for i in 0..40 {
-        let r = c.get(up.url(&format!("/t/{i}"))).header("x-endpoint-id", "tls-ep").send().await.unwrap();
+        let r = c
+            .get(up.url(&format!("/t/{i}")))
+            .header("x-endpoint-id", "tls-ep")
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
         assert!(r.headers().get("x-sluice-reason").is_none());
     }
     let arrivals = up.arrivals();
     assert_eq!(arrivals.len(), 40);
     for a in &arrivals {
-        assert!(!a.headers.contains_key("x-endpoint-id"), "the endpoint header reached the upstream");
+        assert!(
+            !a.headers.contains_key("x-endpoint-id"),
+            "the endpoint header reached the upstream"
+        );
     }
     let times: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
     assert_no_overdraw(&times, rate, burst);
     let achieved = sustained_rate(&times, burst as usize);
     assert!(achieved >= 0.95 * rate, "{achieved:.1}/s");
-    let metrics = reqwest::get(format!("http://{}/metrics", s.admin_addr)).await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("sluice_requests_total{endpoint=\"tls-ep\",outcome=\"forwarded\"} 40"), "{metrics}");
+    let metrics = reqwest::get(format!("http://{}/metrics", s.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("sluice_requests_total{endpoint=\"tls-ep\",outcome=\"forwarded\"} 40"),
+        "{metrics}"
+    );
     s.stop().await;
 }
 
@@ -101,7 +117,11 @@ async fn curl_through_interception() {
         .output()
         .expect("curl is installed");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.ends_with(" 200"), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.ends_with(" 200"),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(up.arrivals()[0].path, "/curl");
     s.stop().await;
 }
@@ -121,15 +141,38 @@ async fn a_429_inside_tls_starts_the_cooldown() {
         }),
     )
     .await;
-    let s = common::sluice(&format!("[defaults]\nmax_wait = \"10s\"\n{}", st.tls_config(""))).await;
+    let s = common::sluice(&format!(
+        "[defaults]\nmax_wait = \"10s\"\n{}",
+        st.tls_config("")
+    ))
+    .await;
     let c = st.client(s.proxy_addr, &st.sluice_ca);
-    let r = c.get(up.url("/trigger")).header("x-endpoint-id", "tls429").send().await.unwrap();
+    let r = c
+        .get(up.url("/trigger"))
+        .header("x-endpoint-id", "tls429")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 429);
     let t0 = Instant::now();
-    let r = c.get(up.url("/after")).header("x-endpoint-id", "tls429").send().await.unwrap();
+    let r = c
+        .get(up.url("/after"))
+        .header("x-endpoint-id", "tls429")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    let after = up.arrivals().iter().find(|a| a.path == "/after").unwrap().at;
-    assert!(after - t0 >= Duration::from_millis(1990), "sent {:?} into a 2 s cooldown", after - t0);
+    let after = up
+        .arrivals()
+        .iter()
+        .find(|a| a.path == "/after")
+        .unwrap()
+        .at;
+    assert!(
+        after - t0 >= Duration::from_millis(1990),
+        "sent {:?} into a 2 s cooldown",
+        after - t0
+    );
     s.stop().await;
 }
 
@@ -167,11 +210,17 @@ async fn curl_proxy_user_names_the_endpoint_of_a_passthrough_tunnel() {
             .unwrap()
     };
     let first = curl("/one");
-    assert!(String::from_utf8_lossy(&first.stdout).ends_with(" 200"), "{first:?}");
+    assert!(
+        String::from_utf8_lossy(&first.stdout).ends_with(" 200"),
+        "{first:?}"
+    );
     // A second tunnel under ep_x finds the bucket empty: refused at CONNECT, nothing sent.
     let second = curl("/two");
     assert!(!second.status.success());
-    assert!(String::from_utf8_lossy(&second.stderr).contains("503"), "{second:?}");
+    assert!(
+        String::from_utf8_lossy(&second.stderr).contains("503"),
+        "{second:?}"
+    );
     assert_eq!(up.arrivals().len(), 1);
     let eps: serde_json::Value = reqwest::get(format!("http://{}/endpoints", s.admin_addr))
         .await
@@ -179,7 +228,10 @@ async fn curl_proxy_user_names_the_endpoint_of_a_passthrough_tunnel() {
         .json()
         .await
         .unwrap();
-    assert!(eps.as_array().unwrap().iter().any(|e| e["id"] == "ep_x"), "{eps}");
+    assert!(
+        eps.as_array().unwrap().iter().any(|e| e["id"] == "ep_x"),
+        "{eps}"
+    );
     s.stop().await;
 }
 
@@ -195,7 +247,10 @@ async fn an_upstream_certificate_for_the_wrong_name_is_a_502() {
     assert_eq!(r.status(), 502);
     assert_eq!(r.headers()["x-sluice-reason"], "upstream_error");
     let body = r.text().await.unwrap();
-    assert!(body.contains("not valid for name") || body.contains("NotValidForName"), "{body}");
+    assert!(
+        body.contains("not valid for name") || body.contains("NotValidForName"),
+        "{body}"
+    );
     assert!(up.arrivals().is_empty());
     s.stop().await;
 }
@@ -231,14 +286,19 @@ async fn the_leaf_cache_stays_within_its_bound() {
     for i in 0..40 {
         let host = format!("h{i}.example.test");
         let mut tcp = tokio::net::TcpStream::connect(s.proxy_addr).await.unwrap();
-        tcp.write_all(format!("CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
+        tcp.write_all(
+            format!("CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
         let mut buf = [0u8; 256];
         let n = tcp.read(&mut buf).await.unwrap();
         assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
         let name = rustls::pki_types::ServerName::try_from(host.clone()).unwrap();
-        connector.connect(name, tcp).await.expect("the minted leaf verifies against sluice's CA");
+        connector
+            .connect(name, tcp)
+            .await
+            .expect("the minted leaf verifies against sluice's CA");
     }
     let cached = s.app.interceptor.as_ref().unwrap().cached_hosts();
     assert!(cached <= 10, "{cached} leaves cached with a bound of 10");

@@ -317,7 +317,10 @@ mod tests {
         let p = policy(1.0, 1.0);
         let ask = Ask::new(&p, 0.0, None);
         let mut s = fresh(1.0, 0.0);
-        assert!(matches!(acquire(&mut s, &ask, 0.0), Outcome::Granted { .. }));
+        assert!(matches!(
+            acquire(&mut s, &ask, 0.0),
+            Outcome::Granted { .. }
+        ));
         let before = s;
         match acquire(&mut s, &ask, 0.25 * S) {
             Outcome::Refused { cooldown, retry_us } => {
@@ -362,7 +365,10 @@ mod tests {
         // Budget covering the cooldown: first token 1/5 s after its end (rate halved).
         let long = Ask::new(&p, 5.0 * S, None);
         match acquire(&mut s, &long, 0.5 * S) {
-            Outcome::Granted { wait_us, generation } => {
+            Outcome::Granted {
+                wait_us,
+                generation,
+            } => {
                 assert_eq!(generation, 1);
                 assert!((wait_us - (1.5 + 0.2) * S).abs() < 10.0, "{wait_us}");
             }
@@ -421,10 +427,16 @@ mod tests {
             acquire(&mut s, &confirm, 0.1 * S),
             Outcome::Granted { wait_us, .. } if wait_us == 0.0
         ));
-        assert!((s.tokens - (tokens + 1.0)).abs() < 1e-6, "confirm takes nothing");
+        assert!(
+            (s.tokens - (tokens + 1.0)).abs() < 1e-6,
+            "confirm takes nothing"
+        );
         feedback(&mut s, &ask, &a, 1.0 * S, true, 0.1 * S);
         match acquire(&mut s, &confirm, 0.1 * S) {
-            Outcome::Granted { wait_us, generation } => {
+            Outcome::Granted {
+                wait_us,
+                generation,
+            } => {
                 assert_eq!(generation, 1);
                 assert!(wait_us >= 1.0 * S);
             }

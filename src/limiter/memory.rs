@@ -68,7 +68,12 @@ impl MemoryStore {
     }
 
     /// Runs `f` on the endpoint's bucket (created full when absent).
-    pub fn with_bucket<T>(&self, endpoint: &str, ask: &Ask, f: impl FnOnce(&mut BucketState, f64) -> T) -> T {
+    pub fn with_bucket<T>(
+        &self,
+        endpoint: &str,
+        ask: &Ask,
+        f: impl FnOnce(&mut BucketState, f64) -> T,
+    ) -> T {
         let idx = (self.hasher.hash_one(endpoint) as usize) % SHARDS;
         let n = self.calls.fetch_add(1, Ordering::Relaxed);
         if n % SWEEP_EVERY == 0 {
@@ -106,7 +111,14 @@ impl MemoryStore {
     }
 
     /// Feedback without the future wrapper.
-    pub fn feedback_now(&self, endpoint: &str, ask: Ask, adaptive: &Adaptive, pause: Duration, throttled: bool) {
+    pub fn feedback_now(
+        &self,
+        endpoint: &str,
+        ask: Ask,
+        adaptive: &Adaptive,
+        pause: Duration,
+        throttled: bool,
+    ) {
         let pause_us = pause.as_secs_f64() * 1e6;
         self.with_bucket(endpoint, &ask, |s, now| {
             bucket::feedback(s, &ask, adaptive, pause_us, throttled, now)
@@ -118,12 +130,16 @@ impl MemoryStore {
         let idx = (self.hasher.hash_one(endpoint) as usize) % SHARDS;
         let shard = self.shards[idx].lock().unwrap_or_else(|p| p.into_inner());
         let now = self.now();
-        shard.get(endpoint).map(|e| bucket::view(&e.state, &ask, floor, now))
+        shard
+            .get(endpoint)
+            .map(|e| bucket::view(&e.state, &ask, floor, now))
     }
 
     /// Release without the future wrapper.
     pub fn release_now(&self, endpoint: &str, ask: Ask, generation: u64) {
-        self.with_bucket(endpoint, &ask, |s, now| bucket::release(s, &ask, generation, now));
+        self.with_bucket(endpoint, &ask, |s, now| {
+            bucket::release(s, &ask, generation, now)
+        });
     }
 }
 
@@ -150,7 +166,12 @@ impl BucketStore for MemoryStore {
         Box::pin(std::future::ready(Ok(())))
     }
 
-    fn view<'a>(&'a self, endpoint: &'a str, ask: Ask, floor: Option<f64>) -> StoreFuture<'a, Option<View>> {
+    fn view<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        floor: Option<f64>,
+    ) -> StoreFuture<'a, Option<View>> {
         Box::pin(std::future::ready(Ok(self.view_now(endpoint, ask, floor))))
     }
 

@@ -65,7 +65,12 @@ pub trait BucketStore: Send + Sync {
         throttled: bool,
     ) -> StoreFuture<'a, ()>;
     /// The operator's view of an endpoint; `None` when the store holds no state for it.
-    fn view<'a>(&'a self, endpoint: &'a str, ask: Ask, floor: Option<f64>) -> StoreFuture<'a, Option<View>>;
+    fn view<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        floor: Option<f64>,
+    ) -> StoreFuture<'a, Option<View>>;
     /// Checks the store answers (for `/readyz`).
     fn ping(&self) -> StoreFuture<'_, ()>;
     /// Current health; only the fallback wrapper ever reports [`StoreHealth::Degraded`].
@@ -134,7 +139,10 @@ impl Limiter {
                 Outcome::Granted { wait_us, .. } if wait_us <= 0.0 => {
                     return Ok(started.elapsed());
                 }
-                Outcome::Granted { wait_us, generation } => {
+                Outcome::Granted {
+                    wait_us,
+                    generation,
+                } => {
                     let guard = Reservation {
                         store: Arc::clone(&self.store),
                         endpoint: endpoint.to_owned(),

@@ -86,11 +86,15 @@ impl Upstream {
         let (a, r) = (Arc::clone(&arrivals), Arc::clone(&responder));
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { return };
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
                 let (a, r) = (Arc::clone(&a), Arc::clone(&r));
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| serve(req, Arc::clone(&a), Arc::clone(&r)));
-                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
                 });
             }
         });
@@ -133,11 +137,19 @@ pub async fn serve(
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let at = Instant::now();
     let (parts, body) = req.into_parts();
-    let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let arrival = Arrival {
         at,
         method: parts.method.to_string(),
-        path: parts.uri.path_and_query().map(|p| p.to_string()).unwrap_or_default(),
+        path: parts
+            .uri
+            .path_and_query()
+            .map(|p| p.to_string())
+            .unwrap_or_default(),
         headers: parts.headers,
         body,
     };
@@ -166,11 +178,14 @@ pub fn config(extra: &str) -> sluice::config::Config {
         "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_grace = \"5s\"\n\
          [security]\nallow_private_destinations = true\n{extra}"
     );
-    sluice::config::Config::parse(&text).unwrap_or_else(|e| panic!("test config invalid: {e:?}\n{text}"))
+    sluice::config::Config::parse(&text)
+        .unwrap_or_else(|e| panic!("test config invalid: {e:?}\n{text}"))
 }
 
 pub async fn sluice(extra: &str) -> sluice::app::Running {
-    sluice::app::start(config(extra)).await.expect("sluice starts")
+    sluice::app::start(config(extra))
+        .await
+        .expect("sluice starts")
 }
 
 /// A reqwest client that uses sluice as its HTTP proxy.
@@ -196,7 +211,10 @@ pub fn assert_no_overdraw(times: &[Instant], rate: f64, burst: f64) {
                 j += 1;
             }
             let n = (j - i) as f64;
-            assert!(n <= bound, "{n} arrivals in a {w}s window (bound {bound}: rate {rate}, burst {burst})");
+            assert!(
+                n <= bound,
+                "{n} arrivals in a {w}s window (bound {bound}: rate {rate}, burst {burst})"
+            );
         }
     }
 }

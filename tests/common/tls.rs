@@ -11,7 +11,7 @@ use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, 
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::net::TcpListener;
 
-use super::{Arrival, Responder, Reply};
+use super::{Arrival, Reply, Responder};
 
 /// A test CA and a leaf it signed for `names`.
 pub struct TestPki {
@@ -24,14 +24,18 @@ impl TestPki {
     pub fn new(names: &[&str]) -> TestPki {
         let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name.push(DnType::CommonName, "upstream test CA");
+        ca.distinguished_name
+            .push(DnType::CommonName, "upstream test CA");
         ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
         let ca_key = KeyPair::generate().unwrap();
         let ca_cert = ca.self_signed(&ca_key).unwrap();
         let issuer = Issuer::new(ca, ca_key);
         let leaf_key = KeyPair::generate().unwrap();
         let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-        let leaf = CertificateParams::new(names).unwrap().signed_by(&leaf_key, &issuer).unwrap();
+        let leaf = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&leaf_key, &issuer)
+            .unwrap();
         TestPki {
             ca_pem: ca_cert.pem(),
             leaf: leaf.der().clone(),
@@ -74,16 +78,27 @@ impl TlsUpstream {
         let a = Arc::clone(&arrivals);
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { return };
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
                 let (acceptor, a, r) = (acceptor.clone(), Arc::clone(&a), Arc::clone(&responder));
                 tokio::spawn(async move {
-                    let Ok(tls) = acceptor.accept(stream).await else { return };
-                    let svc = service_fn(move |req| super::serve(req, Arc::clone(&a), Arc::clone(&r)));
-                    let _ = http1::Builder::new().serve_connection(TokioIo::new(tls), svc).await;
+                    let Ok(tls) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let svc =
+                        service_fn(move |req| super::serve(req, Arc::clone(&a), Arc::clone(&r)));
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), svc)
+                        .await;
                 });
             }
         });
-        TlsUpstream { addr, arrivals, task }
+        TlsUpstream {
+            addr,
+            arrivals,
+            task,
+        }
     }
 
     pub async fn ok(pki: &TestPki) -> TlsUpstream {

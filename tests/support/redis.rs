@@ -23,7 +23,9 @@ fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
         .stderr(Stdio::null())
         .output()
         .ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 fn wait_until(what: &str, deadline: Duration, mut ok: impl FnMut() -> bool) {
@@ -66,11 +68,20 @@ impl RedisServer {
 
     fn launch(&mut self) {
         let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+        cmd.args([
+            "--port",
+            &self.port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(self.dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
         if self.cluster {
             cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
                 .arg("--cluster-config-file")
@@ -118,7 +129,9 @@ impl RedisServer {
 
     fn signal(&self, sig: &str) {
         if let Some(c) = &self.child {
-            let _ = Command::new("kill").args([sig, &c.id().to_string()]).status();
+            let _ = Command::new("kill")
+                .args([sig, &c.id().to_string()])
+                .status();
         }
     }
 
@@ -149,7 +162,10 @@ impl RedisCluster {
     /// Starts three cluster-enabled nodes, creates the cluster, waits for `cluster_state:ok`.
     pub fn start() -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::spawn(true)).collect();
-        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
         let out = Command::new("redis-cli")
             .arg("--cluster")
             .arg("create")
@@ -159,10 +175,15 @@ impl RedisCluster {
             .stderr(Stdio::piped())
             .output()
             .expect("redis-cli");
-        assert!(out.status.success(), "cluster create failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         for n in &nodes {
             wait_until("cluster_state:ok", Duration::from_secs(20), || {
-                n.cli(&["CLUSTER", "INFO"]).is_some_and(|i| i.contains("cluster_state:ok"))
+                n.cli(&["CLUSTER", "INFO"])
+                    .is_some_and(|i| i.contains("cluster_state:ok"))
             });
         }
         RedisCluster { nodes }
@@ -186,7 +207,11 @@ impl RedisCluster {
                 let (a, b) = range.split_once('-').unwrap_or((range, range));
                 if let (Ok(a), Ok(b)) = (a.parse::<u16>(), b.parse::<u16>()) {
                     if (a..=b).contains(&slot) {
-                        let port: u16 = f[1].split(['@', ':']).nth(1).and_then(|p| p.parse().ok()).unwrap();
+                        let port: u16 = f[1]
+                            .split(['@', ':'])
+                            .nth(1)
+                            .and_then(|p| p.parse().ok())
+                            .unwrap();
                         return self.nodes.iter().find(|n| n.port == port).unwrap();
                     }
                 }
