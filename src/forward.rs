@@ -162,10 +162,12 @@ fn classify(e: &hyper_util::client::legacy::Error) -> ForwardError {
         if let Some(ResolveError::Dns(m)) = s.downcast_ref::<ResolveError>() {
             return ForwardError::Connect(m.clone());
         }
-        if s.downcast_ref::<rustls::Error>().is_some() {
-            return ForwardError::Tls(crate::upstream_tls::describe_failure(e));
-        }
         src = s.source();
+    }
+    if crate::upstream_tls::find_rustls(e).is_some() {
+        let reason = crate::upstream_tls::describe_failure(e);
+        tracing::warn!(%reason, "upstream TLS handshake failed");
+        return ForwardError::Tls(reason);
     }
     let text = error_chain(e);
     if e.is_connect() {

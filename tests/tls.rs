@@ -102,7 +102,8 @@ async fn intercepted_requests_are_paced_one_by_one_over_one_tunnel() {
     s.stop().await;
 }
 
-#[tokio::test]
+// curl blocks its thread: keep a second worker serving sluice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curl_through_interception() {
     let st = setup();
     let up = TlsUpstream::ok(&st.pki).await;
@@ -189,7 +190,8 @@ async fn passthrough_hosts_tunnel_end_to_end_with_the_upstreams_own_ca() {
     s.stop().await;
 }
 
-#[tokio::test]
+// curl blocks its thread: keep a second worker serving sluice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curl_proxy_user_names_the_endpoint_of_a_passthrough_tunnel() {
     let st = setup();
     let up = TlsUpstream::ok(&st.pki).await;

@@ -172,14 +172,15 @@ pub async fn serve(
     Ok(resp)
 }
 
-/// The config used by tests: ephemeral ports, loopback upstreams allowed.
+/// The config used by tests: `extra` plus ephemeral ports and loopback upstreams allowed.
 pub fn config(extra: &str) -> sluice::config::Config {
-    let text = format!(
-        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_grace = \"5s\"\n\
-         [security]\nallow_private_destinations = true\n{extra}"
-    );
-    sluice::config::Config::parse(&text)
-        .unwrap_or_else(|e| panic!("test config invalid: {e:?}\n{text}"))
+    let mut c = sluice::config::Config::parse(extra)
+        .unwrap_or_else(|e| panic!("test config invalid: {e:?}\n{extra}"));
+    c.proxy.listen = "127.0.0.1:0".parse().unwrap();
+    c.proxy.admin_listen = "127.0.0.1:0".parse().unwrap();
+    c.proxy.shutdown_grace = Duration::from_secs(5);
+    c.security.allow_private_destinations = true;
+    c
 }
 
 pub async fn sluice(extra: &str) -> sluice::app::Running {
