@@ -257,7 +257,7 @@ async fn recovery_reaches_the_configured_rate(fleet: Fleet) {
     let times = arrivals_after(&up, "/r/", t0);
     let rate = common::sustained_rate(&times, 5);
     assert!(
-        rate >= 9.5 && rate <= 10.5,
+        (9.5..=10.5).contains(&rate),
         "recovered rate measured at the upstream: {rate:.2}/s"
     );
     fleet.stop().await;
