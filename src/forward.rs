@@ -92,6 +92,9 @@ impl Forwarder {
         http.enforce_http(false);
         http.set_nodelay(true);
         http.set_connect_timeout(Some(timeout));
+        // The connector negotiates ALPN itself (http/1.1 only) and refuses presets.
+        let mut tls = tls;
+        tls.alpn_protocols.clear();
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()

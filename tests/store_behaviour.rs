@@ -40,9 +40,12 @@ async fn memory() -> Subject {
 
 async fn redis() -> Subject {
     let server = redis_support::RedisServer::start();
-    let store = RedisStore::connect(&store_config(Backend::Redis, vec![server.url()]), StoreStats::default())
-        .await
-        .unwrap();
+    let store = RedisStore::connect(
+        &store_config(Backend::Redis, vec![server.url()]),
+        StoreStats::default(),
+    )
+    .await
+    .unwrap();
     Subject {
         store: Arc::new(store),
         single: Some(server),
@@ -52,9 +55,12 @@ async fn redis() -> Subject {
 
 async fn cluster() -> Subject {
     let c = redis_support::RedisCluster::start();
-    let store = RedisStore::connect(&store_config(Backend::RedisCluster, c.urls()), StoreStats::default())
-        .await
-        .unwrap();
+    let store = RedisStore::connect(
+        &store_config(Backend::RedisCluster, c.urls()),
+        StoreStats::default(),
+    )
+    .await
+    .unwrap();
     Subject {
         store: Arc::new(store),
         single: None,
@@ -87,8 +93,17 @@ async fn burst_bound(s: Subject) {
 async fn refusal_consumes_nothing(s: Subject) {
     let p = policy(1.0, 1.0, 0);
     let ask = Ask::new(&p, 0.0, None);
-    assert!(matches!(s.store.acquire("refuse", ask).await.unwrap(), Outcome::Granted { .. }));
-    let before = s.store.view("refuse", ask, None).await.unwrap().unwrap().tokens;
+    assert!(matches!(
+        s.store.acquire("refuse", ask).await.unwrap(),
+        Outcome::Granted { .. }
+    ));
+    let before = s
+        .store
+        .view("refuse", ask, None)
+        .await
+        .unwrap()
+        .unwrap()
+        .tokens;
     for _ in 0..20 {
         match s.store.acquire("refuse", ask).await.unwrap() {
             Outcome::Refused { cooldown, retry_us } => {
@@ -98,9 +113,18 @@ async fn refusal_consumes_nothing(s: Subject) {
             o => panic!("expected a refusal, got {o:?}"),
         }
     }
-    let after = s.store.view("refuse", ask, None).await.unwrap().unwrap().tokens;
+    let after = s
+        .store
+        .view("refuse", ask, None)
+        .await
+        .unwrap()
+        .unwrap()
+        .tokens;
     // Only refill (≤ 1 token/s over the loop) may have changed the balance.
-    assert!(after >= before && after - before < 0.5, "{before} → {after}");
+    assert!(
+        after >= before && after - before < 0.5,
+        "{before} → {after}"
+    );
 }
 
 async fn sustained_rate_in_arrival_order(s: Subject) {
@@ -147,18 +171,33 @@ async fn cancelled_waiter_gives_its_slot_back(s: Subject) {
     let limiter = Limiter::new(Arc::clone(&s.store));
     limiter.admit("cancel", &p).await.unwrap();
     // A waiter for the next token (0.5 s away) hangs up after 50 ms.
-    let waiting = tokio::time::timeout(Duration::from_millis(50), limiter.admit("cancel", &p)).await;
-    assert!(waiting.is_err(), "the waiter should still have been waiting");
+    let waiting =
+        tokio::time::timeout(Duration::from_millis(50), limiter.admit("cancel", &p)).await;
+    assert!(
+        waiting.is_err(),
+        "the waiter should still have been waiting"
+    );
     let ask = Ask::new(&p, 0.0, None);
     let deadline = Instant::now() + Duration::from_secs(2);
-    while s.store.view("cancel", ask, None).await.unwrap().unwrap().tokens < -0.5 {
+    while s
+        .store
+        .view("cancel", ask, None)
+        .await
+        .unwrap()
+        .unwrap()
+        .tokens
+        < -0.5
+    {
         assert!(Instant::now() < deadline, "reservation never given back");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let started = Instant::now();
     limiter.admit("cancel", &p).await.unwrap();
     let waited = started.elapsed();
-    assert!(waited < Duration::from_millis(500), "the refunded slot was not reused: waited {waited:?}");
+    assert!(
+        waited < Duration::from_millis(500),
+        "the refunded slot was not reused: waited {waited:?}"
+    );
 }
 
 async fn cooldown_then_empty_bucket_at_decreased_rate(s: Subject) {
@@ -169,17 +208,37 @@ async fn cooldown_then_empty_bucket_at_decreased_rate(s: Subject) {
     for _ in 0..50 {
         let store = Arc::clone(&s.store);
         tasks.push(tokio::spawn(async move {
-            store.feedback("cool", ask, a, Duration::from_millis(800), true).await.unwrap()
+            store
+                .feedback("cool", ask, a, Duration::from_millis(800), true)
+                .await
+                .unwrap()
         }));
     }
     for t in tasks {
         t.await.unwrap();
     }
-    let v = s.store.view("cool", ask, Some(a.floor)).await.unwrap().unwrap();
+    let v = s
+        .store
+        .view("cool", ask, Some(a.floor))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(v.throttles, 50);
-    assert!((v.rate - 5.0).abs() < 0.01, "50 throttles decrease once: rate {}", v.rate);
-    match s.store.acquire("cool", Ask::new(&p, 0.0, None)).await.unwrap() {
-        Outcome::Refused { cooldown: true, retry_us } => assert!(retry_us > 600_000.0),
+    assert!(
+        (v.rate - 5.0).abs() < 0.01,
+        "50 throttles decrease once: rate {}",
+        v.rate
+    );
+    match s
+        .store
+        .acquire("cool", Ask::new(&p, 0.0, None))
+        .await
+        .unwrap()
+    {
+        Outcome::Refused {
+            cooldown: true,
+            retry_us,
+        } => assert!(retry_us > 600_000.0),
         o => panic!("{o:?}"),
     }
     match s.store.acquire("cool", ask).await.unwrap() {
@@ -196,9 +255,17 @@ async fn floor_holds(s: Subject) {
     a.default_cooldown = Duration::ZERO;
     let ask = Ask::new(&p, 0.0, None);
     for _ in 0..10 {
-        s.store.feedback("floor", ask, a, Duration::ZERO, true).await.unwrap();
+        s.store
+            .feedback("floor", ask, a, Duration::ZERO, true)
+            .await
+            .unwrap();
     }
-    let v = s.store.view("floor", ask, Some(a.floor)).await.unwrap().unwrap();
+    let v = s
+        .store
+        .view("floor", ask, Some(a.floor))
+        .await
+        .unwrap()
+        .unwrap();
     assert!(v.rate >= 3.0 && v.rate < 3.1, "rate {}", v.rate);
     assert!(v.at_floor);
 }
@@ -227,11 +294,21 @@ async fn redis_keys_expire_on_their_own_and_scripts_reload() {
     let p = policy(10.0, 5.0, 0);
     let ask = Ask::new(&p, 0.0, None);
     s.store.acquire("ttl", ask).await.unwrap();
-    let pttl: i64 = server.cli(&["PTTL", "sluice:{ttl}"]).unwrap().parse().unwrap();
+    let pttl: i64 = server
+        .cli(&["PTTL", "sluice:{ttl}"])
+        .unwrap()
+        .parse()
+        .unwrap();
     // One token short at 10/s refills in 100 ms; the key lives that plus a 1 s margin.
     assert!(pttl > 0 && pttl <= 1_100 + 50, "PTTL {pttl}");
     server.cli(&["SCRIPT", "FLUSH"]).unwrap();
-    assert!(matches!(s.store.acquire("ttl", ask).await.unwrap(), Outcome::Granted { .. }), "NOSCRIPT recovered");
+    assert!(
+        matches!(
+            s.store.acquire("ttl", ask).await.unwrap(),
+            Outcome::Granted { .. }
+        ),
+        "NOSCRIPT recovered"
+    );
 }
 
 #[tokio::test]
@@ -243,15 +320,28 @@ async fn cluster_keys_use_the_endpoint_hash_tag_and_spread_over_masters() {
     let mut ports = std::collections::HashSet::new();
     for i in 0..12 {
         let ep = format!("ep_{i}");
-        assert!(matches!(s.store.acquire(&ep, ask).await.unwrap(), Outcome::Granted { .. }));
+        assert!(matches!(
+            s.store.acquire(&ep, ask).await.unwrap(),
+            Outcome::Granted { .. }
+        ));
         let key = format!("sluice:{{{ep}}}");
         let node = c.node_for(&key);
-        assert_eq!(node.cli(&["EXISTS", &key]).as_deref(), Some("1"), "{key} not on its slot's master");
+        assert_eq!(
+            node.cli(&["EXISTS", &key]).as_deref(),
+            Some("1"),
+            "{key} not on its slot's master"
+        );
         ports.insert(node.port());
     }
     assert!(ports.len() >= 2, "all endpoints landed on one master");
     for n in &c.nodes {
         n.cli(&["SCRIPT", "FLUSH"]).unwrap();
     }
-    assert!(matches!(s.store.acquire("ep_0", ask).await.unwrap(), Outcome::Granted { .. }), "NOSCRIPT recovered");
+    assert!(
+        matches!(
+            s.store.acquire("ep_0", ask).await.unwrap(),
+            Outcome::Granted { .. }
+        ),
+        "NOSCRIPT recovered"
+    );
 }

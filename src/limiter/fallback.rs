@@ -34,7 +34,7 @@ impl Resilient {
     pub fn new(primary: Arc<dyn BucketStore>, on_error: OnError, stats: StoreStats) -> Resilient {
         Resilient {
             primary,
-            local: MemoryStore::new(),
+            local: MemoryStore::starting_empty(),
             on_error,
             stats,
             degraded: AtomicBool::new(false),

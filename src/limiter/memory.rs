@@ -31,6 +31,7 @@ pub struct MemoryStore {
     hasher: RandomState,
     epoch: Instant,
     calls: AtomicU64,
+    start_full: bool,
 }
 
 impl Default for MemoryStore {
@@ -40,9 +41,20 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store whose clock starts now.
+    /// An empty store whose clock starts now; new buckets start full.
     pub fn new() -> MemoryStore {
+        MemoryStore::with_fresh_buckets_full(true)
+    }
+
+    /// A store whose new buckets start empty: the fallback for a failed shared store,
+    /// which must not add a burst on top of what the shared bucket already let through.
+    pub fn starting_empty() -> MemoryStore {
+        MemoryStore::with_fresh_buckets_full(false)
+    }
+
+    fn with_fresh_buckets_full(start_full: bool) -> MemoryStore {
         MemoryStore {
+            start_full,
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
             epoch: Instant::now(),
@@ -84,7 +96,7 @@ impl MemoryStore {
         let entry = match shard.get_mut(endpoint) {
             Some(e) => e,
             None => shard.entry(endpoint.into()).or_insert_with(|| Entry {
-                state: bucket::fresh(ask.burst, now),
+                state: bucket::fresh(if self.start_full { ask.burst } else { 0.0 }, now),
                 ask: *ask,
             }),
         };

@@ -1,0 +1,272 @@
+//! Several sluice replicas sharing one Redis or a Redis Cluster, and what senders see
+//! when the store dies, stalls or comes back empty.
+
+mod common;
+#[path = "support/redis.rs"]
+#[allow(dead_code)]
+mod redis_support;
+
+use std::time::{Duration, Instant};
+
+use common::{Upstream, assert_no_overdraw, client, sustained_rate};
+
+async fn replicas(store: &str, extra: &str, n: usize) -> Vec<sluice::app::Running> {
+    let mut v = Vec::new();
+    for _ in 0..n {
+        v.push(common::sluice(&format!("{store}{extra}")).await);
+    }
+    v
+}
+
+/// `senders` concurrent senders spread over the replicas, `each` requests apiece, on `endpoints`.
+async fn load(
+    rs: &[sluice::app::Running],
+    up: &Upstream,
+    endpoints: &[&str],
+    senders: usize,
+    each: usize,
+) -> usize {
+    let mut tasks = Vec::new();
+    for i in 0..senders {
+        let c = client(rs[i % rs.len()].proxy_addr);
+        let ep = endpoints[i % endpoints.len()].to_string();
+        let url = up.url(&format!("/{ep}/{i}"));
+        tasks.push(tokio::spawn(async move {
+            let mut ok = 0;
+            for _ in 0..each {
+                let r = c
+                    .get(&url)
+                    .header("x-endpoint-id", &ep)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200, "{:?}", r.headers().get("x-sluice-reason"));
+                ok += 1;
+            }
+            ok
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    total
+}
+
+fn times_of(up: &Upstream, ep: &str) -> Vec<Instant> {
+    let prefix = format!("/{ep}/");
+    up.arrivals()
+        .iter()
+        .filter(|a| a.path.starts_with(&prefix))
+        .map(|a| a.at)
+        .collect()
+}
+
+const POLICY: &str = "[defaults]\nrate = 40.0\nburst = 8.0\nmax_wait = \"30s\"\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_one_redis_never_overdraw() {
+    let redis = redis_support::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
+        redis.url()
+    );
+    let rs = replicas(&store, POLICY, 3).await;
+    let up = Upstream::start().await;
+    let sent = load(&rs, &up, &["shared"], 24, 7).await;
+    let times = times_of(&up, "shared");
+    assert_eq!(
+        times.len(),
+        sent,
+        "every granted request arrived exactly once"
+    );
+    assert_no_overdraw(&times, 40.0, 8.0);
+    let achieved = sustained_rate(&times, 8);
+    eprintln!(
+        "3 replicas / 1 Redis: {:.1}% of 40/s",
+        achieved / 40.0 * 100.0
+    );
+    assert!(achieved >= 0.95 * 40.0, "{achieved:.1}/s");
+    for r in rs {
+        r.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_a_redis_cluster_never_overdraw() {
+    let cluster = redis_support::RedisCluster::start();
+    let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let store = format!(
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\n",
+        urls.join(", ")
+    );
+    let rs = replicas(
+        &store,
+        "[defaults]\nrate = 20.0\nburst = 4.0\nmax_wait = \"30s\"\n",
+        3,
+    )
+    .await;
+    let up = Upstream::start().await;
+    let endpoints = ["c_a", "c_b", "c_c", "c_d"];
+    let masters: std::collections::HashSet<u16> = endpoints
+        .iter()
+        .map(|e| cluster.node_for(&format!("sluice:{{{e}}}")).port())
+        .collect();
+    assert!(
+        masters.len() >= 2,
+        "test endpoints should land on different masters"
+    );
+    load(&rs, &up, &endpoints, 24, 5).await;
+    for ep in endpoints {
+        let times = times_of(&up, ep);
+        assert_eq!(times.len(), 30);
+        assert_no_overdraw(&times, 20.0, 4.0);
+        let achieved = sustained_rate(&times, 4);
+        assert!(achieved >= 0.95 * 20.0, "{ep}: {achieved:.1}/s");
+    }
+    for r in rs {
+        r.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty() {
+    let mut redis = redis_support::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\non_error = \"local\"\n",
+        redis.url()
+    );
+    let s = common::sluice(&format!(
+        "{store}[defaults]\nrate = 20.0\nburst = 4.0\nmax_wait = \"10s\"\n"
+    ))
+    .await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let admin = format!("http://{}/readyz", s.admin_addr);
+    let stop_at = Instant::now() + Duration::from_secs(3);
+    let sender = {
+        let (c, url) = (c.clone(), up.url("/out/x"));
+        tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            while Instant::now() < stop_at && statuses.len() < 500 {
+                let r = c
+                    .get(&url)
+                    .header("x-endpoint-id", "out")
+                    .send()
+                    .await
+                    .unwrap();
+                statuses.push(r.status().as_u16());
+            }
+            statuses
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    redis.kill();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let degraded: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+    assert_eq!(degraded["store"], "degraded");
+    redis.restart(); // same port, empty: no keys, no scripts
+    let statuses = sender.await.unwrap();
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "a sender saw {statuses:?}"
+    );
+    // Pacing continued locally: the whole run stayed within the bound.
+    let times = times_of(&up, "out");
+    // The fallback bucket starts empty; the restarted (empty) Redis grants one fresh burst.
+    assert_no_overdraw(&times, 20.0, 4.0 + 4.0);
+    // Back on Redis by itself.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = c
+            .get(up.url("/out/after"))
+            .header("x-endpoint-id", "out")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        if redis.cli(&["EXISTS", "sluice:{out}"]).as_deref() == Some("1") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "sluice never returned to Redis");
+    }
+    let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+    assert_eq!(ready["store"], "ok");
+    let metrics = reqwest::get(format!("http://{}/metrics", s.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("sluice_store_errors_total"), "{metrics}");
+    s.stop().await;
+}
+
+async fn stalled_redis(
+    on_error: &str,
+) -> (redis_support::RedisServer, sluice::app::Running, Upstream) {
+    let redis = redis_support::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"150ms\"\non_error = \"{on_error}\"\n",
+        redis.url()
+    );
+    let s = common::sluice(&store).await;
+    let up = Upstream::start().await;
+    let r = client(s.proxy_addr)
+        .get(up.url("/warm"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    redis.pause(); // SIGSTOP: sockets open, no answers
+    (redis, s, up)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_redis_trips_the_timeout_and_deny_refuses() {
+    let (redis, s, up) = stalled_redis("deny").await;
+    let c = client(s.proxy_addr);
+    for _ in 0..3 {
+        let started = Instant::now();
+        let r = c.get(up.url("/denied")).send().await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_millis(800),
+            "stalled {:?}",
+            started.elapsed()
+        );
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()["x-sluice-reason"], "store_unavailable");
+        assert_eq!(r.headers()["retry-after"], "1");
+    }
+    assert_eq!(
+        up.arrivals().iter().filter(|a| a.path == "/denied").count(),
+        0
+    );
+    let ready = reqwest::get(format!("http://{}/readyz", s.admin_addr))
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503);
+    redis.resume();
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_redis_with_allow_forwards_unlimited() {
+    let (redis, s, up) = stalled_redis("allow").await;
+    let c = client(s.proxy_addr);
+    for _ in 0..3 {
+        let started = Instant::now();
+        let r = c.get(up.url("/allowed")).send().await.unwrap();
+        assert!(started.elapsed() < Duration::from_millis(800));
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(
+        up.arrivals()
+            .iter()
+            .filter(|a| a.path == "/allowed")
+            .count(),
+        3
+    );
+    redis.resume();
+    s.stop().await;
+}
