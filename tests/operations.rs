@@ -1,0 +1,457 @@
+//! Operating sluice: the metrics contract, the endpoint label cap, live reload under
+//! load, `sluice status`, and secrets kept out of logs. Drives the real binary where
+//! signals and logs matter.
+
+mod common;
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{Reply, Upstream, client};
+
+async fn scrape(admin: std::net::SocketAddr) -> prometheus_parse::Scrape {
+    let text = reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_spec_metric_is_exported_with_its_type_and_labels() {
+    let up = Upstream::with(Arc::new(|a| {
+        if a.path == "/throttle" {
+            Reply::status(429).header("retry-after", "1")
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await;
+    let s = common::sluice("[defaults]\nrate = 5.0\nburst = 1.0\nmax_wait = \"0s\"\n").await;
+    let c = client(s.proxy_addr);
+    c.get(up.url("/ok"))
+        .header("x-endpoint-id", "m")
+        .send()
+        .await
+        .unwrap();
+    c.get(up.url("/ok"))
+        .header("x-endpoint-id", "m")
+        .send()
+        .await
+        .unwrap(); // refused
+    c.get(up.url("/throttle"))
+        .header("x-endpoint-id", "t")
+        .send()
+        .await
+        .unwrap();
+    // Gauges are refreshed by the observer once a second.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let scrape = loop {
+        let sc = scrape(s.admin_addr).await;
+        if sc
+            .samples
+            .iter()
+            .any(|x| x.metric == "sluice_endpoint_rate")
+            || Instant::now() > deadline
+        {
+            break sc;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let has = |name: &str, labels: &[&str]| {
+        scrape
+            .samples
+            .iter()
+            .any(|x| x.metric == name && labels.iter().all(|l| x.labels.get(l).is_some()))
+    };
+    assert!(has("sluice_requests_total", &["endpoint", "outcome"]));
+    assert!(has("sluice_wait_seconds", &["endpoint"]));
+    assert!(has(
+        "sluice_upstream_responses_total",
+        &["endpoint", "code"]
+    ));
+    assert!(has("sluice_endpoint_rate", &["endpoint"]));
+    assert!(has("sluice_endpoint_at_floor", &["endpoint"]));
+    assert!(has("sluice_store_errors_total", &[]));
+    assert!(has("sluice_store_seconds", &[]));
+    let sample = |name: &str| {
+        scrape
+            .samples
+            .iter()
+            .find(|x| x.metric == name)
+            .map(|x| x.value.clone())
+    };
+    // OpenMetrics names a counter family without `_total` in its TYPE line.
+    let text = reqwest::get(format!("http://{}/metrics", s.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for (family, kind) in [
+        ("sluice_requests", "counter"),
+        ("sluice_upstream_responses", "counter"),
+        ("sluice_store_errors", "counter"),
+        ("sluice_wait_seconds", "histogram"),
+        ("sluice_store_seconds", "histogram"),
+        ("sluice_endpoint_rate", "gauge"),
+        ("sluice_endpoint_at_floor", "gauge"),
+    ] {
+        assert!(
+            text.contains(&format!("# TYPE {family} {kind}\n")),
+            "{family} is not a {kind}:\n{text}"
+        );
+    }
+    assert!(matches!(
+        sample("sluice_endpoint_rate"),
+        Some(prometheus_parse::Value::Gauge(_))
+    ));
+    assert!(matches!(
+        sample("sluice_wait_seconds"),
+        Some(prometheus_parse::Value::Histogram(_))
+    ));
+    assert!(matches!(
+        sample("sluice_store_seconds"),
+        Some(prometheus_parse::Value::Histogram(_))
+    ));
+    assert!(matches!(
+        sample("sluice_endpoint_at_floor"),
+        Some(prometheus_parse::Value::Gauge(_))
+    ));
+    let refused = scrape.samples.iter().any(|x| {
+        x.metric == "sluice_requests_total"
+            && x.labels.get("endpoint") == Some("m")
+            && x.labels.get("outcome") == Some("rate_limited")
+    });
+    assert!(refused, "refusals are counted by outcome");
+    let throttled = scrape.samples.iter().any(|x| {
+        x.metric == "sluice_upstream_responses_total"
+            && x.labels.get("endpoint") == Some("t")
+            && x.labels.get("code") == Some("429")
+    });
+    assert!(throttled);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_endpoint_ids_cannot_blow_up_metrics() {
+    let up = Upstream::start().await;
+    let s = common::sluice("[proxy]\nmetrics_max_endpoints = 50\n").await;
+    let c = client(s.proxy_addr);
+    let mut tasks = Vec::new();
+    for w in 0..16 {
+        let (c, url) = (c.clone(), up.url("/spray"));
+        tasks.push(tokio::spawn(async move {
+            for i in (w..10_000).step_by(16) {
+                let r = c
+                    .get(&url)
+                    .header("x-endpoint-id", format!("spray-{i}"))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let sc = scrape(s.admin_addr).await;
+    let endpoints: std::collections::HashSet<String> = sc
+        .samples
+        .iter()
+        .filter(|x| x.metric == "sluice_requests_total")
+        .filter_map(|x| x.labels.get("endpoint").map(str::to_owned))
+        .collect();
+    assert!(
+        endpoints.len() <= 51,
+        "{} endpoint label values",
+        endpoints.len()
+    );
+    assert!(endpoints.contains("_other"));
+    s.stop().await;
+}
+
+/// The sluice binary with a config file, its stderr collected.
+struct Proc {
+    child: Child,
+    log: Arc<Mutex<String>>,
+    proxy: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+}
+
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+impl Proc {
+    fn config(proxy: std::net::SocketAddr, admin: std::net::SocketAddr, rest: &str) -> String {
+        format!(
+            "[proxy]\nlisten = \"{proxy}\"\nadmin_listen = \"{admin}\"\nshutdown_grace = \"3s\"\n\
+             [security]\nallow_private_destinations = true\n{rest}"
+        )
+    }
+
+    async fn start(path: &Path, proxy: std::net::SocketAddr, admin: std::net::SocketAddr) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["run", "--config"])
+            .arg(path)
+            .env("RUST_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let mut stderr = child.stderr.take().unwrap();
+        let sink = Arc::clone(&log);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        let p = Proc {
+            child,
+            log,
+            proxy,
+            admin,
+        };
+        p.wait_log("sluice listening", Duration::from_secs(10))
+            .await;
+        p
+    }
+
+    async fn wait_log(&self, needle: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while !self.log.lock().unwrap().contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in log:\n{}",
+                self.log.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+    }
+
+    async fn endpoints(&self) -> serde_json::Value {
+        reqwest::get(format!("http://{}/endpoints", self.admin))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    fn stop(mut self) -> String {
+        self.signal("-TERM");
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "sluice exited with {status}");
+        std::thread::sleep(Duration::from_millis(50));
+        self.log.lock().unwrap().clone()
+    }
+}
+
+fn rate_of(eps: &serde_json::Value, id: &str) -> f64 {
+    eps.as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == id)
+        .unwrap()["configured_rate"]
+        .as_f64()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_changes_limits_under_load_and_refuses_bad_files() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let endpoint = |rate: f64| {
+        format!("[[endpoints]]\nid = \"live\"\nrate = {rate}\nburst = 2.0\nmax_wait = \"10s\"\n")
+    };
+    std::fs::write(&path, Proc::config(proxy, admin, &endpoint(20.0))).unwrap();
+    let p = Proc::start(&path, proxy, admin).await;
+    // Load throughout the reloads.
+    let stop_at = Instant::now() + Duration::from_secs(3);
+    let c = client(proxy);
+    let mut senders = Vec::new();
+    for i in 0..4 {
+        let (c, url) = (c.clone(), up.url(&format!("/live/{i}")));
+        senders.push(tokio::spawn(async move {
+            let mut n = 0;
+            while Instant::now() < stop_at && n < 200 {
+                let r = c
+                    .get(format!("{url}/{n}"))
+                    .header("x-endpoint-id", "live")
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                n += 1;
+            }
+            n
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    std::fs::write(&path, Proc::config(proxy, admin, &endpoint(50.0))).unwrap();
+    p.signal("-HUP");
+    p.wait_log("config reloaded", Duration::from_secs(5)).await;
+    assert_eq!(rate_of(&p.endpoints().await, "live"), 50.0);
+    // A bad file (written, picked up by the file watch) keeps the running limits.
+    std::fs::write(
+        &path,
+        Proc::config(proxy, admin, "[[endpoints]]\nid = \"live\"\nrate = -1.0\n"),
+    )
+    .unwrap();
+    p.wait_log("reload refused", Duration::from_secs(5)).await;
+    assert_eq!(rate_of(&p.endpoints().await, "live"), 50.0);
+    let mut sent = 0;
+    for s in senders {
+        sent += s.await.unwrap();
+    }
+    let arrivals = up.arrivals();
+    let unique: std::collections::HashSet<&str> =
+        arrivals.iter().map(|a| a.path.as_str()).collect();
+    assert_eq!(arrivals.len(), sent, "nothing lost");
+    assert_eq!(unique.len(), sent, "nothing doubled");
+    let log = p.stop();
+    assert!(
+        log.contains("endpoints[0].rate"),
+        "the refused reload names the key:\n{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_prints_every_endpoint_and_json_round_trips() {
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[[endpoints]]\nid = \"alpha\"\nrate = 3.0\n[[endpoints]]\nid = \"beta\"\nrate = 4.0\n",
+    )
+    .await;
+    client(s.proxy_addr)
+        .get(up.url("/"))
+        .header("x-endpoint-id", "gamma")
+        .send()
+        .await
+        .unwrap();
+    let admin = format!("http://{}", s.admin_addr);
+    let run = move |json: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        cmd.args(["status", "--admin", &admin]);
+        if json {
+            cmd.arg("--json");
+        }
+        cmd.output().unwrap()
+    };
+    let table = tokio::task::spawn_blocking(move || (run(false), run(true)))
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&table.0.stdout).into_owned();
+    assert!(table.0.status.success(), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("ENDPOINT"), "{text}");
+    for id in ["alpha", "beta", "gamma"] {
+        assert!(
+            lines.iter().any(|l| l.starts_with(id)),
+            "{id} missing:\n{text}"
+        );
+    }
+    let col = lines[0].find("RATE/S").unwrap();
+    assert!(
+        lines[1..].iter().all(|l| l.len() > col),
+        "columns are aligned:\n{text}"
+    );
+    let views: Vec<sluice::admin::EndpointView> = serde_json::from_slice(&table.1.stdout).unwrap();
+    let again: Vec<sluice::admin::EndpointView> =
+        serde_json::from_str(&serde_json::to_string(&views).unwrap()).unwrap();
+    assert_eq!(views, again);
+    assert_eq!(
+        views
+            .iter()
+            .find(|v| v.id == "beta")
+            .unwrap()
+            .configured_rate,
+        4.0
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_never_show_the_redis_password_or_proxy_credentials() {
+    let rdir = tempfile::tempdir().unwrap();
+    let port = free_addr().port();
+    let mut redis = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--requirepass", "hunter2-secret"])
+        .arg("--dir")
+        .arg(rdir.path())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("redis-server");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"redis://:hunter2-secret@127.0.0.1:{port}/\"]\ntimeout = \"200ms\"\n"
+    );
+    std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
+    let p = Proc::start(&path, proxy, admin).await;
+    let c = client(proxy);
+    let r = c
+        .get(up.url("/"))
+        .header("proxy-authorization", "Basic dXNlcjpzM2NyM3QtcGFzcw==")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let _ = redis.kill();
+    let _ = redis.wait();
+    // Errors while Redis is gone get logged; none may carry the password.
+    for _ in 0..3 {
+        let _ = c.get(up.url("/down")).send().await.unwrap();
+    }
+    p.wait_log("rate-limit store failed", Duration::from_secs(5))
+        .await;
+    let log = p.stop();
+    assert!(!log.contains("hunter2-secret"), "password in logs:\n{log}");
+    assert!(
+        !log.contains("dXNlcjpzM2NyM3QtcGFzcw") && !log.contains("s3cr3t-pass"),
+        "credentials in logs:\n{log}"
+    );
+}
