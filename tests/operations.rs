@@ -181,7 +181,6 @@ async fn ten_thousand_endpoint_ids_cannot_blow_up_metrics() {
 struct Proc {
     child: Child,
     log: Arc<Mutex<String>>,
-    proxy: std::net::SocketAddr,
     admin: std::net::SocketAddr,
 }
 
@@ -200,7 +199,7 @@ impl Proc {
         )
     }
 
-    async fn start(path: &Path, proxy: std::net::SocketAddr, admin: std::net::SocketAddr) -> Proc {
+    async fn start(path: &Path, admin: std::net::SocketAddr) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
             .args(["run", "--config"])
             .arg(path)
@@ -291,7 +290,7 @@ async fn reload_changes_limits_under_load_and_refuses_bad_files() {
         format!("[[endpoints]]\nid = \"live\"\nrate = {rate}\nburst = 2.0\nmax_wait = \"10s\"\n")
     };
     std::fs::write(&path, Proc::config(proxy, admin, &endpoint(20.0))).unwrap();
-    let p = Proc::start(&path, proxy, admin).await;
+    let p = Proc::start(&path, admin).await;
     // Load throughout the reloads.
     let stop_at = Instant::now() + Duration::from_secs(3);
     let c = client(proxy);
@@ -431,7 +430,7 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
         "[store]\nbackend = \"redis\"\nurls = [\"redis://:hunter2-secret@127.0.0.1:{port}/\"]\ntimeout = \"200ms\"\n"
     );
     std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
-    let p = Proc::start(&path, proxy, admin).await;
+    let p = Proc::start(&path, admin).await;
     let c = client(proxy);
     let r = c
         .get(up.url("/"))
