@@ -222,12 +222,7 @@ impl Proc {
                     .push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         });
-        let p = Proc {
-            child,
-            log,
-            proxy,
-            admin,
-        };
+        let p = Proc { child, log, admin };
         p.wait_log("sluice listening", Duration::from_secs(10))
             .await;
         p
