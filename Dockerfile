@@ -1,0 +1,23 @@
+# syntax=docker/dockerfile:1
+# Build: docker build -t sluice .   Run: docker run -p 8080:8080 -p 9090:9090 sluice
+FROM rust:1-slim-bookworm AS build
+WORKDIR /src
+# Dependency layer: cached until Cargo.toml / Cargo.lock change.
+COPY Cargo.toml Cargo.lock ./
+RUN mkdir -p src examples && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
+ && for e in upstream store_bench tls_bench; do echo 'fn main() {}' > examples/$e.rs; done \
+ && cargo build --release --locked --bin sluice && rm -rf src examples
+COPY src ./src
+COPY lua ./lua
+COPY examples ./examples
+RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin sluice
+
+FROM debian:bookworm-slim
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/* && useradd --system --uid 10001 --no-create-home sluice
+COPY --from=build /src/target/release/sluice /usr/local/bin/sluice
+COPY config/sluice.example.toml /etc/sluice/sluice.toml
+USER 10001
+EXPOSE 8080 9090
+ENTRYPOINT ["sluice"]
+CMD ["run", "--config", "/etc/sluice/sluice.toml"]

@@ -1,0 +1,254 @@
+//! HTTPS interception cost, side by side in one run, against a separate sluice process:
+//! plain HTTP through sluice | intercepted HTTPS over kept-alive tunnels | intercepted
+//! HTTPS with a fresh tunnel and handshake per request.
+//!
+//! `cargo build --release --bin sluice --example tls_bench && target/release/examples/tls_bench [SECONDS]`
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+async fn serve_plain(listener: TcpListener) {
+    while let Ok((s, _)) = listener.accept().await {
+        tokio::spawn(async move {
+            let svc = service_fn(|_r| async {
+                Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(b"ok"))))
+            });
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(s), svc)
+                .await;
+        });
+    }
+}
+
+async fn serve_tls(listener: TcpListener, cfg: Arc<rustls::ServerConfig>) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+    while let Ok((s, _)) = listener.accept().await {
+        let acceptor = acceptor.clone();
+        tokio::spawn(async move {
+            let Ok(tls) = acceptor.accept(s).await else {
+                return;
+            };
+            let svc = service_fn(|_r| async {
+                Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(b"ok"))))
+            });
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(tls), svc)
+                .await;
+        });
+    }
+}
+
+/// Runs `workers` loops for `secs`; returns (req/s, p50, p99).
+async fn load(
+    make: impl Fn() -> reqwest::Client,
+    url: String,
+    workers: usize,
+    secs: u64,
+) -> (f64, Duration, Duration) {
+    let end = Instant::now() + Duration::from_secs(secs);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..workers {
+        let client = make();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while Instant::now() < end {
+                let t = Instant::now();
+                if let Ok(r) = client
+                    .get(&url)
+                    .header("x-endpoint-id", "bench")
+                    .send()
+                    .await
+                {
+                    let _ = r.bytes().await;
+                    lat.push(t.elapsed());
+                }
+            }
+            lat
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap_or_default());
+    }
+    all.sort();
+    let n = all.len().max(1);
+    (
+        all.len() as f64 / started.elapsed().as_secs_f64(),
+        all[n / 2],
+        all[(n * 99) / 100],
+    )
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let secs: u64 = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let dir = tempfile_dir()?;
+    let sluice_ca = sluice::mitm::generate_ca(&dir.join("sluice-ca"))?;
+    let up_ca = sluice::mitm::generate_ca(&dir.join("up-ca"))?;
+    let up = sluice::mitm::Interceptor::new(
+        sluice::mitm::CertAuthority::load(&up_ca.cert, &up_ca.key)?,
+        4,
+        Duration::from_secs(3600),
+    );
+    let plain = TcpListener::bind("127.0.0.1:0").await?;
+    let tls = TcpListener::bind("127.0.0.1:0").await?;
+    let (plain_port, tls_port) = (plain.local_addr()?.port(), tls.local_addr()?.port());
+    tokio::spawn(serve_plain(plain));
+    tokio::spawn(serve_tls(tls, up.server_config("localhost")?));
+    let proxy = TcpListener::bind("127.0.0.1:0").await?.local_addr()?;
+    let admin = TcpListener::bind("127.0.0.1:0").await?.local_addr()?;
+    let cfg = dir.join("sluice.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[proxy]\nlisten = \"{proxy}\"\nadmin_listen = \"{admin}\"\n[defaults]\nrate = 1e9\nburst = 1e9\n\
+             [tls]\nintercept = true\nca_cert = \"{}\"\nca_key = \"{}\"\nupstream_roots = [\"{}\"]\n\
+             [security]\nallow_private_destinations = true\n",
+            sluice_ca.cert.display(),
+            sluice_ca.key.display(),
+            up_ca.cert.display()
+        ),
+    )?;
+    let exe = std::env::current_exe()?
+        .parent()
+        .and_then(|p| p.parent())
+        .map(|p| p.join("sluice"))
+        .ok_or("no exe dir")?;
+    let mut child = tokio::process::Command::new(exe)
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .env("RUST_LOG", "warn")
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(proxy).await.is_err() {
+        if Instant::now() > deadline {
+            return Err("sluice did not start".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&sluice_ca.cert)?)?;
+    let proxy_url = format!("http://{proxy}");
+    let http_client = || {
+        reqwest::Client::builder()
+            .proxy(reqwest::Proxy::http(&proxy_url).unwrap())
+            .build()
+            .unwrap()
+    };
+    let tls_client = || {
+        reqwest::Client::builder()
+            .use_rustls_tls()
+            .add_root_certificate(ca.clone())
+            .proxy(reqwest::Proxy::https(&proxy_url).unwrap())
+            .build()
+            .unwrap()
+    };
+    let rows = [
+        (
+            "plain HTTP via sluice (keep-alive)",
+            load(
+                http_client,
+                format!("http://127.0.0.1:{plain_port}/"),
+                32,
+                secs,
+            )
+            .await,
+        ),
+        (
+            "intercepted HTTPS (keep-alive tunnel)",
+            load(
+                tls_client,
+                format!("https://localhost:{tls_port}/"),
+                32,
+                secs,
+            )
+            .await,
+        ),
+        (
+            "intercepted HTTPS, fresh tunnel + handshake",
+            load_fresh(
+                tls_client,
+                format!("https://localhost:{tls_port}/"),
+                8,
+                secs,
+            )
+            .await,
+        ),
+    ];
+    let base = rows[0].1.0;
+    println!("| scenario | req/s | p50 | p99 | req/s vs plain HTTP |\n|---|---|---|---|---|");
+    for (name, (rps, p50, p99)) in rows {
+        println!(
+            "| {name} | {rps:.0} | {:.2}ms | {:.2}ms | {:.2} |",
+            p50.as_secs_f64() * 1e3,
+            p99.as_secs_f64() * 1e3,
+            rps / base
+        );
+    }
+    let _ = child.kill().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// Like [`load`], but every request gets a new client: new CONNECT, new TLS handshake.
+async fn load_fresh(
+    make: impl Fn() -> reqwest::Client + Send + Sync + 'static,
+    url: String,
+    workers: usize,
+    secs: u64,
+) -> (f64, Duration, Duration) {
+    let make = Arc::new(make);
+    let end = Instant::now() + Duration::from_secs(secs);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..workers {
+        let (make, url) = (Arc::clone(&make), url.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while Instant::now() < end {
+                let t = Instant::now();
+                if let Ok(r) = make()
+                    .get(&url)
+                    .header("x-endpoint-id", "bench")
+                    .send()
+                    .await
+                {
+                    let _ = r.bytes().await;
+                    lat.push(t.elapsed());
+                }
+            }
+            lat
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap_or_default());
+    }
+    all.sort();
+    let n = all.len().max(1);
+    (
+        all.len() as f64 / started.elapsed().as_secs_f64(),
+        all[n / 2],
+        all[(n * 99) / 100],
+    )
+}
+
+fn tempfile_dir() -> std::io::Result<std::path::PathBuf> {
+    let d = std::env::temp_dir().join(format!("sluice-tls-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
