@@ -149,11 +149,12 @@ async fn main() -> Result<(), BoxError> {
             .build()
             .unwrap()
     };
-    let tls_client = || {
+    let (ca2, proxy2) = (ca.clone(), proxy_url.clone());
+    let tls_client = move || {
         reqwest::Client::builder()
             .use_rustls_tls()
-            .add_root_certificate(ca.clone())
-            .proxy(reqwest::Proxy::https(&proxy_url).unwrap())
+            .add_root_certificate(ca2.clone())
+            .proxy(reqwest::Proxy::https(&proxy2).unwrap())
             .build()
             .unwrap()
     };
