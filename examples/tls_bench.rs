@@ -172,7 +172,7 @@ async fn main() -> Result<(), BoxError> {
         (
             "intercepted HTTPS (keep-alive tunnel)",
             load(
-                tls_client,
+                tls_client.clone(),
                 format!("https://localhost:{tls_port}/"),
                 32,
                 secs,
