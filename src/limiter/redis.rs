@@ -1,44 +1,87 @@
-//! The Redis / Redis Cluster bucket store: one `EVALSHA` of `lua/bucket.lua` per decision.
+//! The Redis / Redis Cluster bucket store: one `EVALSHA` per decision.
+//!
+//! The scripts live in `lua/`: `bucket.lua` (state, clock and math shared by all) is
+//! prepended at compile time to each of `acquire.lua`, `feedback.lua`, `release.lua`
+//! and `view.lua`, and their SHAs are computed once, when the store is built.
 //!
 //! Single node: a multiplexed [`ConnectionManager`] (concurrent requests pipeline on one
 //! socket; it reconnects with backoff on its own). Cluster: the async cluster connection,
-//! which follows MOVED/ASK and failovers. The script's SHA is computed once at start-up;
-//! a NOSCRIPT answer (restarted or flushed Redis) reloads it and retries once. Every call
-//! is bounded by `store.timeout`, and errors are classified once, in [`classify`].
+//! which follows MOVED/ASK and failovers. A NOSCRIPT answer (restarted, failed-over or
+//! flushed Redis) loads the script and retries once ([`Script::invoke_async`]; in a
+//! cluster `SCRIPT LOAD` goes to every node). Every call is bounded by `store.timeout`,
+//! latency and failures are recorded in [`StoreStats`], and errors are classified once,
+//! in [`classify`].
 
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisError, Script, Value};
+use redis::{FromRedisValue, RedisError, Script, ScriptInvocation, Value};
 
 use super::bucket::{Ask, Outcome, View};
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
 use crate::config::{Adaptive, Backend, StoreConfig, redact};
 
-/// The bucket script, compiled in.
-const BUCKET_LUA: &str = include_str!("../../lua/bucket.lua");
+macro_rules! bucket_script {
+    ($file:literal) => {
+        concat!(
+            include_str!("../../lua/bucket.lua"),
+            include_str!(concat!("../../lua/", $file))
+        )
+    };
+}
 
+/// `lua/bucket.lua` + `lua/acquire.lua`.
+const ACQUIRE_LUA: &str = bucket_script!("acquire.lua");
+/// `lua/bucket.lua` + `lua/release.lua`.
+const RELEASE_LUA: &str = bucket_script!("release.lua");
+/// `lua/bucket.lua` + `lua/feedback.lua`.
+const FEEDBACK_LUA: &str = bucket_script!("feedback.lua");
+/// `lua/bucket.lua` + `lua/view.lua`.
+const VIEW_LUA: &str = bucket_script!("view.lua");
+
+/// Connections are allowed at least this long even with a tighter call timeout: a TCP
+/// handshake plus HELLO must fit, or a reconnect could never succeed.
+const MIN_CONNECT_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// The two connection kinds; both are cheap clones of a shared multiplexed handle.
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }
 
+/// The scripts, hashed once.
+struct Scripts {
+    acquire: Script,
+    release: Script,
+    feedback: Script,
+    view: Script,
+}
+
 /// Buckets shared by every replica through Redis.
 pub struct RedisStore {
     conn: Conn,
-    script: Script,
+    scripts: Scripts,
     prefix: String,
     timeout: Duration,
     stats: StoreStats,
 }
 
-/// Decides once whether a Redis error is the store being unreachable or answering badly.
-fn classify(e: RedisError) -> StoreError {
-    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
+/// Decides once whether a Redis error means the store is unreachable (transient: a
+/// dropped/refused connection, a cluster without a serving master) or that it answered
+/// with something sluice cannot use.
+fn classify(e: RedisError, timeout: Duration) -> StoreError {
+    if e.is_timeout() {
+        StoreError::Timeout(timeout)
+    } else if e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+    {
         StoreError::Unreachable(e.to_string())
-    } else if e.is_cluster_error() {
+    } else if e.is_cluster_error() || e.kind() == redis::ErrorKind::ClusterConnectionNotFound {
         StoreError::Unreachable(format!("cluster: {e}"))
     } else {
         StoreError::Protocol(e.to_string())
@@ -46,42 +89,91 @@ fn classify(e: RedisError) -> StoreError {
 }
 
 impl RedisStore {
-    /// Connects to a single Redis (lazily: it may come up later) or a Redis Cluster.
+    /// Connects to a single Redis or a Redis Cluster (per `cfg.backend`) and checks it
+    /// answers; fails with [`StoreError`] when it is unreachable or the URLs are bad.
     pub async fn connect(cfg: &StoreConfig, stats: StoreStats) -> Result<RedisStore, StoreError> {
+        let store = RedisStore::build(cfg, stats, true).await?;
+        store.ping().await?;
+        Ok(store)
+    }
+
+    /// Like [`connect`](Self::connect), but does not wait for the store: connections are
+    /// made on first use (and retried on every call), so a process whose `on_error`
+    /// fallback can serve may start while Redis is down. Fails only on bad URLs.
+    pub async fn connect_lazy(
+        cfg: &StoreConfig,
+        stats: StoreStats,
+    ) -> Result<RedisStore, StoreError> {
+        RedisStore::build(cfg, stats, false).await
+    }
+
+    async fn build(
+        cfg: &StoreConfig,
+        stats: StoreStats,
+        eager: bool,
+    ) -> Result<RedisStore, StoreError> {
+        let connect_timeout = cfg.timeout.max(MIN_CONNECT_TIMEOUT);
         let conn = match cfg.backend {
             Backend::RedisCluster => {
-                let client = redis::cluster::ClusterClientBuilder::new(cfg.urls.clone())
-                    .connection_timeout(cfg.timeout.max(Duration::from_millis(250)))
-                    .response_timeout(cfg.timeout)
-                    .retries(2)
+                let seeds = || {
+                    cfg.urls
+                        .iter()
+                        .map(|u| redact(u))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                let client = ClusterClient::builder(cfg.urls.clone())
+                    .retries(1)
+                    .min_retry_wait(10)
+                    .max_retry_wait(100)
                     .build()
-                    .map_err(|e| StoreError::Protocol(format!("bad cluster URLs: {e}")))?;
-                let conn = client.get_async_connection().await.map_err(|e| {
-                    StoreError::Unreachable(format!(
-                        "cluster seeds {:?}: {e}",
-                        cfg.urls.iter().map(|u| redact(u)).collect::<Vec<_>>()
-                    ))
-                })?;
+                    .map_err(|e| {
+                        StoreError::Protocol(format!("bad cluster URLs {}: {e}", seeds()))
+                    })?;
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(connect_timeout)
+                    .set_response_timeout(cfg.timeout);
+                let conn = if eager {
+                    tokio::time::timeout(
+                        connect_timeout,
+                        client.get_async_connection_with_config(config),
+                    )
+                    .await
+                    .map_err(|_| StoreError::Timeout(connect_timeout))?
+                    .map_err(|e| {
+                        StoreError::Unreachable(format!("cluster seeds {}: {e}", seeds()))
+                    })?
+                } else {
+                    client.get_pending_async_connection_with_config(config)
+                };
                 Conn::Cluster(conn)
             }
-            _ => {
+            Backend::Redis | Backend::Memory => {
                 let url = cfg.urls.first().cloned().unwrap_or_default();
                 let client = redis::Client::open(url.as_str()).map_err(|e| {
                     StoreError::Protocol(format!("bad Redis URL {}: {e}", redact(&url)))
                 })?;
+                // Few, short reconnect attempts per failure: the store timeout bounds each
+                // call anyway, and the next call triggers the next reconnect.
                 let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(cfg.timeout.max(Duration::from_millis(250))))
+                    .set_connection_timeout(Some(connect_timeout))
                     .set_response_timeout(Some(cfg.timeout))
                     .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_secs(1));
-                let manager =
-                    ConnectionManager::new_lazy_with_config(client, config).map_err(classify)?;
-                Conn::Single(manager)
+                    .set_min_delay(Duration::from_millis(10))
+                    .set_max_delay(Duration::from_millis(250));
+                let lazy = ConnectionManager::new_lazy_with_config(client, config)
+                    .map_err(|e| classify(e, cfg.timeout))?;
+                Conn::Single(lazy)
             }
         };
         Ok(RedisStore {
             conn,
-            script: Script::new(BUCKET_LUA),
+            scripts: Scripts {
+                acquire: Script::new(ACQUIRE_LUA),
+                release: Script::new(RELEASE_LUA),
+                feedback: Script::new(FEEDBACK_LUA),
+                view: Script::new(VIEW_LUA),
+            },
             prefix: cfg.key_prefix.clone(),
             timeout: cfg.timeout,
             stats,
@@ -90,27 +182,34 @@ impl RedisStore {
 
     /// The key of an endpoint: `<prefix>{<endpoint>}`, one cluster slot per endpoint.
     pub fn key(&self, endpoint: &str) -> String {
-        format!("{}{{{}}}", self.prefix, endpoint)
+        let mut k = String::with_capacity(self.prefix.len() + endpoint.len() + 2);
+        k.push_str(&self.prefix);
+        k.push('{');
+        k.push_str(endpoint);
+        k.push('}');
+        k
     }
 
-    /// Runs the script with `args` on the endpoint's key, bounded by the timeout.
-    async fn call(
-        &self,
-        endpoint: &str,
-        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
-    ) -> Result<Value, StoreError> {
-        let mut inv = self.script.key(self.key(endpoint));
-        args(&mut inv);
-        let started = Instant::now();
-        let fut = async {
-            match self.conn.clone() {
-                Conn::Single(mut c) => inv.invoke_async::<Value>(&mut c).await,
-                Conn::Cluster(mut c) => inv.invoke_async::<Value>(&mut c).await,
+    /// Runs one script invocation, bounded by the timeout, recording latency and errors.
+    async fn run<T: FromRedisValue>(&self, inv: ScriptInvocation<'_>) -> Result<T, StoreError> {
+        let conn = self.conn.clone();
+        self.timed(async move {
+            match conn {
+                Conn::Single(mut c) => inv.invoke_async(&mut c).await,
+                Conn::Cluster(mut c) => inv.invoke_async(&mut c).await,
             }
-        };
+        })
+        .await
+    }
+
+    async fn timed<T>(
+        &self,
+        fut: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
         let result = match tokio::time::timeout(self.timeout, fut).await {
             Err(_) => Err(StoreError::Timeout(self.timeout)),
-            Ok(r) => r.map_err(classify),
+            Ok(r) => r.map_err(|e| classify(e, self.timeout)),
         };
         self.stats.seconds.observe(started.elapsed().as_secs_f64());
         if result.is_err() {
@@ -118,20 +217,33 @@ impl RedisStore {
         }
         result
     }
+
+    /// An invocation of `script` on the endpoint's key with the common ARGV[1..3].
+    fn invocation<'s>(
+        &self,
+        script: &'s Script,
+        endpoint: &str,
+        ask: &Ask,
+    ) -> ScriptInvocation<'s> {
+        let mut inv = script.key(self.key(endpoint));
+        inv.arg(ask.rate).arg(ask.burst).arg(ask.recovery_us);
+        inv
+    }
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
 }
 
 fn num(v: &Value) -> Result<f64, StoreError> {
-    match v {
-        Value::Int(i) => Ok(*i as f64),
-        Value::BulkString(b) => std::str::from_utf8(b)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| StoreError::Protocol(format!("not a number: {b:?}"))),
-        Value::SimpleString(s) => s
-            .parse()
-            .map_err(|_| StoreError::Protocol(format!("not a number: {s}"))),
-        other => Err(StoreError::Protocol(format!("unexpected reply {other:?}"))),
-    }
+    let text = match v {
+        Value::Int(i) => return Ok(*i as f64),
+        Value::BulkString(b) => std::str::from_utf8(b).ok(),
+        Value::SimpleString(s) => Some(s.as_str()),
+        _ => None,
+    };
+    text.and_then(|s| s.parse().ok())
+        .ok_or_else(|| StoreError::Protocol(format!("script answered {v:?}, not a number")))
 }
 
 fn fields(v: Value, n: usize) -> Result<Vec<f64>, StoreError> {
@@ -146,26 +258,22 @@ fn fields(v: Value, n: usize) -> Result<Vec<f64>, StoreError> {
 impl BucketStore for RedisStore {
     fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
         Box::pin(async move {
-            let held = ask.held.map(|g| g.to_string()).unwrap_or_default();
-            let v = self
-                .call(endpoint, |i| {
-                    i.arg("acquire")
-                        .arg(ask.rate)
-                        .arg(ask.burst)
-                        .arg(ask.recovery_us)
-                        .arg(ask.budget_us)
-                        .arg(held);
-                })
-                .await?;
-            let f = fields(v, 3)?;
+            let mut inv = self.invocation(&self.scripts.acquire, endpoint, &ask);
+            inv.arg(ask.budget_us);
+            match ask.held {
+                Some(g) => inv.arg(g),
+                None => inv.arg(""),
+            };
+            let f = fields(self.run(inv).await?, 4)?;
+            let generation = f[2] as u64;
             Ok(if f[0] == 1.0 {
                 Outcome::Granted {
                     wait_us: f[1],
-                    generation: f[2] as u64,
+                    generation,
                 }
             } else {
                 Outcome::Refused {
-                    cooldown: f[2] == 1.0,
+                    cooldown: f[3] == 1.0,
                     retry_us: f[1],
                 }
             })
@@ -174,15 +282,9 @@ impl BucketStore for RedisStore {
 
     fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            self.call(endpoint, |i| {
-                i.arg("release")
-                    .arg(ask.rate)
-                    .arg(ask.burst)
-                    .arg(ask.recovery_us)
-                    .arg(generation);
-            })
-            .await
-            .map(drop)
+            let mut inv = self.invocation(&self.scripts.release, endpoint, &ask);
+            inv.arg(generation);
+            self.run::<Value>(inv).await.map(drop)
         })
     }
 
@@ -195,20 +297,13 @@ impl BucketStore for RedisStore {
         throttled: bool,
     ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let micros = |d: Duration| d.as_secs_f64() * 1e6;
-            self.call(endpoint, |i| {
-                i.arg("feedback")
-                    .arg(ask.rate)
-                    .arg(ask.burst)
-                    .arg(ask.recovery_us)
-                    .arg(adaptive.floor)
-                    .arg(adaptive.decrease)
-                    .arg(micros(adaptive.default_cooldown))
-                    .arg(micros(pause))
-                    .arg(u8::from(throttled));
-            })
-            .await
-            .map(drop)
+            let mut inv = self.invocation(&self.scripts.feedback, endpoint, &ask);
+            inv.arg(adaptive.floor)
+                .arg(adaptive.decrease)
+                .arg(micros(adaptive.default_cooldown))
+                .arg(micros(pause))
+                .arg(u8::from(throttled));
+            self.run::<Value>(inv).await.map(drop)
         })
     }
 
@@ -219,16 +314,12 @@ impl BucketStore for RedisStore {
         floor: Option<f64>,
     ) -> StoreFuture<'a, Option<View>> {
         Box::pin(async move {
-            let floor = floor.map(|f| f.to_string()).unwrap_or_default();
-            let v = self
-                .call(endpoint, |i| {
-                    i.arg("view")
-                        .arg(ask.rate)
-                        .arg(ask.burst)
-                        .arg(ask.recovery_us)
-                        .arg(floor);
-                })
-                .await?;
+            let mut inv = self.invocation(&self.scripts.view, endpoint, &ask);
+            match floor {
+                Some(f) => inv.arg(f),
+                None => inv.arg(""),
+            };
+            let v: Value = self.run(inv).await?;
             if matches!(v, Value::Nil) {
                 return Ok(None);
             }
@@ -246,16 +337,50 @@ impl BucketStore for RedisStore {
 
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            let fut = async {
-                match self.conn.clone() {
-                    Conn::Single(mut c) => redis::cmd("PING").query_async::<String>(&mut c).await,
-                    Conn::Cluster(mut c) => redis::cmd("PING").query_async::<String>(&mut c).await,
+            let conn = self.conn.clone();
+            self.timed(async move {
+                let cmd = redis::cmd("PING");
+                match conn {
+                    Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
+                    Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
                 }
-            };
-            match tokio::time::timeout(self.timeout, fut).await {
-                Err(_) => Err(StoreError::Timeout(self.timeout)),
-                Ok(r) => r.map(drop).map_err(classify),
-            }
+            })
+            .await
+            .map(drop)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_script_opens_with_the_shared_prelude_and_its_contract() {
+        for (name, lua) in [
+            ("acquire", ACQUIRE_LUA),
+            ("release", RELEASE_LUA),
+            ("feedback", FEEDBACK_LUA),
+            ("view", VIEW_LUA),
+        ] {
+            assert!(lua.starts_with("-- sluice bucket prelude"), "{name}");
+            assert!(lua.contains(&format!("-- {name}:")), "{name}");
+            assert!(lua.contains("KEYS[1]") && lua.contains("Returns"), "{name}");
+        }
+        // View is read-only.
+        let view_body = VIEW_LUA.split("-- view:").nth(1).unwrap_or_default();
+        assert!(!view_body.contains("save("));
+    }
+
+    #[test]
+    fn timeouts_are_classified_as_timeouts() {
+        let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "t");
+        let e = classify(RedisError::from(io), Duration::from_millis(7));
+        assert!(matches!(e, StoreError::Timeout(d) if d == Duration::from_millis(7)));
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "r");
+        assert!(matches!(
+            classify(RedisError::from(refused), Duration::ZERO),
+            StoreError::Unreachable(_)
+        ));
     }
 }

@@ -1,15 +1,29 @@
 //! Private Redis servers for tests: a single node or a 3-master cluster, each on free
-//! ports with its own directory, killed by their child handles (never the Redis that
-//! may already listen on 6379). Include with `#[path = "support/redis.rs"] mod redis_support;`.
+//! ports with its own temp directory, signalled and killed only through their own child
+//! handles (never the Redis that may already listen on 6379).
+//!
+//! Include from a test file with:
+//! ```ignore
+//! #[path = "support/redis.rs"]
+//! #[allow(dead_code)]
+//! mod redis_support;
+//! ```
+//! Needs `redis-server` and `redis-cli` on PATH (`.ci/run` installs them).
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// How long a server may take to answer PING after spawning.
+const START_DEADLINE: Duration = Duration::from_secs(10);
+/// Attempts at finding a free port before giving up (another process may take the port
+/// between our probe bind and redis-server's bind).
+const PORT_ATTEMPTS: usize = 8;
+
+/// A port free now on 127.0.0.1 whose cluster bus port (+10000) is free too.
 fn free_port() -> u16 {
-    // Cluster bus ports are port + 10000: keep the port low enough for that.
     loop {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-        let p = l.local_addr().unwrap().port();
+        let p = l.local_addr().expect("local_addr").port();
         if p < 55_000 && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
             return p;
         }
@@ -20,6 +34,7 @@ fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)
+        .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output()
         .ok()?;
@@ -28,15 +43,19 @@ fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-fn wait_until(what: &str, deadline: Duration, mut ok: impl FnMut() -> bool) {
+/// Polls `ok` every 20 ms until it holds, panicking after `deadline`.
+pub fn wait_until(what: &str, deadline: Duration, mut ok: impl FnMut() -> bool) {
     let end = Instant::now() + deadline;
-    while Instant::now() < end {
+    loop {
         if ok() {
             return;
         }
+        assert!(
+            Instant::now() < end,
+            "timed out after {deadline:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!("timed out waiting for {what}");
 }
 
 /// One redis-server child process.
@@ -48,53 +67,74 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// Starts a single node on a free port and waits for PING.
+    /// Starts a single node on a free port and waits until it answers PING.
     pub fn start() -> RedisServer {
         RedisServer::spawn(false)
     }
 
     fn spawn(cluster: bool) -> RedisServer {
-        let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
-        let mut s = RedisServer {
-            child: None,
-            port,
-            dir,
-            cluster,
-        };
-        s.launch();
-        s
+        let mut dir = tempfile::tempdir().expect("temp dir");
+        for _ in 0..PORT_ATTEMPTS {
+            let mut s = RedisServer {
+                child: None,
+                port: free_port(),
+                dir,
+                cluster,
+            };
+            if s.launch() {
+                return s;
+            }
+            // Lost the port to someone else: try another.
+            dir = std::mem::replace(&mut s.dir, tempfile::tempdir().expect("temp dir"));
+        }
+        panic!("could not start redis-server on a free port after {PORT_ATTEMPTS} attempts");
     }
 
-    fn launch(&mut self) {
+    /// Spawns redis-server on `self.port`; true once *our* child answers PING, false
+    /// when it exited (port taken).
+    fn launch(&mut self) -> bool {
         let mut cmd = Command::new("redis-server");
-        cmd.args([
-            "--port",
-            &self.port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .arg("--dir")
-        .arg(self.dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
         if self.cluster {
             cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
                 .arg("--cluster-config-file")
                 .arg(self.dir.path().join("nodes.conf"));
         }
-        let child = cmd
-            .spawn()
-            .expect("redis-server not found: install it (apt-get install redis-server); ./scripts/test does");
-        self.child = Some(child);
-        let port = self.port;
-        wait_until("redis PING", Duration::from_secs(10), || {
-            redis_cli(port, &["PING"]).as_deref() == Some("PONG")
-        });
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => panic!(
+                "cannot run redis-server ({e}): install it (e.g. `apt-get install redis-server`; \
+                 .ci/run does) so the Redis tests can start their own servers"
+            ),
+        };
+        let pid = child.id().to_string();
+        let end = Instant::now() + START_DEADLINE;
+        loop {
+            if let Ok(Some(_)) = child.try_wait() {
+                return false;
+            }
+            // Make sure the server answering is ours, not one that holds the port.
+            let info = redis_cli(self.port, &["INFO", "server"]).unwrap_or_default();
+            if info
+                .lines()
+                .any(|l| l.trim() == format!("process_id:{pid}"))
+            {
+                self.child = Some(child);
+                return true;
+            }
+            if Instant::now() >= end {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("redis-server on port {} never answered", self.port);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// `redis://127.0.0.1:PORT/`.
@@ -107,12 +147,17 @@ impl RedisServer {
         self.port
     }
 
-    /// Runs a redis-cli command against this server.
+    /// The child's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Runs a redis-cli command against this server; `None` when it fails.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
         redis_cli(self.port, args)
     }
 
-    /// SIGKILLs the server.
+    /// SIGKILLs the server (through the child handle) and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -120,46 +165,62 @@ impl RedisServer {
         }
     }
 
-    /// Starts it again on the same port, empty (no scripts, no keys).
+    /// Kills it and starts it again on the same port, empty (no keys, no scripts).
     pub fn restart(&mut self) {
         self.kill();
         let _ = std::fs::remove_file(self.dir.path().join("nodes.conf"));
-        self.launch();
+        assert!(
+            self.launch(),
+            "port {} was taken while restarting",
+            self.port
+        );
     }
 
+    /// Sends `sig` to our child only (by its pid).
     fn signal(&self, sig: &str) {
-        if let Some(c) = &self.child {
-            let _ = Command::new("kill")
-                .args([sig, &c.id().to_string()])
-                .status();
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
         }
     }
 
     /// SIGSTOP: the server stops answering but keeps its sockets open.
-    pub fn pause(&self) {
+    pub fn stop(&self) {
         self.signal("-STOP");
     }
 
-    /// SIGCONT.
-    pub fn resume(&self) {
+    /// SIGCONT: a stopped server answers again (and works off what queued meanwhile).
+    pub fn cont(&self) {
         self.signal("-CONT");
+    }
+
+    /// Same as [`stop`](Self::stop).
+    pub fn pause(&self) {
+        self.stop();
+    }
+
+    /// Same as [`cont`](Self::cont).
+    pub fn resume(&self) {
+        self.cont();
     }
 }
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        self.resume();
+        // A stopped process still dies of SIGKILL; CONT first anyway so nothing lingers.
+        self.cont();
         self.kill();
     }
 }
 
-/// Three masters joined with `redis-cli --cluster create`.
+/// Three masters joined with `redis-cli --cluster create`; dropped, all are killed.
 pub struct RedisCluster {
+    /// The masters.
     pub nodes: Vec<RedisServer>,
 }
 
 impl RedisCluster {
-    /// Starts three cluster-enabled nodes, creates the cluster, waits for `cluster_state:ok`.
+    /// Starts three cluster-enabled nodes, creates the cluster, waits for
+    /// `cluster_state:ok` on every node.
     pub fn start() -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::spawn(true)).collect();
         let addrs: Vec<String> = nodes
@@ -171,10 +232,11 @@ impl RedisCluster {
             .arg("create")
             .args(&addrs)
             .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .output()
-            .expect("redis-cli");
+            .expect("redis-cli not found: install redis-server (it ships redis-cli)");
         assert!(
             out.status.success(),
             "cluster create failed: {}",
@@ -189,30 +251,39 @@ impl RedisCluster {
         RedisCluster { nodes }
     }
 
-    /// Seed URLs.
+    /// Seed URLs of all masters.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
-    /// The node that serves `key`'s slot.
-    pub fn node_for(&self, key: &str) -> &RedisServer {
-        let slot: u16 = self.nodes[0]
+    /// The hash slot of `key` (as Redis computes it).
+    pub fn slot(&self, key: &str) -> u16 {
+        self.nodes[0]
             .cli(&["CLUSTER", "KEYSLOT", key])
             .and_then(|s| s.parse().ok())
-            .expect("CLUSTER KEYSLOT");
+            .expect("CLUSTER KEYSLOT")
+    }
+
+    /// The master that serves `key`'s slot.
+    pub fn node_for(&self, key: &str) -> &RedisServer {
+        let slot = self.slot(key);
         let nodes = self.nodes[0].cli(&["CLUSTER", "NODES"]).unwrap_or_default();
         for line in nodes.lines() {
             let f: Vec<&str> = line.split_whitespace().collect();
+            let Some(port) = f
+                .get(1)
+                .and_then(|a| a.split(['@', ':']).nth(1))
+                .and_then(|p| p.parse::<u16>().ok())
+            else {
+                continue;
+            };
             for range in f.iter().skip(8) {
                 let (a, b) = range.split_once('-').unwrap_or((range, range));
                 if let (Ok(a), Ok(b)) = (a.parse::<u16>(), b.parse::<u16>()) {
                     if (a..=b).contains(&slot) {
-                        let port: u16 = f[1]
-                            .split(['@', ':'])
-                            .nth(1)
-                            .and_then(|p| p.parse().ok())
-                            .unwrap();
-                        return self.nodes.iter().find(|n| n.port == port).unwrap();
+                        if let Some(n) = self.nodes.iter().find(|n| n.port == port) {
+                            return n;
+                        }
                     }
                 }
             }

@@ -1,0 +1,46 @@
+-- feedback: apply an upstream pause (cooldown) and, when throttled, a rate decrease
+-- once per cooldown window. Port of bucket::feedback. Runs after bucket.lua.
+--
+-- KEYS[1]  "<prefix>{<endpoint>}"
+-- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
+-- ARGV[4]  floor (tokens/s)   ARGV[5] decrease (multiplier in (0,1))
+-- ARGV[6]  default cooldown (µs)   ARGV[7] pause (µs; 0 = none)   ARGV[8] throttled 0|1
+-- Returns  1
+--
+-- Why atomic: "once per cooldown window" is decided here from the stored `du`, so fifty
+-- concurrent 429s from any number of replicas lower the rate once; and the cooldown
+-- empties the bucket and bumps the generation in the same step, so no acquire on any
+-- replica can slip a grant in between.
+
+local floor = tonumber(ARGV[4])
+local decrease = tonumber(ARGV[5])
+local default_cooldown = tonumber(ARGV[6])
+local pause = tonumber(ARGV[7])
+local throttled = ARGV[8] == '1'
+local s = load() or fresh()
+s.fl = floor
+refill(s)
+if throttled then
+  s.th = s.th + 1
+  if now >= s.du then
+    local current = effective(s, now)
+    local lowered = math.max(current * decrease, math.min(floor, rate))
+    local was_at_floor = s.dr > 0 and near_floor(current, floor)
+    s.dr = lowered
+    s.da = now + pause
+    s.du = now + math.max(pause, default_cooldown)
+    if near_floor(lowered, floor) and not was_at_floor then
+      s.fs = now
+    end
+  end
+end
+if pause > 0 and now + pause > s.cu then
+  -- Empty the bucket and move its clock to the cooldown's end: no grant before it ends,
+  -- no burst after it, and outstanding reservations (older generation) are voided.
+  s.cu = now + pause
+  s.tk = 0
+  s.ts = s.cu
+  s.g = s.g + 1
+end
+save(s)
+return 1
