@@ -21,7 +21,7 @@ TMP=$(mktemp -d)
 UP=$(free_port); target/release/examples/upstream "127.0.0.1:$UP" 2>/dev/null & PIDS+=($!); wait_port "$UP"
 RP=$(free_port); redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$RP"
 
-start_sluice() { # $1 = store section
+start_sluice() { # $1 = store section; sets SLUICE_PORT (no subshell: PIDS and the trap stay here)
   local p a; p=$(free_port); a=$(free_port)
   cat > "$TMP/s$p.toml" <<TOML
 [proxy]
@@ -35,14 +35,16 @@ burst = 1000000000.0
 allow_private_destinations = true
 TOML
   RUST_LOG=warn target/release/sluice run --config "$TMP/s$p.toml" & PIDS+=($!)
-  wait_port "$p"; echo "$p"
+  wait_port "$p"; SLUICE_PORT=$p
 }
-MEM=$(start_sluice '[store]
-backend = "memory"')
-RED=$(start_sluice "[store]
+start_sluice '[store]
+backend = "memory"'
+MEM=$SLUICE_PORT
+start_sluice "[store]
 backend = \"redis\"
 urls = [\"redis://127.0.0.1:$RP/\"]
-timeout = \"1s\"")
+timeout = \"1s\""
+RED=$SLUICE_PORT
 
 cat > "$TMP/proxy.lua" <<LUA
 wrk.path = "http://127.0.0.1:$UP/"
