@@ -449,3 +449,64 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
         "credentials in logs:\n{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_stuck_at_its_floor_is_logged_once_as_a_warning() {
+    let up = Upstream::start().await;
+    up.set_responder(Arc::new(|_| Reply::status(429)));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let rest = "[defaults]\nrate = 20.0\nburst = 2.0\nmax_wait = \"5s\"\n\
+                [defaults.adaptive]\nenabled = true\nfloor = 4.0\ndecrease = 0.5\n\
+                recovery = \"10m\"\ndefault_cooldown = \"100ms\"\nmax_cooldown = \"1s\"\n\
+                floor_warn_after = \"1s\"\n";
+    std::fs::write(&path, Proc::config(proxy, admin, rest)).unwrap();
+    let p = Proc::start(&path, admin).await;
+    let c = client(proxy);
+    // Endless 429s, one sender, bounded in count and time.
+    let needle = "endpoint has stayed at its rate floor";
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut sent = 0;
+    while !p.log.lock().unwrap().contains(needle) {
+        assert!(
+            Instant::now() < deadline && sent < 500,
+            "no floor warning after {sent} requests:\n{}",
+            p.log.lock().unwrap()
+        );
+        let r = c
+            .get(up.url("/"))
+            .header("x-endpoint-id", "stuck")
+            .send()
+            .await
+            .unwrap();
+        // The receiver's answer reaches the sender unchanged (or sluice's own cooldown refusal).
+        assert!(matches!(r.status().as_u16(), 429 | 503), "{}", r.status());
+        sent += 1;
+    }
+    // Visible on the admin side too: at the floor, rate at the floor.
+    let eps = p.endpoints().await;
+    let ep = eps
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == "stuck")
+        .unwrap()
+        .clone();
+    assert_eq!(ep["at_floor"], true, "{ep}");
+    assert!(ep["rate"].as_f64().unwrap() <= 5.6, "{ep}");
+    assert!(ep["at_floor_secs"].as_f64().unwrap() >= 1.0, "{ep}");
+    // Keep the endpoint at its floor a little longer: the warning is not repeated.
+    for _ in 0..10 {
+        let _ = c
+            .get(up.url("/"))
+            .header("x-endpoint-id", "stuck")
+            .send()
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let log = p.stop();
+    assert_eq!(log.matches(needle).count(), 1, "warning repeated:\n{log}");
+    assert!(log.contains("WARN"), "not a warning:\n{log}");
+}
