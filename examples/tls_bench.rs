@@ -48,22 +48,29 @@ async fn serve_tls(listener: TcpListener, cfg: Arc<rustls::ServerConfig>) {
     }
 }
 
-/// Runs `workers` loops for `secs`; returns (req/s, p50, p99).
+/// Runs `workers` loops for `secs`; returns (req/s, p50, p99). With `fresh`, every
+/// request gets a new client (new CONNECT, new TLS handshake); otherwise each worker
+/// keeps one client and its kept-alive connection.
 async fn load(
-    make: impl Fn() -> reqwest::Client,
+    make: impl Fn() -> reqwest::Client + Send + Sync + 'static,
     url: String,
     workers: usize,
     secs: u64,
+    fresh: bool,
 ) -> (f64, Duration, Duration) {
+    let make = Arc::new(make);
     let end = Instant::now() + Duration::from_secs(secs);
     let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..workers {
-        let client = make();
-        let url = url.clone();
+        let (make, url) = (Arc::clone(&make), url.clone());
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
+            let mut client = make();
             while Instant::now() < end {
+                if fresh {
+                    client = make();
+                }
                 let t = Instant::now();
                 if let Ok(r) = client
                     .get(&url)
@@ -143,13 +150,14 @@ async fn main() -> Result<(), BoxError> {
     }
     let ca = reqwest::Certificate::from_pem(&std::fs::read(&sluice_ca.cert)?)?;
     let proxy_url = format!("http://{proxy}");
-    let http_client = || {
+    let proxy1 = proxy_url.clone();
+    let http_client = move || {
         reqwest::Client::builder()
-            .proxy(reqwest::Proxy::http(&proxy_url).unwrap())
+            .proxy(reqwest::Proxy::http(&proxy1).unwrap())
             .build()
             .unwrap()
     };
-    let (ca2, proxy2) = (ca.clone(), proxy_url.clone());
+    let (ca2, proxy2) = (ca.clone(), proxy_url);
     let tls_client = move || {
         reqwest::Client::builder()
             .use_rustls_tls()
@@ -166,6 +174,7 @@ async fn main() -> Result<(), BoxError> {
                 format!("http://127.0.0.1:{plain_port}/"),
                 32,
                 secs,
+                false,
             )
             .await,
         ),
@@ -176,16 +185,18 @@ async fn main() -> Result<(), BoxError> {
                 format!("https://localhost:{tls_port}/"),
                 32,
                 secs,
+                false,
             )
             .await,
         ),
         (
             "intercepted HTTPS, fresh tunnel + handshake",
-            load_fresh(
+            load(
                 tls_client,
                 format!("https://localhost:{tls_port}/"),
                 8,
                 secs,
+                true,
             )
             .await,
         ),
@@ -203,49 +214,6 @@ async fn main() -> Result<(), BoxError> {
     let _ = child.kill().await;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
-}
-
-/// Like [`load`], but every request gets a new client: new CONNECT, new TLS handshake.
-async fn load_fresh(
-    make: impl Fn() -> reqwest::Client + Send + Sync + 'static,
-    url: String,
-    workers: usize,
-    secs: u64,
-) -> (f64, Duration, Duration) {
-    let make = Arc::new(make);
-    let end = Instant::now() + Duration::from_secs(secs);
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..workers {
-        let (make, url) = (Arc::clone(&make), url.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut lat = Vec::new();
-            while Instant::now() < end {
-                let t = Instant::now();
-                if let Ok(r) = make()
-                    .get(&url)
-                    .header("x-endpoint-id", "bench")
-                    .send()
-                    .await
-                {
-                    let _ = r.bytes().await;
-                    lat.push(t.elapsed());
-                }
-            }
-            lat
-        }));
-    }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await.unwrap_or_default());
-    }
-    all.sort();
-    let n = all.len().max(1);
-    (
-        all.len() as f64 / started.elapsed().as_secs_f64(),
-        all[n / 2],
-        all[(n * 99) / 100],
-    )
 }
 
 fn tempfile_dir() -> std::io::Result<std::path::PathBuf> {
