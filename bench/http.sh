@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Whole-process HTTP benchmark, side by side in one run:
-#   direct to a local upstream | through sluice (memory store) | through sluice (Redis store)
+#   direct to a local upstream | through a bare hyper forwarder (examples/bare_forward.rs:
+#   the proxy hop alone, no limiting) | through sluice (memory store) | through sluice (Redis store)
 # The limit is set far above the load so it never binds: this measures sluice's overhead.
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
 set -euo pipefail
@@ -9,7 +10,7 @@ DURATION=${DURATION:-10s}
 CONNS=${CONNS:-64}
 command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
 command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
-cargo build --release --quiet --bin sluice --example upstream
+cargo build --release --quiet --bin sluice --example upstream --example bare_forward
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
@@ -19,6 +20,7 @@ trap cleanup EXIT
 TMP=$(mktemp -d)
 
 UP=$(free_port); target/release/examples/upstream "127.0.0.1:$UP" 2>/dev/null & PIDS+=($!); wait_port "$UP"
+BF=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BF" 2>/dev/null & PIDS+=($!); wait_port "$BF"
 RP=$(free_port); redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$RP"
 
 start_sluice() { # $1 = store section; sets SLUICE_PORT (no subshell: PIDS and the trap stay here)
@@ -61,15 +63,17 @@ run() { # $1 label, $2 target port, $3 extra args
 }
 ROWS=()
 ROWS+=("$(run direct "$UP" "")")
+ROWS+=("$(run bare-hyper-forwarder "$BF" "-s $TMP/proxy.lua")")
 ROWS+=("$(run sluice-memory "$MEM" "-s $TMP/proxy.lua")")
 ROWS+=("$(run sluice-redis "$RED" "-s $TMP/proxy.lua")")
 BASE=$(echo "${ROWS[0]}" | cut -d'|' -f2)
-MEMRPS=$(echo "${ROWS[1]}" | cut -d'|' -f2)
-TABLE="| scenario | req/s | p50 | p99 | req/s vs direct | vs sluice-memory |
-|---|---|---|---|---|---|"
+BARE=$(echo "${ROWS[1]}" | cut -d'|' -f2)
+MEMRPS=$(echo "${ROWS[2]}" | cut -d'|' -f2)
+TABLE="| scenario | req/s | p50 | p99 | req/s vs direct | vs bare forwarder | vs sluice-memory |
+|---|---|---|---|---|---|---|"
 for r in "${ROWS[@]}"; do
   IFS='|' read -r name rps p50 p99 <<<"$r"
-  TABLE+=$'\n'"| $name | $rps | $p50 | $p99 | $(python3 -c "print(f'{$rps/$BASE:.2f}')") | $(python3 -c "print(f'{$rps/$MEMRPS:.2f}')") |"
+  TABLE+=$'\n'"| $name | $rps | $p50 | $p99 | $(python3 -c "print(f'{$rps/$BASE:.2f}')") | $(python3 -c "print(f'{$rps/$BARE:.2f}')") | $(python3 -c "print(f'{$rps/$MEMRPS:.2f}')") |"
 done
 echo "$TABLE"
 if [ "${1:-}" = "--write" ]; then
