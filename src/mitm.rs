@@ -560,7 +560,7 @@ impl Interceptor {
     /// port; DNS names are matched case-insensitively. The leaf has its own fresh key, SAN
     /// = the DNS name or IP address, CN = host, `notBefore` one hour in the past,
     /// `notAfter` = now + validity, EKU serverAuth, and is not a CA. The chain sent is
-    /// `[leaf, CA]`; ALPN advertised is `["http/1.1"]` only.
+    /// `[leaf, CA]`; ALPN advertised is `["h2", "http/1.1"]` (the sender chooses).
     pub fn server_config(&self, host: &str) -> Result<Arc<ServerConfig>, MitmError> {
         let mint_error = |reason: String| MitmError::Mint {
             host: host.to_owned(),
@@ -578,7 +578,7 @@ impl Interceptor {
             .with_safe_default_protocol_versions()
             .and_then(|b| b.with_no_client_auth().with_single_cert(chain, leaf_key))
             .map_err(|e| mint_error(format!("rustls rejected the certificate: {e}")))?;
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let refresh_at = minted_at + self.validity - self.validity / 4;
         Ok(self.insert(key, Arc::new(config), refresh_at))
     }

@@ -320,7 +320,12 @@ pub async fn connect(app: Arc<App>, mut req: Request<Incoming>) -> Response<Body
                     Ok::<_, std::convert::Infallible>(handle_boxed(app, req, Some(tunnel)).await)
                 }
             });
-            crate::server::serve_http1(TokioIo::new(tls), svc, app2.lifecycle.signal()).await;
+            let stop = app2.lifecycle.signal();
+            if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+                crate::server::serve_http2(TokioIo::new(tls), svc, stop).await;
+            } else {
+                crate::server::serve_http1(TokioIo::new(tls), svc, stop).await;
+            }
         });
         return ok_empty();
     }

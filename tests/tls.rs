@@ -127,6 +127,65 @@ async fn curl_through_interception() {
     s.stop().await;
 }
 
+// curl blocks its thread: keep a second worker serving sluice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_senders_get_each_stream_paced_over_one_multiplexed_tunnel() {
+    let st = setup();
+    let up = TlsUpstream::ok(&st.pki).await;
+    let (rate, burst) = (10.0, 1.0);
+    let s = common::sluice(&format!(
+        "[defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n{}",
+        st.tls_config("")
+    ))
+    .await;
+    // Twelve streams, multiplexed over one HTTP/2 connection by curl --parallel.
+    let n = 12;
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sS", "--max-time", "20", "--http2", "--parallel"])
+        .args(["--parallel-max", "12", "--proxy"])
+        .arg(format!("http://{}", s.proxy_addr))
+        .arg("--cacert")
+        .arg(&st.sluice_ca)
+        .args(["-H", "X-Endpoint-Id: h2-ep"])
+        .args(["-w", "%{http_version} %{http_code} %{num_connects}\n"]);
+    for i in 0..n {
+        cmd.args(["-o", "/dev/null"])
+            .arg(up.url(&format!("/h2/{i}")));
+    }
+    let out = cmd.output().expect("curl is installed");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(
+        lines.len(),
+        n,
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for l in &lines {
+        assert!(l.starts_with("2 200 "), "not HTTP/2 200: {l}\n{stdout}");
+    }
+    let connects: u32 = lines
+        .iter()
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u32>().unwrap())
+        .sum();
+    assert_eq!(connects, 1, "not one multiplexed tunnel:\n{stdout}");
+    let arrivals = up.arrivals();
+    assert_eq!(arrivals.len(), n, "every stream arrives exactly once");
+    for a in &arrivals {
+        assert!(!a.headers.contains_key("x-endpoint-id"));
+    }
+    let times: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
+    assert_no_overdraw(&times, rate, burst);
+    // Paced one by one: twelve streams at 10/s with a burst of 1 take over a second.
+    let span = times
+        .iter()
+        .max()
+        .unwrap()
+        .duration_since(*times.iter().min().unwrap());
+    assert!(span >= Duration::from_millis(1000), "{span:?}");
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn a_429_inside_tls_starts_the_cooldown() {
     let st = setup();
