@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Reply, Upstream, client};
+use common::{Reply, Upstream, assert_no_overdraw, client, sustained_rate};
 
 async fn scrape(admin: std::net::SocketAddr) -> prometheus_parse::Scrape {
     let text = reqwest::get(format!("http://{admin}/metrics"))
@@ -311,6 +311,7 @@ async fn reload_changes_limits_under_load_and_refuses_bad_files() {
     std::fs::write(&path, Proc::config(proxy, admin, &endpoint(50.0))).unwrap();
     p.signal("-HUP");
     p.wait_log("config reloaded", Duration::from_secs(5)).await;
+    let reloaded = Instant::now();
     assert_eq!(rate_of(&p.endpoints().await, "live"), 50.0);
     // A bad file (written, picked up by the file watch) keeps the running limits.
     std::fs::write(
@@ -329,6 +330,19 @@ async fn reload_changes_limits_under_load_and_refuses_bad_files() {
         arrivals.iter().map(|a| a.path.as_str()).collect();
     assert_eq!(arrivals.len(), sent, "nothing lost");
     assert_eq!(unique.len(), sent, "nothing doubled");
+    // At the upstream: the new limit holds, and is used. Reservations made before the
+    // reload (at most one per sender, at the old pace) are over after 0.3 s.
+    let after: Vec<Instant> = arrivals
+        .iter()
+        .map(|a| a.at)
+        .filter(|t| *t > reloaded + Duration::from_millis(300))
+        .collect();
+    assert_no_overdraw(&after, 50.0, 2.0);
+    let achieved = sustained_rate(&after, 2);
+    assert!(
+        achieved >= 0.9 * 50.0,
+        "new limit not in use: {achieved:.1}/s"
+    );
     let log = p.stop();
     assert!(
         log.contains("endpoints[0].rate"),
@@ -509,4 +523,30 @@ async fn an_endpoint_stuck_at_its_floor_is_logged_once_as_a_warning() {
     let log = p.stop();
     assert_eq!(log.matches(needle).count(), 1, "warning repeated:\n{log}");
     assert!(log.contains("WARN"), "not a warning:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_with_a_changed_listener_keeps_serving_on_the_old_one_and_says_so() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin, other) = (free_addr(), free_addr(), free_addr());
+    let limits = "[defaults]\nrate = 100.0\nburst = 10.0\n";
+    std::fs::write(&path, Proc::config(proxy, admin, limits)).unwrap();
+    let p = Proc::start(&path, admin).await;
+    std::fs::write(&path, Proc::config(other, admin, limits)).unwrap();
+    p.signal("-HUP");
+    p.wait_log("needs a restart", Duration::from_secs(5)).await;
+    p.wait_log("config reloaded", Duration::from_secs(5)).await;
+    let r = client(proxy).get(up.url("/still")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        std::net::TcpStream::connect(other).is_err(),
+        "nothing listens on the new address"
+    );
+    let log = p.stop();
+    assert!(
+        log.contains("proxy.listen"),
+        "the log names the setting:\n{log}"
+    );
 }
