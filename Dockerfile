@@ -5,18 +5,24 @@ WORKDIR /src
 # Dependency layer: cached until Cargo.toml / Cargo.lock change.
 COPY Cargo.toml Cargo.lock ./
 RUN mkdir -p src examples && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
- && for e in upstream store_bench tls_bench; do echo 'fn main() {}' > examples/$e.rs; done \
+ && for e in upstream bare_forward store_bench tls_bench; do echo 'fn main() {}' > examples/$e.rs; done \
  && cargo build --release --locked --bin sluice && rm -rf src examples
 COPY src ./src
 COPY lua ./lua
 COPY examples ./examples
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin sluice
+# The example config listens on 127.0.0.1; inside a container it must listen on all
+# interfaces or the published ports reach nothing.
+COPY config/sluice.example.toml ./sluice.toml
+RUN sed -i -e 's/^listen = "127.0.0.1:/listen = "0.0.0.0:/' \
+           -e 's/^admin_listen = "127.0.0.1:/admin_listen = "0.0.0.0:/' sluice.toml \
+ && grep -q '^listen = "0.0.0.0:8080"' sluice.toml && target/release/sluice check --config sluice.toml
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* && useradd --system --uid 10001 --no-create-home sluice
 COPY --from=build /src/target/release/sluice /usr/local/bin/sluice
-COPY config/sluice.example.toml /etc/sluice/sluice.toml
+COPY --from=build /src/sluice.toml /etc/sluice/sluice.toml
 USER 10001
 EXPOSE 8080 9090
 ENTRYPOINT ["sluice"]
