@@ -94,19 +94,7 @@ where
         .keep_alive(true)
         .serve_connection(io, svc)
         .with_upgrades();
-    tokio::pin!(conn);
-    let result = tokio::select! {
-        // The connection ended on its own (sender closed, error).
-        r = conn.as_mut() => r,
-        // Shutdown: let the in-flight request finish, then close.
-        _ = until_down(&mut shutdown) => {
-            conn.as_mut().graceful_shutdown();
-            conn.await
-        }
-    };
-    if let Err(e) = result {
-        tracing::debug!(error = %e, "connection ended with an error");
-    }
+    drive(conn, |c| c.graceful_shutdown(), &mut shutdown).await;
 }
 
 /// Serves HTTP/2 on one intercepted tunnel whose sender chose `h2` by ALPN, until it
@@ -124,16 +112,26 @@ where
         .timer(TokioTimer::new())
         .max_header_list_size(MAX_HEAD_BYTES as u32)
         .serve_connection(io, svc);
+    drive(conn, |c| c.graceful_shutdown(), &mut shutdown).await;
+}
+
+/// Runs a served connection until it ends on its own (sender closed, error) or shutdown
+/// begins; then `graceful` asks it to finish its in-flight work, and it is awaited.
+async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
+    conn: C,
+    graceful: impl FnOnce(std::pin::Pin<&mut C>),
+    shutdown: &mut watch::Receiver<bool>,
+) {
     tokio::pin!(conn);
     let result = tokio::select! {
         r = conn.as_mut() => r,
-        _ = until_down(&mut shutdown) => {
-            conn.as_mut().graceful_shutdown();
+        _ = until_down(shutdown) => {
+            graceful(conn.as_mut());
             conn.await
         }
     };
     if let Err(e) = result {
-        tracing::debug!(error = %e, "h2 connection ended with an error");
+        tracing::debug!(error = %e, "connection ended with an error");
     }
 }
 
