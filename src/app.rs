@@ -60,9 +60,13 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     let store: Arc<dyn BucketStore> = match config.store.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
         Backend::Redis | Backend::RedisCluster => {
-            let primary = RedisStore::connect(&config.store, metrics.store.clone())
-                .await
-                .map_err(StartError::Store)?;
+            // With a fallback that can serve, Redis may come up later: connect lazily.
+            let primary = if config.store.on_error == OnError::Deny {
+                RedisStore::connect(&config.store, metrics.store.clone()).await
+            } else {
+                RedisStore::connect_lazy(&config.store, metrics.store.clone()).await
+            }
+            .map_err(StartError::Store)?;
             let store = Resilient::new(
                 Arc::new(primary),
                 config.store.on_error,

@@ -270,3 +270,61 @@ async fn a_stalled_redis_with_allow_forwards_unlimited() {
     redis.resume();
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_deny() {
+    let mut redis = redis_support::RedisServer::start();
+    redis.kill();
+    let store = |on_error: &str| {
+        format!(
+            "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\non_error = \"{on_error}\"\n\
+             [defaults]\nrate = 20.0\nburst = 2.0\nmax_wait = \"10s\"\n",
+            redis.url()
+        )
+    };
+    // deny: fail closed, at start, saying why.
+    let err = match sluice::app::start(common::config(&store("deny"))).await {
+        Ok(_) => panic!("started with a dead store and on_error = deny"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("deny"), "{err}");
+    // local: starts, paces locally, and moves to Redis once it comes up.
+    let s = common::sluice(&store("local")).await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let admin = format!("http://{}/readyz", s.admin_addr);
+    for i in 0..10 {
+        let r = c
+            .get(up.url(&format!("/early/{i}")))
+            .header("x-endpoint-id", "early")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+    assert_eq!(ready["store"], "degraded", "{ready}");
+    // Local pacing: the fallback bucket starts empty, so 10 requests at 20/s span 0.45 s.
+    let times = times_of(&up, "early");
+    assert_no_overdraw(&times, 20.0, 2.0);
+    let span = *times.iter().max().unwrap() - *times.iter().min().unwrap();
+    assert!(span >= Duration::from_millis(400), "not paced: {span:?}");
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = c
+            .get(up.url("/early/later"))
+            .header("x-endpoint-id", "early")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        if redis.cli(&["EXISTS", "sluice:{early}"]).as_deref() == Some("1") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "sluice never moved to Redis");
+    }
+    let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+    assert_eq!(ready["store"], "ok", "{ready}");
+    s.stop().await;
+}
