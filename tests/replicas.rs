@@ -328,3 +328,68 @@ async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_d
     assert_eq!(ready["store"], "ok", "{ready}");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_back() {
+    let mut cluster = redis_support::RedisCluster::start();
+    let seeds = cluster
+        .urls()
+        .iter()
+        .map(|u| format!("\"{u}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    for n in &mut cluster.nodes {
+        n.kill();
+    }
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{seeds}]\ntimeout = \"200ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 20.0\nburst = 2.0\nmax_wait = \"10s\"\n"
+    ))
+    .await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let admin = format!("http://{}/readyz", s.admin_addr);
+    for i in 0..6 {
+        let r = c
+            .get(up.url(&format!("/cl/{i}")))
+            .header("x-endpoint-id", "cl")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert_no_overdraw(&times_of(&up, "cl"), 20.0, 2.0);
+    let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+    assert_eq!(ready["store"], "degraded", "{ready}");
+    for n in &mut cluster.nodes {
+        n.revive();
+    }
+    for n in &cluster.nodes {
+        redis_support::wait_until("cluster_state:ok", Duration::from_secs(20), || {
+            n.cli(&["CLUSTER", "INFO"])
+                .is_some_and(|i| i.contains("cluster_state:ok"))
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = c
+            .get(up.url("/cl/later"))
+            .header("x-endpoint-id", "cl")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let node = cluster.node_for("sluice:{cl}");
+        if node.cli(&["EXISTS", "sluice:{cl}"]).as_deref() == Some("1") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sluice never moved to the cluster"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+    assert_eq!(ready["store"], "ok", "{ready}");
+    s.stop().await;
+}

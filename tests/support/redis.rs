@@ -176,6 +176,13 @@ impl RedisServer {
         );
     }
 
+    /// Kills it and starts it again on the same port with its data directory as it was:
+    /// a cluster node comes back as the same member with the same slots.
+    pub fn revive(&mut self) {
+        self.kill();
+        assert!(self.launch(), "port {} was taken while reviving", self.port);
+    }
+
     /// Sends `sig` to our child only (by its pid).
     fn signal(&self, sig: &str) {
         if let Some(pid) = self.pid() {
