@@ -33,8 +33,14 @@ const LEAF_VALIDITY: Duration = Duration::from_secs(24 * 3600);
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// The store could not be reached and `on_error = "deny"` (fail-closed).
-    #[error("store unreachable at start and store.on_error = \"deny\": {0}")]
-    Store(StoreError),
+    #[error(
+        "rate-limit store unreachable at start: {0}. store.on_error = \"deny\" refuses to \
+         start without it: start Redis, fix store.urls, or set on_error = \"local\" to start degraded"
+    )]
+    StoreDown(StoreError),
+    /// The store client could not be built from `store.urls`.
+    #[error("rate-limit store: {0}; check store.urls")]
+    StoreConfig(StoreError),
     /// The CA for interception could not be loaded.
     #[error("TLS interception: {0}")]
     Mitm(#[from] MitmError),
@@ -60,23 +66,25 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     let store: Arc<dyn BucketStore> = match config.store.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
         Backend::Redis | Backend::RedisCluster => {
-            // With a fallback that can serve, Redis may come up later: connect lazily.
-            let primary = if config.store.on_error == OnError::Deny {
-                RedisStore::connect(&config.store, metrics.store.clone()).await
-            } else {
-                RedisStore::connect_lazy(&config.store, metrics.store.clone()).await
-            }
-            .map_err(StartError::Store)?;
+            let primary = match config.store.on_error {
+                // Fail closed: a dead store would refuse every request, so refuse to start.
+                OnError::Deny => RedisStore::connect(&config.store, metrics.store.clone())
+                    .await
+                    .map_err(StartError::StoreDown)?,
+                // A fallback can serve: Redis may come up later.
+                OnError::Local | OnError::Allow => {
+                    RedisStore::connect_lazy(&config.store, metrics.store.clone())
+                        .await
+                        .map_err(StartError::StoreConfig)?
+                }
+            };
             let store = Resilient::new(
                 Arc::new(primary),
                 config.store.on_error,
                 metrics.store.clone(),
             );
-            // Fail closed only when refusing is the configured answer to a dead store.
+            // Learn the store's state now, so /readyz and the log tell it from the start.
             if let Err(e) = store.ping().await {
-                if config.store.on_error == OnError::Deny {
-                    return Err(StartError::Store(e));
-                }
                 tracing::warn!(error = %e, "store unreachable at start: serving with the on_error fallback");
             }
             Arc::new(store)

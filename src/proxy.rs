@@ -321,11 +321,12 @@ pub async fn connect(app: Arc<App>, mut req: Request<Incoming>) -> Response<Body
                 }
             });
             let stop = app2.lifecycle.signal();
-            if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-                crate::server::serve_http2(TokioIo::new(tls), svc, stop).await;
+            let protocol = if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+                Version::HTTP_2
             } else {
-                crate::server::serve_http1(TokioIo::new(tls), svc, stop).await;
-            }
+                Version::HTTP_11
+            };
+            crate::server::serve(TokioIo::new(tls), svc, protocol, stop).await;
         });
         return ok_empty();
     }

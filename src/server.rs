@@ -10,6 +10,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::Version;
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::{HttpService, service_fn};
@@ -76,9 +77,10 @@ pub async fn until_down(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|down| *down).await;
 }
 
-/// Serves HTTP/1.1 on one connection (with CONNECT upgrades) until it closes or shutdown
-/// asks it to finish its current request.
-pub async fn serve_http1<I, S>(io: I, svc: S, mut shutdown: watch::Receiver<bool>)
+/// Serves one connection until it closes or shutdown asks it to finish its in-flight
+/// work: HTTP/1.1 (with CONNECT upgrades) for `Version::HTTP_11`, HTTP/2 for
+/// `Version::HTTP_2` (an intercepted tunnel whose sender chose `h2` by ALPN).
+pub async fn serve<I, S>(io: I, svc: S, protocol: Version, mut shutdown: watch::Receiver<bool>)
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     S: HttpService<Incoming> + Send,
@@ -87,32 +89,22 @@ where
     <S::ResBody as hyper::body::Body>::Data: Send,
     <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let conn = http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
-        .max_buf_size(MAX_HEAD_BYTES)
-        .keep_alive(true)
-        .serve_connection(io, svc)
-        .with_upgrades();
-    drive(conn, |c| c.graceful_shutdown(), &mut shutdown).await;
-}
-
-/// Serves HTTP/2 on one intercepted tunnel whose sender chose `h2` by ALPN, until it
-/// closes or shutdown asks it to finish its in-flight streams (GOAWAY).
-pub async fn serve_http2<I, S>(io: I, svc: S, mut shutdown: watch::Receiver<bool>)
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    S: HttpService<Incoming> + Send,
-    S::Future: Send + 'static,
-    S::ResBody: Send + 'static,
-    <S::ResBody as hyper::body::Body>::Data: Send,
-    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let conn = http2::Builder::new(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .max_header_list_size(MAX_HEAD_BYTES as u32)
-        .serve_connection(io, svc);
-    drive(conn, |c| c.graceful_shutdown(), &mut shutdown).await;
+    if protocol == Version::HTTP_2 {
+        let conn = http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .max_header_list_size(MAX_HEAD_BYTES as u32)
+            .serve_connection(io, svc);
+        drive(conn, |c| c.graceful_shutdown(), &mut shutdown).await;
+    } else {
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT)
+            .max_buf_size(MAX_HEAD_BYTES)
+            .keep_alive(true)
+            .serve_connection(io, svc)
+            .with_upgrades();
+        drive(conn, |c| c.graceful_shutdown(), &mut shutdown).await;
+    }
 }
 
 /// Runs a served connection until it ends on its own (sender closed, error) or shutdown
@@ -217,7 +209,7 @@ async fn accept_loop(
                         let a = Arc::clone(&a);
                         async move { Ok::<_, Infallible>(crate::proxy::handle(a, req, None).await) }
                     });
-                    serve_http1(io, svc, signal).await;
+                    serve(io, svc, Version::HTTP_11, signal).await;
                     app2.metrics.connections.dec();
                 }
                 Role::Admin => {
@@ -226,7 +218,7 @@ async fn accept_loop(
                         let a = Arc::clone(&a);
                         async move { Ok::<_, Infallible>(crate::admin::handle(a, req).await) }
                     });
-                    serve_http1(io, svc, signal).await;
+                    serve(io, svc, Version::HTTP_11, signal).await;
                 }
             }
             tracing::trace!(%peer, "connection closed");

@@ -169,18 +169,18 @@ impl RedisServer {
     pub fn restart(&mut self) {
         self.kill();
         let _ = std::fs::remove_file(self.dir.path().join("nodes.conf"));
-        assert!(
-            self.launch(),
-            "port {} was taken while restarting",
-            self.port
-        );
+        self.revive();
     }
 
     /// Kills it and starts it again on the same port with its data directory as it was:
     /// a cluster node comes back as the same member with the same slots.
     pub fn revive(&mut self) {
         self.kill();
-        assert!(self.launch(), "port {} was taken while reviving", self.port);
+        assert!(
+            self.launch(),
+            "port {} was taken while starting again",
+            self.port
+        );
     }
 
     /// Sends `sig` to our child only (by its pid).
