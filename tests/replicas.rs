@@ -53,6 +53,36 @@ async fn load(
     total
 }
 
+/// Sends requests for `ep` (each must succeed) until its bucket key exists on `node`:
+/// sluice is deciding in Redis again. Panics after `limit`.
+async fn until_back_on_redis(
+    c: &reqwest::Client,
+    up: &Upstream,
+    ep: &str,
+    node: &redis_support::RedisServer,
+    limit: Duration,
+) {
+    let key = format!("sluice:{{{ep}}}");
+    let deadline = Instant::now() + limit;
+    loop {
+        let r = c
+            .get(up.url(&format!("/{ep}/after")))
+            .header("x-endpoint-id", ep)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        if node.cli(&["EXISTS", &key]).as_deref() == Some("1") {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sluice never moved back to Redis for {ep}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn times_of(up: &Upstream, ep: &str) -> Vec<Instant> {
     let prefix = format!("/{ep}/");
     up.arrivals()
@@ -176,20 +206,7 @@ async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty
     // The fallback bucket starts empty; the restarted (empty) Redis grants one fresh burst.
     assert_no_overdraw(&times, 20.0, 4.0 + 4.0);
     // Back on Redis by itself.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let r = c
-            .get(up.url("/out/after"))
-            .header("x-endpoint-id", "out")
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        if redis.cli(&["EXISTS", "sluice:{out}"]).as_deref() == Some("1") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "sluice never returned to Redis");
-    }
+    until_back_on_redis(&c, &up, "out", &redis, Duration::from_secs(5)).await;
     let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
     assert_eq!(ready["store"], "ok");
     let metrics = reqwest::get(format!("http://{}/metrics", s.admin_addr))
@@ -310,20 +327,7 @@ async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_d
     let span = *times.iter().max().unwrap() - *times.iter().min().unwrap();
     assert!(span >= Duration::from_millis(400), "not paced: {span:?}");
     redis.restart();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let r = c
-            .get(up.url("/early/later"))
-            .header("x-endpoint-id", "early")
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        if redis.cli(&["EXISTS", "sluice:{early}"]).as_deref() == Some("1") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "sluice never moved to Redis");
-    }
+    until_back_on_redis(&c, &up, "early", &redis, Duration::from_secs(5)).await;
     let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
     assert_eq!(ready["store"], "ok", "{ready}");
     s.stop().await;
@@ -370,25 +374,8 @@ async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_bac
                 .is_some_and(|i| i.contains("cluster_state:ok"))
         });
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = c
-            .get(up.url("/cl/later"))
-            .header("x-endpoint-id", "cl")
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        let node = cluster.node_for("sluice:{cl}");
-        if node.cli(&["EXISTS", "sluice:{cl}"]).as_deref() == Some("1") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "sluice never moved to the cluster"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let node = cluster.node_for("sluice:{cl}");
+    until_back_on_redis(&c, &up, "cl", node, Duration::from_secs(10)).await;
     let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
     assert_eq!(ready["store"], "ok", "{ready}");
     s.stop().await;
