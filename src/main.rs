@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice::admin::EndpointView;
+use sluice::app::ReloadError;
 use sluice::config::{Config, ConfigError};
 
 #[derive(Parser)]
@@ -203,10 +204,10 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-fn reload(app: &sluice::proxy::App, path: &Path) {
+fn reload(app: &sluice::core::App, path: &Path) {
     match sluice::app::reload(app, path) {
         Ok(()) => {}
-        Err(ConfigError::Invalid { issues, .. }) => {
+        Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {
             for i in &issues {
                 tracing::error!(%i, "reload refused: keeping the running config");
             }

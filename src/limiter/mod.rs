@@ -96,6 +96,15 @@ pub enum Refusal {
     StoreUnavailable,
 }
 
+/// A request that may leave now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Grant {
+    /// Time spent waiting for the token.
+    pub waited: Duration,
+    /// The bucket generation the token came from (for [`Limiter::refund`]).
+    pub generation: u64,
+}
+
 /// Decides admission for requests, over a shared store.
 #[derive(Clone)]
 pub struct Limiter {
@@ -113,10 +122,10 @@ impl Limiter {
         &self.store
     }
 
-    /// Waits until `endpoint` may send, or refuses. Returns the time spent waiting.
+    /// Waits until `endpoint` may send, or refuses.
     ///
     /// Cancel-safe: dropping the future while it waits gives the reservation back.
-    pub async fn admit(&self, endpoint: &str, policy: &Policy) -> Result<Duration, Refusal> {
+    pub async fn admit(&self, endpoint: &str, policy: &Policy) -> Result<Grant, Refusal> {
         let started = Instant::now();
         let mut held = None;
         loop {
@@ -129,15 +138,21 @@ impl Limiter {
                 .map_err(|_| Refusal::StoreUnavailable)?;
             match outcome {
                 Outcome::Refused { cooldown, retry_us } => {
-                    let retry_after = Duration::from_secs_f64(retry_us.max(0.0) / 1e6);
+                    let retry_after = from_micros(retry_us);
                     return Err(if cooldown {
                         Refusal::Cooldown { retry_after }
                     } else {
                         Refusal::RateLimited { retry_after }
                     });
                 }
-                Outcome::Granted { wait_us, .. } if wait_us <= 0.0 => {
-                    return Ok(started.elapsed());
+                Outcome::Granted {
+                    wait_us,
+                    generation,
+                } if wait_us <= 0.0 => {
+                    return Ok(Grant {
+                        waited: started.elapsed(),
+                        generation,
+                    });
                 }
                 Outcome::Granted {
                     wait_us,
@@ -150,7 +165,7 @@ impl Limiter {
                         generation,
                         armed: true,
                     };
-                    tokio::time::sleep(Duration::from_secs_f64(wait_us / 1e6)).await;
+                    tokio::time::sleep(from_micros(wait_us)).await;
                     guard.disarm();
                     // Re-check on waking: a cooldown started meanwhile voids the reservation.
                     held = Some(generation);
@@ -158,10 +173,31 @@ impl Limiter {
             }
         }
     }
+
+    /// Gives back the token of a grant whose request never left (the destination was
+    /// refused after admission): the bucket is as if it had not been asked.
+    pub async fn refund(&self, endpoint: &str, policy: &Policy, grant: Grant) {
+        let ask = Ask::new(policy, 0.0, None);
+        if let Err(e) = self.store.release(endpoint, ask, grant.generation).await {
+            tracing::debug!(endpoint, error = %e, "could not refund a token");
+        }
+    }
 }
 
 fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
+}
+
+/// Microseconds from the store as a [`Duration`], saturating: negative, NaN and
+/// absurdly large values can never panic here (they come from float arithmetic).
+pub fn from_micros(us: f64) -> Duration {
+    const MAX_SECS: f64 = 86_400.0 * 365.0 * 100.0;
+    let secs = us / 1e6;
+    if secs.is_nan() || secs <= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::from_secs_f64(secs.min(MAX_SECS))
+    }
 }
 
 /// A reservation held by a waiting request; dropped while armed, it is given back.
