@@ -112,7 +112,13 @@ fn load(path: &Path) -> Result<Config, ExitCode> {
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     Ok(match load(path) {
         Ok(c) => {
-            println!("{}: {}", path.display(), c.summary());
+            let summary = c.summary();
+            // The files it names (users, admin token) must be usable too.
+            if let Err(e) = sluice::core::Runtime::load(std::sync::Arc::new(c)) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
+            println!("{}: {summary}", path.display());
             ExitCode::SUCCESS
         }
         Err(code) => code,

@@ -255,3 +255,65 @@ impl Default for StoreStats {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{MAX_RATE, MIN_RATE};
+    use proptest::prelude::*;
+
+    proptest! {
+        /// No config `check` accepts can make the hot path panic: every wait and
+        /// retry the bucket math hands out converts to a `Duration`, at any rate,
+        /// burst, budget, cooldown and clock.
+        #[test]
+        fn bucket_math_never_panics_on_accepted_configs(
+            rate in MIN_RATE..=MAX_RATE,
+            burst in 1.0..=MAX_RATE,
+            wait_s in 0.0..=86_400.0 * 365.0,
+            recovery_s in 0.001..=86_400.0 * 365.0,
+            floor_frac in 0.0..=1.0f64,
+            pause_s in 0.0..=86_400.0 * 365.0,
+            steps in proptest::collection::vec((0.0..1e13f64, 0u8..4), 1..40),
+        ) {
+            let adaptive = Adaptive {
+                floor: (rate * floor_frac).max(MIN_RATE).min(rate),
+                recovery: Duration::from_secs_f64(recovery_s),
+                ..Adaptive::default()
+            };
+            let policy = Policy {
+                rate,
+                burst,
+                max_wait: Duration::from_secs_f64(wait_s),
+                adaptive: Some(adaptive),
+            };
+            let mut s = bucket::fresh(burst, 0.0);
+            let mut now = 0.0;
+            for (dt, op) in steps {
+                now += dt;
+                let ask = Ask::new(&policy, micros(policy.max_wait), None);
+                match op {
+                    0 | 1 => match bucket::acquire(&mut s, &ask, now) {
+                        Outcome::Granted { wait_us, .. } => { from_micros(wait_us); }
+                        Outcome::Refused { retry_us, .. } => { from_micros(retry_us); }
+                    },
+                    2 => {
+                        let g = s.generation;
+                        bucket::release(&mut s, &ask, g, now)
+                    }
+                    _ => bucket::feedback(&mut s, &ask, &adaptive, pause_s * 1e6, true, now),
+                }
+                let v = bucket::view(&s, &ask, Some(adaptive.floor), now);
+                prop_assert!(v.rate.is_finite() && v.tokens.is_finite());
+            }
+        }
+    }
+
+    #[test]
+    fn from_micros_saturates() {
+        assert_eq!(from_micros(f64::NAN), Duration::ZERO);
+        assert_eq!(from_micros(-5.0), Duration::ZERO);
+        assert!(from_micros(f64::INFINITY) > Duration::from_secs(86_400 * 365));
+        assert!(from_micros(1e300) > Duration::from_secs(86_400 * 365));
+    }
+}
