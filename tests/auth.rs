@@ -317,3 +317,92 @@ fn check_names_bad_lines_of_the_users_file() {
     assert!(err.contains("line 2"), "{err}");
     assert!(err.contains("line 3") && err.contains("bcrypt"), "{err}");
 }
+
+/// Credentials on the CONNECT authenticate the whole intercepted tunnel; each request
+/// inside is paced on its own, and a user removed by a reload is refused inside the
+/// tunnel from its next request.
+#[tokio::test]
+async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() {
+    use common::tls::{TestPki, TlsUpstream};
+    let dir = tempfile::tempdir().unwrap();
+    let ca = sluice::mitm::generate_ca(&dir.path().join("ca")).unwrap();
+    let pki = TestPki::new(&["localhost"]);
+    let upstream_ca = pki.write_ca(dir.path());
+    let up = TlsUpstream::ok(&pki).await;
+    let users = htpasswd(dir.path(), &[("team_b", "pw-b"), ("alice", "wonder")]);
+    let (rate, burst) = (10.0, 2.0);
+    let path = dir.path().join("sluice.toml");
+    let write = |users_file: &Path| {
+        std::fs::write(
+            &path,
+            format!(
+                "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+                 [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n\
+                 [tls]\nintercept = true\nca_cert = \"{}\"\nca_key = \"{}\"\nupstream_roots = [\"{}\"]\n\
+                 [security]\nallow_private_destinations = true\nauth_users_file = \"{}\"\n\
+                 [security.user_endpoints]\nteam_b = [\"b_*\"]\n",
+                ca.cert.display(),
+                ca.key.display(),
+                upstream_ca.display(),
+                users_file.display()
+            ),
+        )
+        .unwrap()
+    };
+    write(&users);
+    let s = sluice::app::start(sluice::config::Config::load(&path).unwrap())
+        .await
+        .unwrap();
+    let client = |user: &str, pw: &str| {
+        let pem = std::fs::read(&ca.cert).unwrap();
+        reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(&pem).unwrap())
+            .proxy(
+                reqwest::Proxy::https(format!("http://{}", s.proxy_addr))
+                    .unwrap()
+                    .basic_auth(user, pw),
+            )
+            .pool_max_idle_per_host(1)
+            .build()
+            .unwrap()
+    };
+    let b = client("team_b", "pw-b");
+    for i in 0..20 {
+        let r = b
+            .get(up.url(&format!("/in/{i}")))
+            .header("x-endpoint-id", "b_tls")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let times: Vec<Instant> = up.arrivals().iter().map(|a| a.at).collect();
+    assert_eq!(times.len(), 20);
+    assert_no_overdraw(&times, rate, burst);
+    // Inside the tunnel, grants still hold.
+    let r = b
+        .get(up.url("/foreign"))
+        .header("x-endpoint-id", "victim")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    assert_eq!(r.headers()["x-sluice-reason"], "endpoint_not_allowed");
+    // Wrong credentials on the CONNECT: no tunnel at all.
+    let wrong = client("team_b", "nope").get(up.url("/x")).send().await;
+    assert!(wrong.is_err(), "a tunnel opened with a wrong password");
+    // team_b removed: its open tunnel refuses the next request.
+    write(&htpasswd(dir.path(), &[("alice", "wonder")]));
+    sluice::app::reload(&s.app, &path).unwrap();
+    let r = b
+        .get(up.url("/after"))
+        .header("x-endpoint-id", "b_tls")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 407);
+    assert_eq!(up.arrivals().len(), 20);
+    s.stop().await;
+}
