@@ -21,8 +21,8 @@ use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::RedisStore;
 use crate::limiter::{BucketStore, Limiter, StoreError};
 use crate::metrics::Metrics;
-use crate::mitm::{CertAuthority, Interceptor, MitmError};
-use crate::upstream_tls::UpstreamTlsError;
+use crate::tls::UpstreamTlsError;
+use crate::tls::{CertAuthority, Interceptor, MitmError};
 
 /// How often the observer refreshes gauges and looks for state changes.
 const OBSERVE_EVERY: Duration = Duration::from_secs(1);
@@ -97,7 +97,7 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     let policy = Arc::new(ArcSwap::from_pointee(DestinationPolicy::new(
         &config.security,
     )));
-    let tls = crate::upstream_tls::client_config(&config.tls.upstream_roots)?;
+    let tls = crate::tls::upstream::client_config(&config.tls.upstream_roots)?;
     let forwarder = Forwarder::new(tls, config.proxy.upstream_timeout, policy);
     let interceptor = if config.tls.intercept {
         let ca = CertAuthority::load(&config.tls.ca_cert, &config.tls.ca_key)?;

@@ -19,8 +19,10 @@
 //!   (memory, Redis, Redis Cluster, fallback); the bucket math lives in [`limiter::bucket`].
 //! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.
 //! - [`forward`]: upstream client (pooled, rustls), hop-by-hop hygiene, CONNECT tunnels.
-//! - [`mitm`]: CA, leaf minting with a bounded cache, TLS termination of CONNECT.
-//! - [`upstream_tls`]: the rustls client configuration for upstream connections.
+//! - [`tls`]: the interception CA on disk ([`tls::ca`]), per-host leaves and their
+//!   bounded cache ([`tls::leaf`]), TLS termination of intercepted CONNECTs
+//!   ([`tls::intercept`]), and the rustls client configuration for upstream connections
+//!   ([`tls::upstream`]).
 //! - [`metrics`]: Prometheus registry and the instruments sluice exports.
 //! - [`observer`]: periodic endpoint look: gauges and state-change logs.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/endpoints`.
@@ -41,8 +43,7 @@ pub mod error;
 pub mod forward;
 pub mod limiter;
 pub mod metrics;
-pub mod mitm;
 pub mod observer;
 pub mod proxy;
 pub mod server;
-pub mod upstream_tls;
+pub mod tls;

@@ -129,7 +129,7 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
 }
 
 fn ca_init(dir: &Path) -> anyhow::Result<ExitCode> {
-    match sluice::mitm::generate_ca(dir) {
+    match sluice::tls::generate_ca(dir) {
         Ok(files) => {
             println!(
                 "wrote {} and {} (mode 0600)",

@@ -531,7 +531,7 @@ async fn connect(
 /// is served by [`handle`] like any other.
 struct Intercepted {
     app: Arc<App>,
-    interceptor: Arc<crate::mitm::Interceptor>,
+    interceptor: Arc<crate::tls::Interceptor>,
     peer: SocketAddr,
     slot: Arc<ConnSlot>,
     tunnel: Tunnel,
