@@ -150,7 +150,36 @@ pub struct Policy {
     pub max_wait: Duration,
     /// Reaction to 429s; `None` when disabled.
     pub adaptive: Option<Adaptive>,
+    /// Requests allowed in flight at once (`max_in_flight`), across replicas; `None`
+    /// is unlimited (and costs nothing).
+    pub max_in_flight: Option<u32>,
+    /// Life of an in-flight slot's lease without renewal (`lease_ttl`): the slots of a
+    /// replica that died return within this.
+    pub lease_ttl: Duration,
+    /// Weights of senders (`shares`); `None`: no fair queue, plain arrival order.
+    pub shares: Option<Arc<Shares>>,
 }
+
+/// `shares = { svix = 3, batch = 1 }`: the weight of each named sender on an endpoint.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Shares {
+    weights: std::collections::HashMap<String, f64>,
+}
+
+impl Shares {
+    /// Weights by sender name.
+    pub fn new(weights: std::collections::HashMap<String, f64>) -> Shares {
+        Shares { weights }
+    }
+
+    /// The weight of `sender`; unlisted senders weigh 1.
+    pub fn weight(&self, sender: &str) -> f64 {
+        self.weights.get(sender).copied().unwrap_or(1.0)
+    }
+}
+
+/// Default `lease_ttl`.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
 
 impl Default for Policy {
     fn default() -> Self {
@@ -159,6 +188,9 @@ impl Default for Policy {
             burst: 20.0,
             max_wait: Duration::from_secs(5),
             adaptive: Some(Adaptive::default()),
+            max_in_flight: None,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            shares: None,
         }
     }
 }
@@ -662,7 +694,17 @@ impl Reader<'_> {
         self.known_keys(
             defaults_t,
             "defaults",
-            &["rate", "burst", "max_wait", "unknown", "adaptive", "mode"],
+            &[
+                "rate",
+                "burst",
+                "max_wait",
+                "unknown",
+                "adaptive",
+                "mode",
+                "max_in_flight",
+                "lease_ttl",
+                "shares",
+            ],
         );
         let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
         let log_t = self.sub_table(root, "", "log").unwrap_or(&empty);
@@ -867,12 +909,45 @@ impl Reader<'_> {
                 );
             }
         }
+        let max_in_flight = match t.get("max_in_flight") {
+            Some(_) => Some(
+                self.count(t, path, "max_in_flight", 1)
+                    .min(u32::MAX as usize) as u32,
+            ),
+            None => base.max_in_flight,
+        };
         Policy {
             rate,
             burst,
             max_wait,
             adaptive,
+            max_in_flight,
+            lease_ttl: self.positive(t, path, "lease_ttl", base.lease_ttl),
+            shares: self.shares(t, path).or_else(|| base.shares.clone()),
         }
+    }
+
+    /// `shares = { name = weight, ... }`: positive weights by sender name.
+    fn shares(&mut self, t: &Table<'_>, path: &str) -> Option<Arc<Shares>> {
+        let v = t.get("shares")?;
+        let key = join(path, "shares");
+        let DeValue::Table(items) = v.get_ref() else {
+            self.type_issue(v, &key, "a table of weights", v.get_ref().type_str());
+            return None;
+        };
+        let mut weights = std::collections::HashMap::new();
+        for (name, _) in items.iter() {
+            let w = self.checked(
+                items,
+                &key,
+                name.get_ref(),
+                1.0,
+                "between 0.001 and 1e6",
+                |n| (0.001..=1e6).contains(&n),
+            );
+            weights.insert(name.get_ref().to_string(), w);
+        }
+        Some(Arc::new(Shares::new(weights)))
     }
 
     fn adaptive(
@@ -1011,6 +1086,9 @@ impl Reader<'_> {
                 "path_prefix",
                 "adaptive",
                 "mode",
+                "max_in_flight",
+                "lease_ttl",
+                "shares",
             ],
         );
         let id = match self.string(t, &path, "id") {

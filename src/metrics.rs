@@ -80,6 +80,10 @@ pub struct Metrics {
     pub tunnels: Family<EndpointLabels, Counter>,
     /// `sluice_connections_open`.
     pub connections: Gauge,
+    /// `sluice_in_flight{endpoint}`: slots (`max_in_flight`) this replica holds.
+    pub in_flight: Family<EndpointLabels, Gauge>,
+    /// `sluice_slot_wait_seconds{endpoint}`: time requests waited for an in-flight slot.
+    pub slot_wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
     /// Store instruments.
     pub store: StoreStats,
     labelled: RwLock<HashSet<Arc<str>>>,
@@ -102,6 +106,8 @@ impl Metrics {
             cooldown: Family::default(),
             tunnels: Family::default(),
             connections: Gauge::default(),
+            in_flight: Family::default(),
+            slot_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             store: StoreStats::default(),
             labelled: RwLock::new(configured.cloned().collect()),
             max_labels,
@@ -164,6 +170,16 @@ impl Metrics {
             "connections_open",
             "Open sender connections",
             m.connections.clone(),
+        );
+        registry.register(
+            "in_flight",
+            "Requests holding an in-flight slot (max_in_flight) on this replica",
+            m.in_flight.clone(),
+        );
+        registry.register(
+            "slot_wait_seconds",
+            "Time requests waited for an in-flight slot",
+            m.slot_wait.clone(),
         );
         registry.register("store_errors", "Failed store calls", m.store.errors.clone());
         registry.register(

@@ -74,6 +74,7 @@ fn policy(rate: f64, burst: f64, max_wait_ms: u64) -> Policy {
         burst,
         max_wait: Duration::from_millis(max_wait_ms),
         adaptive: Config::parse("").unwrap().defaults.adaptive,
+        ..Policy::default()
     }
 }
 

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 
 use super::bucket::{Ask, Outcome, View};
+use super::lease::{LeaseAsk, Leased};
 use super::memory::MemoryStore;
 use super::{BucketStore, StoreError, StoreFuture, StoreHealth, StoreStats};
 use crate::config::{Adaptive, OnError};
@@ -230,6 +231,48 @@ impl BucketStore for Resilient {
                 Err(e) => self.failed(e),
             }
             r
+        })
+    }
+
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, Leased> {
+        Box::pin(self.run(
+            move |p| p.acquire_leased(endpoint, ask, lease),
+            move |l| match l.acquire_leased_now(endpoint, ask, lease) {
+                Leased::Took(o) => Leased::Took(tag_local(o)),
+                busy => busy,
+            },
+            Leased::Took(Outcome::Granted {
+                wait_us: 0.0,
+                generation: u64::MAX,
+            }),
+        ))
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(self.run(
+            move |p| p.renew_lease(endpoint, ask, lease),
+            move |l| l.renew_lease_now(endpoint, ask, lease),
+            true,
+        ))
+    }
+
+    /// Releases wherever the lease may be: the local store (a no-op when it is not
+    /// there) and the shared one.
+    fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.local.load().release_lease_now(endpoint, ask, id);
+            self.run(move |p| p.release_lease(endpoint, ask, id), |_| (), ())
+                .await
         })
     }
 
