@@ -105,3 +105,50 @@ async fn weighted_senders_across_three_replicas_report() {
         r.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_high_priority_request_behind_50_low_ones_leaves_next() {
+    let sluice = common::sluice(
+        "[defaults]\nrate = 10.0\nburst = 1.0\nmax_wait = \"20s\"\n\
+         [[endpoints]]\nid = \"prio\"\nshares = {}\n",
+    )
+    .await;
+    let up = Arc::new(Upstream::start().await);
+    let c = client(sluice.proxy_addr);
+    let send = |path: String, priority: &'static str| {
+        let c = c.clone();
+        let url = up.url(&path);
+        tokio::spawn(async move {
+            c.get(&url)
+                .header("x-endpoint-id", "prio")
+                .header("x-sluice-priority", priority)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let lows: Vec<_> = (0..50).map(|i| send(format!("/low/{i}"), "low")).collect();
+    let gates = Arc::clone(sluice.app.limiter.gates());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // All 50 are in: one or two arrived, one is head, the rest wait in the queue.
+    while gates.waiting("prio") + up.count() < 49 {
+        assert!(Instant::now() < deadline, "the low requests never queued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!("waiting {} arrived {}", gates.waiting("prio"), up.count());
+    let before = up.count();
+    let high = send("/high".into(), "high");
+    assert_eq!(high.await.unwrap().unwrap(), 200);
+    let order: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
+    let at = order.iter().position(|p| p == "/high").unwrap();
+    eprintln!("high arrived {at}th; {before} lows had arrived when it was sent");
+    // Only the low request already at the head (holding its reservation) may go first.
+    assert!(
+        at <= before + 1,
+        "high was {at}th, {before} before it was sent"
+    );
+    for l in lows {
+        l.abort();
+    }
+    sluice.stop().await;
+}

@@ -220,6 +220,11 @@ impl Gates {
         }
     }
 
+    /// Requests waiting (not counting the head) in `endpoint`'s queue.
+    pub fn waiting(&self, endpoint: &str) -> usize {
+        self.lock().get(endpoint).map_or(0, |g| g.waiting.len())
+    }
+
     /// Endpoints with a queue (tests check nothing is left behind).
     pub fn len(&self) -> usize {
         self.lock().len()
