@@ -6,6 +6,10 @@
 //! until its start (no polling); if its wait was non-zero it confirms once on waking, so
 //! a cooldown that began meanwhile (on any replica) still holds it back. A request
 //! whose sender hangs up while waiting gives its reservation back.
+//!
+//! In-process time is tokio's ([`tokio::time::Instant`]) throughout: the limiter's
+//! sleeps, the memory store's buckets and the fallback's probe interval read one clock,
+//! so under `tokio::time::pause()` all of them move only with virtual time.
 
 pub mod bucket;
 pub mod fallback;
@@ -217,5 +221,36 @@ impl Default for StoreStats {
             ),
             degraded: Default::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::memory::MemoryStore;
+
+    /// Sleeps and bucket refill share tokio's clock: in virtual time the waits are exact.
+    #[tokio::test(start_paused = true)]
+    async fn waits_are_exact_in_virtual_time() {
+        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
+        let policy = Policy {
+            rate: 4.0,
+            burst: 1.0,
+            max_wait: Duration::from_secs(10),
+            adaptive: None,
+        };
+        let waits = [
+            limiter.admit("v", &policy).await,
+            limiter.admit("v", &policy).await,
+            limiter.admit("v", &policy).await,
+        ];
+        assert_eq!(
+            waits,
+            [
+                Ok(Duration::ZERO),
+                Ok(Duration::from_millis(250)),
+                Ok(Duration::from_millis(250))
+            ]
+        );
     }
 }
