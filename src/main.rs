@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice::admin::EndpointView;
+use sluice::app::ReloadError;
 use sluice::config::{Config, ConfigError};
 
 #[derive(Parser)]
@@ -111,7 +112,13 @@ fn load(path: &Path) -> Result<Config, ExitCode> {
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     Ok(match load(path) {
         Ok(c) => {
-            println!("{}: {}", path.display(), c.summary());
+            let summary = c.summary();
+            // The files it names (users, admin token) must be usable too.
+            if let Err(e) = sluice::core::Runtime::load(std::sync::Arc::new(c)) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
+            println!("{}: {summary}", path.display());
             ExitCode::SUCCESS
         }
         Err(code) => code,
@@ -203,10 +210,10 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-fn reload(app: &sluice::proxy::App, path: &Path) {
+fn reload(app: &sluice::core::App, path: &Path) {
     match sluice::app::reload(app, path) {
         Ok(()) => {}
-        Err(ConfigError::Invalid { issues, .. }) => {
+        Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {
             for i in &issues {
                 tracing::error!(%i, "reload refused: keeping the running config");
             }

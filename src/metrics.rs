@@ -183,6 +183,20 @@ impl Metrics {
         }
     }
 
+    /// The label an endpoint already has (configured or seen before), else `_other`:
+    /// for refusals counted before a request earned a label of its own.
+    pub fn existing_label(&self, id: &Arc<str>) -> EndpointLabel {
+        match self.labelled.read() {
+            Ok(set) if set.contains(id) => EndpointLabel(Arc::clone(id)),
+            _ => self.other.clone(),
+        }
+    }
+
+    /// The `_other` label.
+    pub fn other(&self) -> EndpointLabel {
+        self.other.clone()
+    }
+
     /// Endpoint IDs that have their own label (configured, then first seen).
     pub fn labelled_ids(&self) -> Vec<Arc<str>> {
         self.labelled

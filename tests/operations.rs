@@ -435,8 +435,16 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
     let (proxy, admin) = (free_addr(), free_addr());
+    // Proxy authentication on: the user's password must not be logged either.
+    let users = dir.path().join("users.htpasswd");
+    std::fs::write(
+        &users,
+        format!("user:{}\n", bcrypt::hash("s3cr3t-pass", 4).unwrap()),
+    )
+    .unwrap();
     let store = format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"redis://:hunter2-secret@127.0.0.1:{port}/\"]\ntimeout = \"200ms\"\n"
+        "auth_users_file = \"{}\"\n[store]\nbackend = \"redis\"\nurls = [\"redis://:hunter2-secret@127.0.0.1:{port}/\"]\ntimeout = \"200ms\"\n",
+        users.display()
     );
     std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
     let p = Proc::start(&path, admin).await;
@@ -448,18 +456,34 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    // A wrong password is refused (and logged as a refusal, without the credentials).
+    let wrong = c
+        .get(up.url("/"))
+        .header("proxy-authorization", "Basic dXNlcjp3cm9uZy1zM2NyM3Q=")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 407);
     let _ = redis.kill();
     let _ = redis.wait();
     // Errors while Redis is gone get logged; none may carry the password.
     for _ in 0..3 {
-        let _ = c.get(up.url("/down")).send().await.unwrap();
+        let _ = c
+            .get(up.url("/down"))
+            .header("proxy-authorization", "Basic dXNlcjpzM2NyM3QtcGFzcw==")
+            .send()
+            .await
+            .unwrap();
     }
     p.wait_log("rate-limit store failed", Duration::from_secs(5))
         .await;
     let log = p.stop();
     assert!(!log.contains("hunter2-secret"), "password in logs:\n{log}");
     assert!(
-        !log.contains("dXNlcjpzM2NyM3QtcGFzcw") && !log.contains("s3cr3t-pass"),
+        !log.contains("dXNlcjpzM2NyM3QtcGFzcw")
+            && !log.contains("s3cr3t-pass")
+            && !log.contains("wrong-s3cr3t")
+            && !log.contains("dXNlcjp3cm9uZy1zM2NyM3Q"),
         "credentials in logs:\n{log}"
     );
 }
