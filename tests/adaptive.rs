@@ -13,12 +13,8 @@ use common::{Reply, Upstream, client};
 /// One or more sluice replicas sharing a store.
 struct Fleet {
     replicas: Vec<sluice::app::Running>,
-    _redis: Option<redis_support::RedisServer>,
+    _redis: Option<common::redis::RedisServer>,
 }
-
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
 
 impl Fleet {
     async fn memory(extra: &str) -> Fleet {
@@ -29,7 +25,7 @@ impl Fleet {
     }
 
     async fn redis(extra: &str, n: usize) -> Fleet {
-        let server = redis_support::RedisServer::start();
+        let server = common::redis::RedisServer::start();
         let store = format!(
             "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
             server.url()

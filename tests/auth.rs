@@ -10,6 +10,11 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use common::{Upstream, assert_no_overdraw};
 
+use common::process::RunWithin;
+
+/// Longest any child process (curl, the sluice binary) may run before the test fails.
+const CHILD_DEADLINE: Duration = Duration::from_secs(30);
+
 /// Cost 4: the minimum bcrypt accepts, so tests stay fast (production files use 10+).
 fn htpasswd(dir: &Path, users: &[(&str, &str)]) -> PathBuf {
     let p = dir.join("users.htpasswd");
@@ -310,8 +315,7 @@ fn check_names_bad_lines_of_the_users_file() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["check", "--config"])
         .arg(&cfg)
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("line 2"), "{err}");

@@ -6,10 +6,11 @@ mod common;
 
 use std::io::Read;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::process::{ChildGuard, output_within};
 use common::{Reply, Upstream, assert_no_overdraw, client, sustained_rate};
 
 async fn scrape(admin: std::net::SocketAddr) -> prometheus_parse::Scrape {
@@ -179,8 +180,10 @@ async fn ten_thousand_endpoint_ids_cannot_blow_up_metrics() {
 
 /// The sluice binary with a config file, its stderr collected.
 struct Proc {
-    child: Child,
+    child: ChildGuard,
     log: Arc<Mutex<String>>,
+    /// The stderr reader: done once the process closed its stderr.
+    reader: std::thread::JoinHandle<()>,
     admin: std::net::SocketAddr,
 }
 
@@ -200,18 +203,19 @@ impl Proc {
     }
 
     async fn start(path: &Path, admin: std::net::SocketAddr) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(["run", "--config"])
-            .arg(path)
-            .env("RUST_LOG", "debug")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = ChildGuard::spawn(
+            Command::new(env!("CARGO_BIN_EXE_sluice"))
+                .args(["run", "--config"])
+                .arg(path)
+                .env("RUST_LOG", "debug")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped()),
+        );
         let log = Arc::new(Mutex::new(String::new()));
-        let mut stderr = child.stderr.take().unwrap();
+        let mut stderr = child.child().stderr.take().unwrap();
         let sink = Arc::clone(&log);
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok(n) = stderr.read(&mut buf) {
                 if n == 0 {
@@ -222,29 +226,31 @@ impl Proc {
                     .push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         });
-        let p = Proc { child, log, admin };
+        let p = Proc {
+            child,
+            log,
+            reader,
+            admin,
+        };
         p.wait_log("sluice listening", Duration::from_secs(10))
             .await;
         p
     }
 
     async fn wait_log(&self, needle: &str, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        while !self.log.lock().unwrap().contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "no {needle:?} in log:\n{}",
-                self.log.lock().unwrap()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("{needle:?} in the log");
+        common::wait_for(&what, limit, || async {
+            self.log.lock().unwrap().contains(needle)
+        })
+        .await;
     }
 
     fn signal(&self, sig: &str) {
-        Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .unwrap();
+        let out = output_within(
+            Command::new("kill").args([sig, &self.child.id().to_string()]),
+            Duration::from_secs(5),
+        );
+        assert!(out.status.success(), "kill {sig} failed: {out:?}");
     }
 
     async fn endpoints(&self) -> serde_json::Value {
@@ -256,11 +262,13 @@ impl Proc {
             .unwrap()
     }
 
+    /// SIGTERM, a clean exit within the grace period, and the whole log.
     fn stop(mut self) -> String {
         self.signal("-TERM");
-        let status = self.child.wait().unwrap();
+        let status = self.child.wait_within(Duration::from_secs(10));
         assert!(status.success(), "sluice exited with {status}");
-        std::thread::sleep(Duration::from_millis(50));
+        // The process is gone, so its stderr is closed: the reader ends with all of it.
+        self.reader.join().expect("log reader");
         self.log.lock().unwrap().clone()
     }
 }
@@ -370,7 +378,7 @@ async fn status_prints_every_endpoint_and_json_round_trips() {
         if json {
             cmd.arg("--json");
         }
-        cmd.output().unwrap()
+        output_within(&mut cmd, Duration::from_secs(10))
     };
     let table = tokio::task::spawn_blocking(move || (run(false), run(true)))
         .await
@@ -407,30 +415,7 @@ async fn status_prints_every_endpoint_and_json_round_trips() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_never_show_the_redis_password_or_proxy_credentials() {
-    let rdir = tempfile::tempdir().unwrap();
-    let port = free_addr().port();
-    let mut redis = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .args(["--requirepass", "hunter2-secret"])
-        .arg("--dir")
-        .arg(rdir.path())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let mut redis = common::redis::RedisServer::start_with_password("hunter2-secret");
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
@@ -443,8 +428,9 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
     )
     .unwrap();
     let store = format!(
-        "auth_users_file = \"{}\"\n[store]\nbackend = \"redis\"\nurls = [\"redis://:hunter2-secret@127.0.0.1:{port}/\"]\ntimeout = \"200ms\"\n",
-        users.display()
+        "auth_users_file = \"{}\"\n[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\n",
+        users.display(),
+        redis.url()
     );
     std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
     let p = Proc::start(&path, admin).await;
@@ -464,8 +450,7 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
         .await
         .unwrap();
     assert_eq!(wrong.status(), 407);
-    let _ = redis.kill();
-    let _ = redis.wait();
+    redis.kill();
     // Errors while Redis is gone get logged; none may carry the password.
     for _ in 0..3 {
         let _ = c

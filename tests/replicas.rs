@@ -2,9 +2,6 @@
 //! when the store dies, stalls or comes back empty.
 
 mod common;
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
 
 use std::time::{Duration, Instant};
 
@@ -59,7 +56,7 @@ async fn until_back_on_redis(
     c: &reqwest::Client,
     up: &Upstream,
     ep: &str,
-    node: &redis_support::RedisServer,
+    node: &common::redis::RedisServer,
     limit: Duration,
 ) {
     let key = format!("sluice:{{{ep}}}");
@@ -96,7 +93,7 @@ const POLICY: &str = "[defaults]\nrate = 40.0\nburst = 8.0\nmax_wait = \"30s\"\n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_one_redis_never_overdraw() {
-    let redis = redis_support::RedisServer::start();
+    let redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
         redis.url()
@@ -124,7 +121,7 @@ async fn three_replicas_on_one_redis_never_overdraw() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_a_redis_cluster_never_overdraw() {
-    let cluster = redis_support::RedisCluster::start();
+    let cluster = common::redis::RedisCluster::start();
     let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
     let store = format!(
         "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\n",
@@ -161,7 +158,7 @@ async fn three_replicas_on_a_redis_cluster_never_overdraw() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty() {
-    let mut redis = redis_support::RedisServer::start();
+    let mut redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\non_error = \"local\"\n",
         redis.url()
@@ -221,8 +218,8 @@ async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty
 
 async fn stalled_redis(
     on_error: &str,
-) -> (redis_support::RedisServer, sluice::app::Running, Upstream) {
-    let redis = redis_support::RedisServer::start();
+) -> (common::redis::RedisServer, sluice::app::Running, Upstream) {
+    let redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"150ms\"\non_error = \"{on_error}\"\n",
         redis.url()
@@ -290,7 +287,7 @@ async fn a_stalled_redis_with_allow_forwards_unlimited() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_deny() {
-    let mut redis = redis_support::RedisServer::start();
+    let mut redis = common::redis::RedisServer::start();
     redis.kill();
     let store = |on_error: &str| {
         format!(
@@ -335,7 +332,7 @@ async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_d
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_back() {
-    let mut cluster = redis_support::RedisCluster::start();
+    let mut cluster = common::redis::RedisCluster::start();
     let seeds = cluster
         .urls()
         .iter()
@@ -369,7 +366,7 @@ async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_bac
         n.revive();
     }
     for n in &cluster.nodes {
-        redis_support::wait_until("cluster_state:ok", Duration::from_secs(20), || {
+        common::redis::wait_until("cluster_state:ok", Duration::from_secs(20), || {
             n.cli(&["CLUSTER", "INFO"])
                 .is_some_and(|i| i.contains("cluster_state:ok"))
         });

@@ -1,9 +1,7 @@
 //! One behaviour suite for every bucket store: memory, a single Redis, a 3-master Redis
 //! Cluster. Each test function runs unchanged against each store.
 
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
+mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,8 +14,8 @@ use sluice::limiter::{Ask, BucketStore, Limiter, Outcome, StoreStats};
 /// A store under test and whatever keeps its servers alive.
 struct Subject {
     store: Arc<dyn BucketStore>,
-    single: Option<redis_support::RedisServer>,
-    cluster: Option<redis_support::RedisCluster>,
+    single: Option<common::redis::RedisServer>,
+    cluster: Option<common::redis::RedisCluster>,
 }
 
 fn store_config(backend: Backend, urls: Vec<String>) -> StoreConfig {
@@ -39,7 +37,7 @@ async fn memory() -> Subject {
 }
 
 async fn redis() -> Subject {
-    let server = redis_support::RedisServer::start();
+    let server = common::redis::RedisServer::start();
     let store = RedisStore::connect(
         &store_config(Backend::Redis, vec![server.url()]),
         StoreStats::default(),
@@ -54,7 +52,7 @@ async fn redis() -> Subject {
 }
 
 async fn cluster() -> Subject {
-    let c = redis_support::RedisCluster::start();
+    let c = common::redis::RedisCluster::start();
     let store = RedisStore::connect(
         &store_config(Backend::RedisCluster, c.urls()),
         StoreStats::default(),

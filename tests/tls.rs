@@ -11,6 +11,11 @@ use std::time::{Duration, Instant};
 use common::tls::{TestPki, TlsUpstream};
 use common::{Reply, assert_no_overdraw, sustained_rate};
 
+use common::process::RunWithin;
+
+/// Longest any child process (curl, the sluice binary) may run before the test fails.
+const CHILD_DEADLINE: Duration = Duration::from_secs(30);
+
 struct Setup {
     dir: tempfile::TempDir,
     sluice_ca: std::path::PathBuf,
@@ -115,8 +120,7 @@ async fn curl_through_interception() {
         .arg(&st.sluice_ca)
         .args(["-H", "X-Endpoint-Id: curl-ep", "-w", " %{http_code}"])
         .arg(up.url("/curl"))
-        .output()
-        .expect("curl is installed");
+        .run_within(CHILD_DEADLINE);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.ends_with(" 200"),
@@ -152,7 +156,7 @@ async fn h2_senders_get_each_stream_paced_over_one_multiplexed_tunnel() {
         cmd.args(["-o", "/dev/null"])
             .arg(up.url(&format!("/h2/{i}")));
     }
-    let out = cmd.output().expect("curl is installed");
+    let out = cmd.run_within(CHILD_DEADLINE);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(
@@ -267,8 +271,7 @@ async fn curl_proxy_user_names_the_endpoint_of_a_passthrough_tunnel() {
             .arg(&st.upstream_ca)
             .args(["-w", " %{http_code}"])
             .arg(up.url(path))
-            .output()
-            .unwrap()
+            .run_within(CHILD_DEADLINE)
     };
     let first = curl("/one");
     assert!(

@@ -1,5 +1,8 @@
-//! Shared test fixtures: a real upstream HTTP server on 127.0.0.1:0 that records
-//! arrival times, a sluice started through the library, and property checks.
+//! Shared test support, one module for every test file (`mod common;`): a real upstream
+//! HTTP server on 127.0.0.1:0 that records arrival times, a sluice started through the
+//! library, property checks, waiting for a condition with a deadline ([`wait_for`]),
+//! private Redis servers ([`redis`]), HTTPS upstreams ([`tls`]) and child processes that
+//! die with the test ([`process`]).
 #![allow(dead_code)]
 
 use std::convert::Infallible;
@@ -16,7 +19,29 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
+pub mod process;
+pub mod redis;
 pub mod tls;
+
+/// Polls the async condition `ok` every 20 ms until it holds; panics after `deadline`,
+/// naming `what`. The way to wait for a state change (never a fixed sleep).
+pub async fn wait_for<F, Fut>(what: &str, deadline: Duration, mut ok: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + deadline;
+    loop {
+        if ok().await {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
 
 /// One request as the upstream saw it.
 #[derive(Debug, Clone)]
