@@ -254,3 +254,30 @@ pub fn sustained_rate(times: &[Instant], burst: usize) -> f64 {
     let span = (t[n - 1] - t[0]).as_secs_f64();
     (n - burst) as f64 / span
 }
+
+/// The token balance `/endpoints` reports for `id` (`None` while sluice holds no bucket).
+pub async fn tokens(admin: SocketAddr, id: &str) -> Option<f64> {
+    let all: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    all.as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == id)
+        .and_then(|e| e["tokens"].as_f64())
+}
+
+/// Waits until `id`'s balance is below `bound`. Refill only ever raises a balance, so a
+/// balance below `burst - n + 1` proves at least `n` tokens are taken or reserved: the way
+/// to know requests are waiting inside sluice without sleeping.
+pub async fn wait_for_tokens_below(admin: SocketAddr, id: &str, bound: f64) {
+    wait_for(
+        &format!("{id}'s balance below {bound}"),
+        Duration::from_secs(5),
+        || async { tokens(admin, id).await.is_some_and(|t| t < bound) },
+    )
+    .await;
+}
