@@ -218,6 +218,8 @@ async fn endless_429s_stop_at_the_floor(fleet: Fleet) {
 async fn recovery_reaches_the_configured_rate(fleet: Fleet) {
     let up = Upstream::with(throttle_once("1".into())).await;
     let c = fleet.client(0);
+    // Before the 429 is sent, so before sluice hears it.
+    let t429 = Instant::now();
     assert_eq!(
         c.get(up.url("/trigger"))
             .header("x-endpoint-id", "rec")
@@ -229,10 +231,18 @@ async fn recovery_reaches_the_configured_rate(fleet: Fleet) {
     );
     let ep = fleet.endpoint("rec").await;
     assert!((ep["rate"].as_f64().unwrap() - 5.0).abs() < 0.1, "{ep}");
-    // Cooldown 1 s + recovery 2 s.
-    tokio::time::sleep(Duration::from_millis(3100)).await;
-    let ep = fleet.endpoint("rec").await;
-    assert_eq!(ep["rate"].as_f64().unwrap(), 10.0, "{ep}");
+    // Cooldown 1 s + recovery 2 s: back at the configured rate, and not before.
+    common::wait_for(
+        "the configured rate again",
+        Duration::from_secs(6),
+        || async { fleet.endpoint("rec").await["rate"].as_f64() == Some(10.0) },
+    )
+    .await;
+    assert!(
+        t429.elapsed() >= Duration::from_secs(3),
+        "recovered after {:?}, the climb takes 3 s",
+        t429.elapsed()
+    );
     // Measured at the upstream: saturate for a while after the burst.
     let t0 = Instant::now();
     let mut tasks = Vec::new();

@@ -169,12 +169,25 @@ async fn ten_thousand_endpoint_ids_cannot_blow_up_metrics() {
         .filter(|x| x.metric == "sluice_requests_total")
         .filter_map(|x| x.labels.get("endpoint").map(str::to_owned))
         .collect();
-    assert!(
-        endpoints.len() <= 51,
+    // The cap is used, not just respected: 50 ids by name, the rest folded into `_other`.
+    assert_eq!(
+        endpoints.len(),
+        51,
         "{} endpoint label values",
         endpoints.len()
     );
     assert!(endpoints.contains("_other"));
+    // And folding loses no request: the counts add up to what was sent.
+    let counted: f64 = sc
+        .samples
+        .iter()
+        .filter(|x| x.metric == "sluice_requests_total")
+        .map(|x| match x.value {
+            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+            ref other => panic!("sluice_requests_total is {other:?}"),
+        })
+        .sum();
+    assert_eq!(counted, 10_000.0);
     s.stop().await;
 }
 
@@ -315,7 +328,11 @@ async fn reload_changes_limits_under_load_and_refuses_bad_files() {
             n
         }));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Under load before the reload: the senders are past the burst.
+    common::wait_for("load at the old limit", Duration::from_secs(5), || async {
+        up.count() >= 6
+    })
+    .await;
     std::fs::write(&path, Proc::config(proxy, admin, &endpoint(50.0))).unwrap();
     p.signal("-HUP");
     p.wait_log("config reloaded", Duration::from_secs(5)).await;
@@ -528,7 +545,21 @@ async fn an_endpoint_stuck_at_its_floor_is_logged_once_as_a_warning() {
             .await
             .unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Let the observer (one look a second) see it at the floor again, twice over.
+    let seen = ep["at_floor_secs"].as_f64().unwrap();
+    common::wait_for(
+        "two more observer periods at the floor",
+        Duration::from_secs(5),
+        || async {
+            let eps = p.endpoints().await;
+            eps.as_array().unwrap().iter().any(|e| {
+                e["id"] == "stuck"
+                    && e["at_floor"] == true
+                    && e["at_floor_secs"].as_f64().is_some_and(|s| s >= seen + 2.0)
+            })
+        },
+    )
+    .await;
     let log = p.stop();
     assert_eq!(log.matches(needle).count(), 1, "warning repeated:\n{log}");
     assert!(log.contains("WARN"), "not a warning:\n{log}");
