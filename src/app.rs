@@ -116,6 +116,7 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
         metrics,
         interceptor,
         lifecycle: Lifecycle::new(),
+        sampler: Default::default(),
     }))
 }
 

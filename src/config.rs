@@ -89,6 +89,26 @@ pub enum UnknownEndpoints {
     Reject,
 }
 
+/// Whether an endpoint's limit is enforced or only measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Requests wait for their token or are refused.
+    #[default]
+    Enforce,
+    /// Nothing waits and nothing is refused; what would have happened is counted and
+    /// logged (for rolling sluice out in front of live traffic).
+    Shadow,
+}
+
+/// `[log]`: the per-request decision log.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogConfig {
+    /// One structured line per request (target `sluice::decision`, level info).
+    pub decisions: bool,
+    /// Fraction of forwarded requests logged, in [0, 1]; refusals are always logged.
+    pub sample: f64,
+}
+
 /// Reaction to upstream throttling (`[defaults.adaptive]`, per-endpoint overrides).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Adaptive {
@@ -154,6 +174,8 @@ pub struct EndpointRule {
     pub hosts: Vec<String>,
     /// Optional refinement of `hosts`.
     pub path_prefix: Option<String>,
+    /// Enforced or shadow.
+    pub mode: Mode,
 }
 
 /// `[proxy]`.
@@ -277,6 +299,10 @@ pub struct Config {
     pub defaults: Arc<Policy>,
     /// `[defaults] unknown`.
     pub unknown: UnknownEndpoints,
+    /// `[defaults] mode`: for endpoints without their own.
+    pub default_mode: Mode,
+    /// `[log]`.
+    pub log: LogConfig,
     /// `[[endpoints]]`, in file order.
     pub endpoints: Vec<EndpointRule>,
     /// `[tls]`.
@@ -617,7 +643,15 @@ impl Reader<'_> {
         self.known_keys(
             root,
             "",
-            &["proxy", "store", "defaults", "endpoints", "tls", "security"],
+            &[
+                "proxy",
+                "store",
+                "defaults",
+                "endpoints",
+                "tls",
+                "security",
+                "log",
+            ],
         );
         let empty = Table::default();
         let proxy_t = self.sub_table(root, "", "proxy").unwrap_or(&empty);
@@ -628,8 +662,11 @@ impl Reader<'_> {
         self.known_keys(
             defaults_t,
             "defaults",
-            &["rate", "burst", "max_wait", "unknown", "adaptive"],
+            &["rate", "burst", "max_wait", "unknown", "adaptive", "mode"],
         );
+        let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
+        let log_t = self.sub_table(root, "", "log").unwrap_or(&empty);
+        let log = self.log(log_t);
         let defaults = self.policy(defaults_t, "defaults", &Policy::default());
         let unknown = self.enumerated(
             defaults_t,
@@ -641,7 +678,7 @@ impl Reader<'_> {
                 ("reject", UnknownEndpoints::Reject),
             ],
         );
-        let endpoints = self.endpoints(root, &defaults);
+        let endpoints = self.endpoints(root, &defaults, default_mode);
         let tls_t = self.sub_table(root, "", "tls").unwrap_or(&empty);
         let tls = self.tls(tls_t);
         let sec_t = self.sub_table(root, "", "security").unwrap_or(&empty);
@@ -651,6 +688,8 @@ impl Reader<'_> {
             store,
             defaults: Arc::new(defaults),
             unknown,
+            default_mode,
+            log,
             endpoints,
             tls,
             security,
@@ -899,7 +938,32 @@ impl Reader<'_> {
         enabled.then_some(a)
     }
 
-    fn endpoints(&mut self, root: &Table<'_>, defaults: &Policy) -> Vec<EndpointRule> {
+    fn mode(&mut self, t: &Table<'_>, path: &str, default: Mode) -> Mode {
+        self.enumerated(
+            t,
+            path,
+            "mode",
+            default,
+            &[("enforce", Mode::Enforce), ("shadow", Mode::Shadow)],
+        )
+    }
+
+    fn log(&mut self, t: &Table<'_>) -> LogConfig {
+        self.known_keys(t, "log", &["decisions", "sample"]);
+        LogConfig {
+            decisions: self.boolean(t, "log", "decisions", true),
+            sample: self.checked(t, "log", "sample", 1.0, "between 0 and 1", |n| {
+                (0.0..=1.0).contains(&n)
+            }),
+        }
+    }
+
+    fn endpoints(
+        &mut self,
+        root: &Table<'_>,
+        defaults: &Policy,
+        default_mode: Mode,
+    ) -> Vec<EndpointRule> {
         let Some(v) = root.get("endpoints") else {
             return Vec::new();
         };
@@ -914,66 +978,86 @@ impl Reader<'_> {
         };
         let mut out: Vec<EndpointRule> = Vec::new();
         for (i, item) in items.iter().enumerate() {
-            let path = format!("endpoints[{i}]");
-            let DeValue::Table(t) = item.get_ref() else {
-                self.type_issue(item, &path, "a table", item.get_ref().type_str());
-                continue;
-            };
-            self.known_keys(
-                t,
-                &path,
-                &[
-                    "id",
-                    "rate",
-                    "burst",
-                    "max_wait",
-                    "hosts",
-                    "path_prefix",
-                    "adaptive",
-                ],
-            );
-            let id = match self.string(t, &path, "id") {
-                Some((id, at)) => {
-                    if let Err(e) = check_endpoint_id(&id) {
-                        self.issue(at, &join(&path, "id"), e);
-                    } else if out.iter().any(|r| *r.id == id) {
-                        self.issue(
-                            at,
-                            &join(&path, "id"),
-                            format!("duplicate endpoint id \"{id}\""),
-                        );
-                    }
-                    id
-                }
-                None => {
-                    self.issue(
-                        item.span().start,
-                        &join(&path, "id"),
-                        "every [[endpoints]] entry needs an id".into(),
-                    );
-                    continue;
-                }
-            };
-            let policy = self.policy(t, &path, defaults);
-            let hosts = self
-                .strings(t, &path, "hosts")
-                .into_iter()
-                .map(|(h, _)| h.to_ascii_lowercase())
-                .collect();
-            let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
-                if !p.starts_with('/') {
-                    self.issue(at, &join(&path, "path_prefix"), "must start with /".into());
-                }
-                p
-            });
-            out.push(EndpointRule {
-                id: id.into(),
-                policy: Arc::new(policy),
-                hosts,
-                path_prefix,
-            });
+            if let Some(rule) = self.endpoint(i, item, &out, defaults, default_mode) {
+                out.push(rule);
+            }
         }
         out
+    }
+
+    /// One `[[endpoints]]` entry; `seen` are the entries before it (for duplicates).
+    fn endpoint(
+        &mut self,
+        i: usize,
+        item: &Value<'_>,
+        seen: &[EndpointRule],
+        defaults: &Policy,
+        default_mode: Mode,
+    ) -> Option<EndpointRule> {
+        let path = format!("endpoints[{i}]");
+        let DeValue::Table(t) = item.get_ref() else {
+            self.type_issue(item, &path, "a table", item.get_ref().type_str());
+            return None;
+        };
+        self.known_keys(
+            t,
+            &path,
+            &[
+                "id",
+                "rate",
+                "burst",
+                "max_wait",
+                "hosts",
+                "path_prefix",
+                "adaptive",
+                "mode",
+            ],
+        );
+        let id = match self.string(t, &path, "id") {
+            Some((id, at)) => {
+                if let Err(e) = check_endpoint_id(&id) {
+                    self.issue(at, &join(&path, "id"), e);
+                } else if seen.iter().any(|r| *r.id == id) {
+                    self.issue(
+                        at,
+                        &join(&path, "id"),
+                        format!("duplicate endpoint id \"{id}\""),
+                    );
+                }
+                id
+            }
+            None => {
+                self.issue(
+                    item.span().start,
+                    &join(&path, "id"),
+                    "every [[endpoints]] entry needs an id".into(),
+                );
+                return None;
+            }
+        };
+        let policy = self.policy(t, &path, defaults);
+        let hosts = self
+            .strings(t, &path, "hosts")
+            .into_iter()
+            .map(|(h, _)| {
+                let h = h.to_ascii_lowercase();
+                h.strip_suffix('.').map(str::to_owned).unwrap_or(h)
+            })
+            .collect();
+        let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
+            if !p.starts_with('/') {
+                self.issue(at, &join(&path, "path_prefix"), "must start with /".into());
+            }
+            p
+        });
+        let mode = self.mode(t, &path, default_mode);
+        Some(EndpointRule {
+            id: id.into(),
+            policy: Arc::new(policy),
+            hosts,
+            path_prefix,
+            mode,
+        })
     }
 
     fn tls(&mut self, t: &Table<'_>) -> TlsConfig {

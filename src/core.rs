@@ -14,6 +14,7 @@ use arc_swap::ArcSwap;
 use crate::auth::{Users, UsersFileError};
 use crate::config::{Config, Policy};
 use crate::conn::Lifecycle;
+use crate::decision::Sampler;
 use crate::endpoint::Resolver;
 use crate::forward::Forwarder;
 use crate::limiter::Limiter;
@@ -96,6 +97,8 @@ pub struct App {
     pub interceptor: Option<Arc<Interceptor>>,
     /// Connection tracking and shutdown signal.
     pub lifecycle: Lifecycle,
+    /// Sampling of the decision log.
+    pub sampler: Sampler,
 }
 
 impl App {

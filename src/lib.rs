@@ -11,6 +11,7 @@
 //! - [`proxy`]: one request: target → identify → resolve → destination → label → admit
 //!   → forward → observe; the same admission for plain HTTP, CONNECT and intercepted
 //!   requests.
+//! - [`decision`]: the per-request decision log (one structured line per request).
 //! - [`auth`]: proxy users (htpasswd, bcrypt), the credentials cache, endpoint grants.
 //! - [`endpoint`]: endpoint resolution (header, proxy user, host/path rules, defaults).
 //! - [`destination`]: destination policy (allowed hosts, private-address refusal).
@@ -33,6 +34,7 @@ pub mod auth;
 pub mod config;
 pub mod conn;
 pub mod core;
+pub mod decision;
 pub mod destination;
 pub mod endpoint;
 pub mod error;

@@ -64,6 +64,8 @@ pub struct Metrics {
     pub requests: Family<OutcomeLabels, Counter>,
     /// `sluice_wait_seconds{endpoint}`: time held before forwarding.
     pub wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
+    /// `sluice_shadow_wait_seconds{endpoint}`: the wait shadow-mode requests would have had.
+    pub shadow_wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
     /// `sluice_upstream_responses_total{endpoint,code}`.
     pub upstream: Family<CodeLabels, Counter>,
     /// `sluice_upstream_throttles_total{endpoint}`: 429s (and 503 + Retry-After) seen.
@@ -92,6 +94,7 @@ impl Metrics {
         let m = Metrics {
             requests: Family::default(),
             wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
+            shadow_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             upstream: Family::default(),
             throttles: Family::default(),
             rate: Family::default(),
@@ -105,6 +108,13 @@ impl Metrics {
             other: EndpointLabel("_other".into()),
             registry: Registry::default(),
         };
+        m.register(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// Registers every instrument under the `sluice_` prefix.
+    fn register(&self, registry: &mut Registry) {
+        let m = self;
         registry.register(
             "requests",
             "Requests by endpoint and outcome",
@@ -114,6 +124,11 @@ impl Metrics {
             "wait_seconds",
             "Time requests waited for their token",
             m.wait.clone(),
+        );
+        registry.register(
+            "shadow_wait_seconds",
+            "Shadow mode: the time requests would have waited for their token",
+            m.shadow_wait.clone(),
         );
         registry.register(
             "upstream_responses",
@@ -161,7 +176,6 @@ impl Metrics {
             "1 while the on_error fallback is in force",
             m.store.degraded.clone(),
         );
-        Metrics { registry, ..m }
     }
 
     /// The label for an endpoint: its ID while under the cap, else `_other`.

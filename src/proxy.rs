@@ -26,14 +26,15 @@ use hyper_util::rt::TokioIo;
 
 use crate::adapt::{self, CooldownPolicy};
 use crate::auth::Identity;
-use crate::config::Adaptive;
+use crate::config::{Adaptive, Mode};
 use crate::conn::{ConnSlot, Timeouts};
 use crate::core::{App, Runtime};
+use crate::decision::{self, Trace};
 use crate::destination::normalise_host;
 use crate::endpoint::{Resolved, proxy_user};
 use crate::error::{Body, ProxyError};
 use crate::forward::{ForwardError, strip_hop_by_hop, strip_sluice_headers};
-use crate::limiter::{Ask, Grant, Refusal};
+use crate::limiter::{Ask, Grant, Refusal, Shadow};
 use crate::metrics::{CodeLabels, EndpointLabel, EndpointLabels};
 
 /// HTTP/1.1 request heads inside intercepted tunnels must arrive within this.
@@ -82,11 +83,24 @@ impl Target {
     }
 }
 
+/// What admission looks at: the request's facts, whatever its form.
+struct Asking<'a> {
+    headers: &'a HeaderMap,
+    who: &'a Who,
+    target: &'a Target,
+    path: &'a str,
+    /// Resolve and check the addresses now (tunnels connect to exactly these); plain
+    /// requests are checked by name here and by address when the pool connects.
+    resolve_dns: bool,
+}
+
 /// A request admitted to leave.
 struct Admitted {
     ep: Resolved,
     label: EndpointLabel,
     grant: Grant,
+    /// `forwarded`, or in shadow mode what enforcing would have answered.
+    outcome: &'static str,
     /// For tunnels: the resolved addresses that passed the destination policy.
     addrs: Vec<SocketAddr>,
 }
@@ -105,45 +119,49 @@ impl From<ProxyError> for Refused {
 
 /// Serves one request from a sender (or from inside an intercepted tunnel).
 pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> Response<Body> {
-    let result = if req.method() == Method::CONNECT && conn.tunnel.is_none() {
-        connect(&app, req, &conn).await
+    let method = req.method().clone();
+    let mut trace = Trace::default();
+    let result = if method == Method::CONNECT && conn.tunnel.is_none() {
+        connect(&app, req, &conn, &mut trace).await
     } else {
-        forward_request(&app, req, &conn).await
+        forward_request(&app, req, &conn, &mut trace).await
     };
-    result.unwrap_or_else(|r| refuse(&app, r))
+    match result {
+        Ok(resp) => {
+            let log = app.runtime.load().config.log;
+            decision::forwarded(&log, &app.sampler, conn.peer, method.as_str(), &trace);
+            resp
+        }
+        Err(r) => refuse(&app, r, conn.peer, method.as_str(), &trace),
+    }
 }
 
 /// Counts, logs and renders a refusal or failure.
-fn refuse(app: &App, r: Refused) -> Response<Body> {
+fn refuse(app: &App, r: Refused, peer: SocketAddr, method: &str, trace: &Trace) -> Response<Body> {
     let label = r.label.unwrap_or_else(|| app.metrics.other());
     app.metrics.outcome(&label, r.error.reason());
-    let e = r.error;
-    match &e {
-        ProxyError::Upstream(_)
-        | ProxyError::UpstreamTimeout(_)
-        | ProxyError::StoreUnavailable { .. } => {
-            tracing::warn!(reason = e.reason(), error = %e, "request failed")
-        }
-        _ => tracing::info!(reason = e.reason(), error = %e, "request refused"),
-    }
-    e.into_response()
+    decision::refused(peer, method, trace, &r.error);
+    r.error.into_response()
 }
 
-/// Steps 2–6 of the module doc, the same for every form of request. `resolve_dns`:
-/// resolve and check the addresses now (tunnels connect to exactly these); plain
-/// requests are checked by name here and by address when the pool connects.
+/// Steps 3–6 of the module doc, the same for every form of request.
 async fn admission(
     app: &App,
     rt: &Runtime,
-    headers: &HeaderMap,
-    who: &Who,
-    target: &Target,
-    path: &str,
-    resolve_dns: bool,
+    ask: Asking<'_>,
+    trace: &mut Trace,
 ) -> Result<Admitted, Refused> {
+    let Asking {
+        headers,
+        who,
+        target,
+        path,
+        resolve_dns,
+    } = ask;
     let ep = rt
         .resolver
         .resolve(headers, who.endpoint_hint.as_deref(), &target.host, path)?;
+    trace.endpoint = Some(Arc::clone(&ep.id));
     if let (Some(users), Some(id)) = (&rt.users, &who.identity) {
         if !users.may_spend(&id.user, &ep.id) {
             return Err(ProxyError::EndpointNotAllowed {
@@ -171,22 +189,54 @@ async fn admission(
         Vec::new()
     };
     let label = app.metrics.label(&ep.id);
-    let grant = admit(app, &ep).await.map_err(|error| Refused {
-        label: Some(label.clone()),
-        error,
-    })?;
-    app.metrics
-        .wait
-        .get_or_create(&EndpointLabels {
-            endpoint: label.clone(),
-        })
-        .observe(grant.waited.as_secs_f64());
+    let (grant, outcome) = match ep.mode {
+        Mode::Enforce => {
+            let grant = admit(app, &ep).await.map_err(|error| Refused {
+                label: Some(label.clone()),
+                error,
+            })?;
+            (grant, "forwarded")
+        }
+        Mode::Shadow => shadow(app, &ep).await,
+    };
+    trace.waited = grant.waited;
+    let wait = match ep.mode {
+        Mode::Enforce => &app.metrics.wait,
+        Mode::Shadow => &app.metrics.shadow_wait,
+    };
+    wait.get_or_create(&EndpointLabels {
+        endpoint: label.clone(),
+    })
+    .observe(grant.waited.as_secs_f64());
     Ok(Admitted {
         ep,
         label,
         grant,
+        outcome,
         addrs,
     })
+}
+
+/// A grant that holds no token (a shadow request enforcing would have refused).
+const NO_TOKEN: u64 = u64::MAX;
+
+/// Shadow mode: what enforcing would have done, without waiting or refusing.
+async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
+    match app.limiter.shadow(&ep.id, &ep.policy).await {
+        Shadow::Wait(grant) => (grant, "forwarded"),
+        Shadow::Refuse(r) => {
+            let outcome = match r {
+                Refusal::RateLimited { .. } => "shadow_rate_limited",
+                Refusal::Cooldown { .. } => "shadow_cooldown",
+                Refusal::StoreUnavailable => "shadow_store_unavailable",
+            };
+            let nothing = Grant {
+                waited: std::time::Duration::ZERO,
+                generation: NO_TOKEN,
+            };
+            (nothing, outcome)
+        }
+    }
 }
 
 /// Step 2: who sends. Inside a tunnel, the CONNECT's identity (still listed in the
@@ -232,16 +282,26 @@ async fn forward_request(
     app: &App,
     req: Request<Incoming>,
     conn: &Conn,
+    trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
     let rt = app.runtime.load_full();
     let (mut parts, body) = req.into_parts();
     let uri = target_uri(&parts.uri, conn.tunnel.as_ref())?;
     let target = Target::new(uri.host().unwrap_or_default(), 0)?;
+    trace.destination = uri.authority().map(|a| a.to_string());
     if parts.headers.get_all(HOST).iter().count() > 1 {
         return Err(ProxyError::BadRequest("more than one Host header".into()).into());
     }
     let who = identify(&rt, &parts.headers, conn).await?;
-    let admitted = admission(app, &rt, &parts.headers, &who, &target, uri.path(), false).await?;
+    trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
+    let ask = Asking {
+        headers: &parts.headers,
+        who: &who,
+        target: &target,
+        path: uri.path(),
+        resolve_dns: false,
+    };
+    let admitted = admission(app, &rt, ask, trace).await?;
 
     strip_hop_by_hop(&mut parts.headers);
     parts.headers.remove(rt.resolver.header());
@@ -249,11 +309,17 @@ async fn forward_request(
     parts.headers.remove(HOST);
     parts.uri = uri;
     parts.version = Version::HTTP_11;
+    let sent = tokio::time::Instant::now();
     let resp = match app.forwarder.send(Request::from_parts(parts, body)).await {
         Ok(r) => r,
         Err(e) => return Err(after_admission(app, &admitted, e).await),
     };
-    let Admitted { ep, label, .. } = admitted;
+    trace.upstream = Some(sent.elapsed());
+    trace.status = Some(resp.status().as_u16());
+    trace.outcome = admitted.outcome;
+    let Admitted {
+        ep, label, outcome, ..
+    } = admitted;
     app.metrics
         .upstream
         .get_or_create(&CodeLabels {
@@ -261,7 +327,7 @@ async fn forward_request(
             code: resp.status().as_u16(),
         })
         .inc();
-    app.metrics.outcome(&label, "forwarded");
+    app.metrics.outcome(&label, outcome);
     if let Some(adaptive) = ep.policy.adaptive {
         observe(app, &ep, &label, &adaptive, resp.status(), resp.headers()).await;
     }
@@ -274,7 +340,7 @@ async fn forward_request(
 /// A send that failed after admission: when nothing left (the resolved address was
 /// refused), the token goes back.
 async fn after_admission(app: &App, a: &Admitted, e: ForwardError) -> Refused {
-    if matches!(e, ForwardError::Denied(_)) {
+    if matches!(e, ForwardError::Denied(_)) && a.grant.generation != NO_TOKEN {
         app.limiter.refund(&a.ep.id, &a.ep.policy, a.grant).await;
     }
     Refused {
@@ -389,6 +455,7 @@ async fn connect(
     app: &Arc<App>,
     mut req: Request<Incoming>,
     conn: &Arc<Conn>,
+    trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
     let authority = req
         .uri()
@@ -396,8 +463,10 @@ async fn connect(
         .cloned()
         .ok_or_else(|| ProxyError::BadRequest("CONNECT needs host:port".into()))?;
     let target = Target::new(authority.host(), authority.port_u16().unwrap_or(443))?;
+    trace.destination = Some(authority.to_string());
     let rt = app.runtime.load_full();
     let who = identify(&rt, req.headers(), conn).await?;
+    trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
     let on_upgrade = hyper::upgrade::on(&mut req);
     if let Some(interceptor) = app
         .interceptor
@@ -417,17 +486,26 @@ async fn connect(
             host: target.host,
         };
         app.lifecycle.spawn(session.run(on_upgrade));
+        trace.outcome = "intercepted";
         return Ok(ok_empty());
     }
 
     // Not intercepted: the tunnel is one unit, admitted once.
-    let admitted = admission(app, &rt, req.headers(), &who, &target, "", true).await?;
+    let ask = Asking {
+        headers: req.headers(),
+        who: &who,
+        target: &target,
+        path: "",
+        resolve_dns: true,
+    };
+    let admitted = admission(app, &rt, ask, trace).await?;
     let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
         Ok(s) => s,
         Err(e) => return Err(after_admission(app, &admitted, e).await),
     };
     let label = admitted.label;
-    app.metrics.outcome(&label, "forwarded");
+    trace.outcome = admitted.outcome;
+    app.metrics.outcome(&label, admitted.outcome);
     app.metrics
         .tunnels
         .get_or_create(&EndpointLabels { endpoint: label })

@@ -51,19 +51,15 @@ async fn every_spec_metric_is_exported_with_its_type_and_labels() {
         .await
         .unwrap();
     // Gauges are refreshed by the observer once a second.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let scrape = loop {
-        let sc = scrape(s.admin_addr).await;
-        if sc
+    common::wait_for("the observer's gauges", Duration::from_secs(5), || async {
+        scrape(s.admin_addr)
+            .await
             .samples
             .iter()
             .any(|x| x.metric == "sluice_endpoint_rate")
-            || Instant::now() > deadline
-        {
-            break sc;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
+    let scrape = scrape(s.admin_addr).await;
     let has = |name: &str, labels: &[&str]| {
         scrape
             .samples
@@ -216,8 +212,13 @@ impl Proc {
     }
 
     async fn start(path: &Path, admin: std::net::SocketAddr) -> Proc {
+        Proc::start_with(path, admin, &[]).await
+    }
+
+    async fn start_with(path: &Path, admin: std::net::SocketAddr, args: &[&str]) -> Proc {
         let mut child = ChildGuard::spawn(
             Command::new(env!("CARGO_BIN_EXE_sluice"))
+                .args(args)
                 .args(["run", "--config"])
                 .arg(path)
                 .env("RUST_LOG", "debug")
@@ -589,4 +590,50 @@ async fn reload_with_a_changed_listener_keeps_serving_on_the_old_one_and_says_so
         log.contains("proxy.listen"),
         "the log names the setting:\n{log}"
     );
+}
+
+/// The decision log: one JSON line per request with endpoint, user, destination,
+/// outcome, waits and upstream status; refusals always, with the endpoint as a field;
+/// no ANSI colour codes when stderr is not a terminal.
+#[tokio::test]
+async fn every_request_leaves_one_decision_line() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let rest = "[[endpoints]]\nid = \"logged\"\nrate = 0.01\nburst = 2.0\nmax_wait = \"0\"\n";
+    std::fs::write(&path, Proc::config(proxy, admin, rest)).unwrap();
+    let p = Proc::start_with(&path, admin, &["--log-format", "json"]).await;
+    let c = client(proxy);
+    let mut statuses = Vec::new();
+    for i in 0..3 {
+        let r = c
+            .get(up.url(&format!("/d/{i}")))
+            .header("x-endpoint-id", "logged")
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 503]);
+    p.wait_log("request refused", Duration::from_secs(5)).await;
+    let log = p.stop();
+    assert!(
+        !log.contains('\u{1b}'),
+        "ANSI escape codes in a non-terminal log"
+    );
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"] == "sluice::decision")
+        .collect();
+    assert_eq!(lines.len(), 3, "{log}");
+    for (line, want) in lines.iter().zip(["forwarded", "forwarded", "rate_limited"]) {
+        assert_eq!(line["endpoint"], "logged", "{line}");
+        assert_eq!(line["outcome"], want, "{line}");
+        assert_eq!(line["destination"], up.addr.to_string(), "{line}");
+        assert!(line["waited_ms"].is_u64(), "{line}");
+    }
+    assert_eq!(lines[0]["status"], 200);
+    assert!(lines[0]["upstream_ms"].is_u64());
 }

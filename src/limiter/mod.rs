@@ -109,6 +109,15 @@ pub struct Grant {
     pub generation: u64,
 }
 
+/// What enforcing would have done to a request in shadow mode.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Shadow {
+    /// It would have waited this long (`waited`) for its token.
+    Wait(Grant),
+    /// It would have been refused.
+    Refuse(Refusal),
+}
+
 /// Decides admission for requests, over a shared store.
 #[derive(Clone)]
 pub struct Limiter {
@@ -175,6 +184,31 @@ impl Limiter {
                     held = Some(generation);
                 }
             }
+        }
+    }
+
+    /// Shadow mode: asks the store what enforcing would do to this request — one call,
+    /// no waiting. A would-be wait takes its token exactly as an enforced request would,
+    /// so the shadow bucket follows the real traffic; a would-be refusal takes nothing.
+    pub async fn shadow(&self, endpoint: &str, policy: &Policy) -> Shadow {
+        let ask = Ask::new(policy, micros(policy.max_wait), None);
+        match self.store.acquire(endpoint, ask).await {
+            Ok(Outcome::Granted {
+                wait_us,
+                generation,
+            }) => Shadow::Wait(Grant {
+                waited: from_micros(wait_us),
+                generation,
+            }),
+            Ok(Outcome::Refused { cooldown, retry_us }) => {
+                let retry_after = from_micros(retry_us);
+                Shadow::Refuse(if cooldown {
+                    Refusal::Cooldown { retry_after }
+                } else {
+                    Refusal::RateLimited { retry_after }
+                })
+            }
+            Err(_) => Shadow::Refuse(Refusal::StoreUnavailable),
         }
     }
 

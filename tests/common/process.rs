@@ -70,10 +70,24 @@ impl Drop for ChildGuard {
 /// Runs `cmd` to completion like [`Command::output`], but under a guard and a deadline:
 /// a child still running after `deadline` is killed and the test fails.
 pub fn output_within(cmd: &mut Command, deadline: Duration) -> Output {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    output_with_stdin(cmd, None, deadline)
+}
+
+/// [`output_within`], writing `input` to the child's stdin first (then closing it).
+pub fn output_with_stdin(cmd: &mut Command, input: Option<&[u8]>, deadline: Duration) -> Output {
+    cmd.stdin(if input.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
     let mut guard = ChildGuard::spawn(cmd);
+    if let (Some(input), Some(mut stdin)) = (input, guard.child().stdin.take()) {
+        use std::io::Write;
+        stdin.write_all(input).expect("write to the child's stdin");
+        // Dropped here: the child sees end of input.
+    }
     let drain = |r: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
             let mut buf = Vec::new();
