@@ -6,7 +6,9 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
 
 use common::{Reply, Upstream, client};
 
@@ -328,10 +330,12 @@ const RECOVER: &str = "[defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"10s\"\
 
 macro_rules! both_stores {
     ($($name:ident => |$fleet:ident| $body:expr, with $cfg:expr;)*) => {
+        /// In virtual time: sluice, upstream and clients share one paused runtime over
+        /// loopback sockets, so cooldowns and climbs take no wall time.
         mod memory {
             use super::*;
             $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                #[tokio::test(start_paused = true)]
                 async fn $name() {
                     let $fleet = Fleet::memory($cfg).await;
                     $body.await

@@ -5,7 +5,9 @@ mod common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::{Reply, Upstream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

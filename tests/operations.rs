@@ -8,7 +8,9 @@ use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::process::{ChildGuard, output_within};
 use common::{Reply, Upstream, assert_no_overdraw, client, sustained_rate};

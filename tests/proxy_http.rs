@@ -5,7 +5,9 @@ mod common;
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::{Reply, Upstream, assert_no_overdraw, client, sluice, sustained_rate};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

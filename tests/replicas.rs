@@ -3,7 +3,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::{Upstream, assert_no_overdraw, client, sustained_rate};
 

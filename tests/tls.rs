@@ -6,7 +6,9 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::tls::{TestPki, TlsUpstream};
 use common::{Reply, assert_no_overdraw, sustained_rate};
