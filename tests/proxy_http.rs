@@ -13,7 +13,8 @@ use common::{Reply, Upstream, assert_no_overdraw, client, sluice, sustained_rate
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Virtual time: pacing over real loopback sockets, with no wall-clock wait.
+#[tokio::test(start_paused = true)]
 async fn sixteen_senders_never_overdraw_and_use_the_rate() {
     let up = Upstream::start().await;
     let (rate, burst) = (100.0, 10.0);
@@ -60,7 +61,8 @@ async fn sixteen_senders_never_overdraw_and_use_the_rate() {
     s.stop().await;
 }
 
-#[tokio::test]
+// Virtual time: pacing over real loopback sockets, with no wall-clock wait.
+#[tokio::test(start_paused = true)]
 async fn waiting_requests_are_served_in_arrival_order() {
     // The first answer says the quota is spent for 1 s: a pause without a decrease, which
     // also stops refill, so each waiter's reservation shows as exactly one token less.
@@ -111,7 +113,8 @@ async fn waiting_requests_are_served_in_arrival_order() {
     s.stop().await;
 }
 
-#[tokio::test]
+// Virtual time: pacing over real loopback sockets, with no wall-clock wait.
+#[tokio::test(start_paused = true)]
 async fn refusal_is_503_with_retry_after_and_consumes_nothing() {
     let up = Upstream::start().await;
     let s = sluice("[defaults]\nrate = 2.0\nburst = 1.0\nmax_wait = \"0s\"\n").await;
