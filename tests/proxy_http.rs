@@ -244,11 +244,7 @@ async fn hop_by_hop_and_proxy_headers_never_reach_the_upstream() {
 }
 
 async fn raw(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let _ = s.write_all(bytes).await;
-    let mut out = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
-    String::from_utf8_lossy(&out).into_owned()
+    common::raw_exchange(addr, bytes).await
 }
 
 #[tokio::test]
@@ -310,6 +306,8 @@ async fn connect_tunnels_are_paced_once_per_connect() {
             .contains("x-sluice-reason: rate_limited")
     );
     assert_eq!(up.count(), 2);
+    // Close the tunnel: shutdown would otherwise wait its grace period for it.
+    drop(t);
     s.stop().await;
 }
 

@@ -283,3 +283,38 @@ pub async fn wait_for_tokens_below(admin: SocketAddr, id: &str, bound: f64) {
     )
     .await;
 }
+
+/// Sends raw bytes to `addr` and returns one whole response: the head, then as many body
+/// bytes as its `Content-Length` says (or up to the close). Reading to the end of the
+/// connection instead would wait for the keep-alive timeout on every answer.
+pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // The server may answer and close before reading everything (e.g. a 431).
+    let _ = s.write_all(bytes).await;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let complete = |out: &[u8]| {
+        let Some(end) = out.windows(4).position(|w| w == b"\r\n\r\n") else {
+            return false;
+        };
+        let head = String::from_utf8_lossy(&out[..end]).to_ascii_lowercase();
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        length.is_some_and(|n| out.len() >= end + 4 + n)
+    };
+    let read = async {
+        while !complete(&out) {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("a whole response within 10 s");
+    String::from_utf8_lossy(&out).into_owned()
+}
