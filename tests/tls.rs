@@ -252,6 +252,8 @@ async fn passthrough_hosts_tunnel_end_to_end_with_the_upstreams_own_ca() {
     let r = c.get(up.url("/through")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(up.arrivals()[0].path, "/through");
+    // Close the client's pooled tunnel: shutdown would otherwise wait its grace for it.
+    drop((r, c));
     s.stop().await;
 }
 
