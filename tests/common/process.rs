@@ -107,14 +107,6 @@ pub fn output_with_stdin(cmd: &mut Command, input: Option<&[u8]>, deadline: Dura
     }
 }
 
-/// [`output_within`] on a blocking thread, so the test's runtime keeps serving (sluice
-/// runs in the same runtime as the test that drives it with curl).
-pub async fn output_within_async(mut cmd: Command, deadline: Duration) -> Output {
-    tokio::task::spawn_blocking(move || output_within(&mut cmd, deadline))
-        .await
-        .expect("child runner panicked")
-}
-
 /// [`output_within`] as a method, in place of [`Command::output`].
 pub trait RunWithin {
     /// Runs to completion under a guard; killed and failing the test after `deadline`.
