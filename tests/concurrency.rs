@@ -3,9 +3,6 @@
 //! a real Redis; a crashed holder's leases come back within `lease_ttl`.
 
 mod common;
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -149,7 +146,7 @@ async fn one_replica_never_exceeds_max_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_one_redis_never_exceed_max_in_flight() {
-    let redis = redis_support::RedisServer::start();
+    let redis = common::redis::RedisServer::start();
     let cfg = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n{POLICY}",
         redis.url()
@@ -174,7 +171,7 @@ async fn three_replicas_on_one_redis_never_exceed_max_in_flight() {
     assert!(up.peak() <= 3, "peak {} in flight", up.peak());
     // Leases are all given back.
     let key = "sluice:{c3}:leases";
-    redis_support::wait_until("leases released", Duration::from_secs(5), || {
+    common::redis::wait_until("leases released", Duration::from_secs(5), || {
         redis.cli(&["ZCARD", key]).as_deref() == Some("0")
     });
     for r in rs {
@@ -217,7 +214,7 @@ async fn a_crashed_replicas_slots_return_within_the_lease_ttl() {
     use sluice::limiter::redis::RedisStore;
     use sluice::limiter::{Ask, BucketStore, LeaseAsk, Leased, Outcome, StoreStats};
 
-    let redis = redis_support::RedisServer::start();
+    let redis = common::redis::RedisServer::start();
     let ttl = Duration::from_secs(1);
     // The "crashed" replica: its store takes both slots, then it is gone — no release,
     // no renewal (exactly what a killed process leaves behind).

@@ -2,9 +2,6 @@
 //! real upstream.
 
 mod common;
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -82,7 +79,7 @@ async fn weighted_senders_split_a_saturated_endpoint_3_to_1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weighted_senders_across_three_replicas_report() {
-    let redis = redis_support::RedisServer::start();
+    let redis = common::redis::RedisServer::start();
     let cfg = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n{POLICY}",
         redis.url()
