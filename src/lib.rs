@@ -17,13 +17,16 @@
 //! - [`metrics`]: Prometheus registry and the instruments sluice exports.
 //! - [`observer`]: periodic endpoint look: gauges and state-change logs.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/endpoints`.
+//! - [`demo`]: `sluice demo-receiver`, a tiny receiver (200 / 429 / slow) for trying sluice offline.
 //! - [`error`]: [`error::ProxyError`] and the one place that turns it into a response.
+//! - [`version`]: version, git commit and build date stamped by `build.rs`.
 #![deny(missing_docs)]
 
 pub mod adapt;
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod demo;
 pub mod destination;
 pub mod endpoint;
 pub mod error;
@@ -35,3 +38,4 @@ pub mod observer;
 pub mod proxy;
 pub mod server;
 pub mod upstream_tls;
+pub mod version;

@@ -12,7 +12,7 @@ use sluice::config::{Config, ConfigError};
 #[derive(Parser)]
 #[command(
     name = "sluice",
-    version,
+    version = sluice::version::LONG,
     about = "HTTP forward proxy that keeps the rate limits receivers publish"
 )]
 struct Cli {
@@ -57,6 +57,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the version, git commit and build date (same as --version).
+    Version,
+    /// Run a tiny webhook receiver for trying sluice offline: 200 on any path,
+    /// 429 on /429?retry_after=N, slow on /slow?ms=N; prints one line per request.
+    DemoReceiver {
+        /// Address to listen on (port 0 picks a free port).
+        #[arg(long, default_value = "127.0.0.1:9000")]
+        listen: std::net::SocketAddr,
+    },
 }
 
 #[derive(Subcommand)]
@@ -79,6 +88,11 @@ fn main() -> ExitCode {
             command: CaCommand::Init { dir },
         } => ca_init(&dir),
         Command::Status { admin, json } => status(&admin, json),
+        Command::DemoReceiver { listen } => demo_receiver(listen),
+        Command::Version => {
+            println!("sluice {}", sluice::version::LONG);
+            Ok(ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,
@@ -213,6 +227,30 @@ fn reload(app: &sluice::proxy::App, path: &Path) {
         }
         Err(e) => tracing::error!(error = %e, "reload refused: keeping the running config"),
     }
+}
+
+fn demo_receiver(listen: std::net::SocketAddr) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let (listener, addr) = match sluice::demo::bind(listen).await {
+            Ok(bound) => bound,
+            Err(e) => {
+                eprintln!("error: cannot listen on {listen}: {e}");
+                return Ok(ExitCode::from(2));
+            }
+        };
+        println!("demo receiver listening on http://{addr}");
+        println!("  /  200   /429?retry_after=N  429 + Retry-After   /slow?ms=N  200 after N ms");
+        let ctrl_c = async {
+            // Without a handler Ctrl-C still ends the process; either way we stop.
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        sluice::demo::serve(listener, ctrl_c, |r| println!("{r}")).await;
+        Ok(ExitCode::SUCCESS)
+    })
 }
 
 fn status(admin: &str, json: bool) -> anyhow::Result<ExitCode> {

@@ -87,3 +87,26 @@ fn run_exits_2_naming_a_taken_port() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&addr.to_string()), "{err}");
 }
+
+#[test]
+fn version_prints_version_commit_and_build_date() {
+    let long = sluice().arg("--version").output().unwrap();
+    let sub = sluice().arg("version").output().unwrap();
+    assert!(long.status.success() && sub.status.success());
+    let text = String::from_utf8_lossy(&long.stdout).trim().to_owned();
+    assert_eq!(text, String::from_utf8_lossy(&sub.stdout).trim());
+    // sluice 0.1.0 (commit abc1234, built 2025-01-01T00:00:00Z)
+    let rest = text
+        .strip_prefix(&format!("sluice {} (commit ", env!("CARGO_PKG_VERSION")))
+        .unwrap_or_else(|| panic!("{text}"));
+    let (commit, date) = rest
+        .split_once(", built ")
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        commit == "unknown" || (commit.len() >= 7 && commit.chars().all(|c| c.is_ascii_hexdigit())),
+        "{text}"
+    );
+    let date = date.strip_suffix(')').unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(date.len(), "2025-01-01T00:00:00Z".len(), "{text}");
+    assert!(date.starts_with("20") && date.ends_with('Z'), "{text}");
+}
