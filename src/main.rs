@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice::admin::EndpointView;
+use sluice::app::ReloadError;
 use sluice::config::{Config, ConfigError};
 
 #[derive(Parser)]
@@ -66,6 +67,15 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:9000")]
         listen: std::net::SocketAddr,
     },
+    /// Print an htpasswd line (`user:bcrypt-hash`) for security.auth_users_file; the
+    /// password is read from the first line of standard input.
+    Passwd {
+        /// The proxy user name.
+        user: String,
+        /// bcrypt cost (work factor), 4–31.
+        #[arg(long, default_value_t = 10)]
+        cost: u32,
+    },
 }
 
 #[derive(Subcommand)]
@@ -93,6 +103,7 @@ fn main() -> ExitCode {
             println!("sluice {}", sluice::version::LONG);
             Ok(ExitCode::SUCCESS)
         }
+        Command::Passwd { user, cost } => passwd(&user, cost),
     };
     match result {
         Ok(code) => code,
@@ -106,8 +117,11 @@ fn main() -> ExitCode {
 fn init_logs(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour only for people: no ANSI codes in files, pipes and log collectors.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -125,7 +139,13 @@ fn load(path: &Path) -> Result<Config, ExitCode> {
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     Ok(match load(path) {
         Ok(c) => {
-            println!("{}: {}", path.display(), c.summary());
+            let summary = c.summary();
+            // The files it names (users, admin token) must be usable too.
+            if let Err(e) = sluice::core::Runtime::load(std::sync::Arc::new(c)) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
+            println!("{}: {summary}", path.display());
             ExitCode::SUCCESS
         }
         Err(code) => code,
@@ -217,10 +237,10 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-fn reload(app: &sluice::proxy::App, path: &Path) {
+fn reload(app: &sluice::core::App, path: &Path) {
     match sluice::app::reload(app, path) {
         Ok(()) => {}
-        Err(ConfigError::Invalid { issues, .. }) => {
+        Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {
             for i in &issues {
                 tracing::error!(%i, "reload refused: keeping the running config");
             }
@@ -251,6 +271,25 @@ fn demo_receiver(listen: std::net::SocketAddr) -> anyhow::Result<ExitCode> {
         sluice::demo::serve(listener, ctrl_c, |r| println!("{r}")).await;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+fn passwd(user: &str, cost: u32) -> anyhow::Result<ExitCode> {
+    if user.is_empty() || user.contains(['+', ':']) || !user.bytes().all(|b| b.is_ascii_graphic()) {
+        eprintln!("user name must be visible ASCII without '+' or ':'");
+        return Ok(ExitCode::from(1));
+    }
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .context("reading the password from standard input")?;
+    let password = line.trim_end_matches(['\r', '\n']);
+    if password.is_empty() {
+        eprintln!("no password on standard input (e.g. `echo \"$PW\" | sluice passwd {user}`)");
+        return Ok(ExitCode::from(1));
+    }
+    let hash = bcrypt::hash(password, cost).context("hashing the password")?;
+    println!("{user}:{hash}");
+    Ok(ExitCode::SUCCESS)
 }
 
 fn status(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
