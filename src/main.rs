@@ -129,17 +129,39 @@ fn init_logs(format: LogFormat) {
     }
 }
 
+/// Loads a config and opens every file it names; exit 1 naming the key when one fails.
 fn load(path: &Path) -> Result<Config, ExitCode> {
-    Config::load(path).map_err(|e| {
+    let config = Config::load(path).map_err(|e| {
         eprintln!("{e}");
         ExitCode::from(1)
-    })
+    })?;
+    config.check_files().map_err(|issues| {
+        let path = path.to_owned();
+        eprintln!("{}", ConfigError::Files { path, issues });
+        ExitCode::from(1)
+    })?;
+    Ok(config)
+}
+
+/// The TLS files must hold what their keys promise (a CA and its key, PEM roots).
+fn check_tls(c: &Config) -> Result<(), String> {
+    sluice::upstream_tls::client_config(&c.tls.upstream_roots)
+        .map_err(|e| format!("tls.upstream_roots: {e}"))?;
+    if c.tls.intercept {
+        sluice::mitm::CertAuthority::load(&c.tls.ca_cert, &c.tls.ca_key)
+            .map_err(|e| format!("tls.ca_cert / tls.ca_key: {e}"))?;
+    }
+    Ok(())
 }
 
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     Ok(match load(path) {
         Ok(c) => {
             let summary = c.summary();
+            if let Err(e) = check_tls(&c) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
             // The files it names (users, admin token) must be usable too.
             if let Err(e) = sluice::core::Runtime::load(std::sync::Arc::new(c)) {
                 eprintln!("{}: {e}", path.display());

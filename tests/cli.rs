@@ -110,3 +110,116 @@ fn version_prints_version_commit_and_build_date() {
     assert_eq!(date.len(), "2025-01-01T00:00:00Z".len(), "{text}");
     assert!(date.starts_with("20") && date.ends_with('Z'), "{text}");
 }
+
+/// Writes `text` as `dir/name` and runs `sluice check` on it from `cwd`.
+fn check_in(cwd: &std::path::Path, config: &std::path::Path) -> std::process::Output {
+    sluice()
+        .current_dir(cwd)
+        .args(["check", "--config"])
+        .arg(config)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn check_resolves_relative_paths_against_the_config_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("etc");
+    let made = sluice()
+        .args(["ca", "init", "--dir"])
+        .arg(folder.join("ca"))
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    std::fs::write(folder.join("users"), "").unwrap();
+    let config = folder.join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[tls]\nintercept = true\nca_cert = \"ca/ca.pem\"\nca_key = \"./ca/ca.key\"\n\
+         upstream_roots = [\"ca/ca.pem\"]\n",
+    )
+    .unwrap();
+    // Started from elsewhere: the paths still mean etc/ca/...
+    let out = check_in(std::path::Path::new("/"), &config);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A config given by a relative path works from its own folder too.
+    let out = check_in(&folder, std::path::Path::new("sluice.toml"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn check_names_the_key_of_every_missing_or_unreadable_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("a_directory")).unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[proxy]\nadmin_token_file = \"a_directory\"\n\
+         [tls]\nintercept = true\nca_cert = \"ca/ca.pem\"\nca_key = \"/nonexistent/ca.key\"\n\
+         upstream_roots = [\"roots.pem\"]\n",
+    )
+    .unwrap();
+    let out = check_in(std::path::Path::new("/"), &config);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("4 file(s) cannot be read"), "{err}");
+    let folder = dir.path().display().to_string();
+    for want in [
+        format!("proxy.admin_token_file: cannot read {folder}/a_directory"),
+        format!("tls.ca_cert: cannot read {folder}/ca/ca.pem"),
+        "tls.ca_key: cannot read /nonexistent/ca.key".to_owned(),
+        format!("tls.upstream_roots[0]: cannot read {folder}/roots.pem"),
+    ] {
+        assert!(err.contains(&want), "no {want:?} in:\n{err}");
+    }
+    // `run` refuses the same file before binding anything.
+    let out = sluice()
+        .args(["run", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tls.ca_key"));
+}
+
+#[test]
+fn check_ignores_the_ca_when_interception_is_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[tls]\nintercept = false\nca_cert = \"nowhere.pem\"\n",
+    )
+    .unwrap();
+    let out = check_in(dir.path(), &config);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn check_rejects_a_file_that_is_not_a_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ca.pem"), "not a certificate\n").unwrap();
+    std::fs::write(dir.path().join("ca.key"), "not a key\n").unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[tls]\nintercept = true\nca_cert = \"ca.pem\"\nca_key = \"ca.key\"\n",
+    )
+    .unwrap();
+    let out = check_in(dir.path(), &config);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tls.ca_cert"), "{err}");
+}
