@@ -6,33 +6,62 @@ fn sluice() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sluice"))
 }
 
-#[test]
-fn every_shipped_config_passes_check() {
-    let mut checked = 0;
-    for dir in ["config", "deploy"] {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            continue;
-        };
-        for e in entries {
-            let path = e.unwrap().path();
-            if path.extension().is_some_and(|x| x == "toml") {
-                let out = sluice()
-                    .args(["check", "--config"])
-                    .arg(&path)
-                    .output()
-                    .unwrap();
-                assert!(
-                    out.status.success(),
-                    "{} fails check: {}",
-                    path.display(),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                assert!(String::from_utf8_lossy(&out.stdout).contains("ok:"));
-                checked += 1;
-            }
+/// Every `*.toml` under `dir`, recursively, sorted.
+fn tomls(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries {
+        let path = e.unwrap().path();
+        if path.is_dir() {
+            out.extend(tomls(&path));
+        } else if path.extension().is_some_and(|x| x == "toml") {
+            out.push(path);
         }
     }
-    assert!(checked >= 1, "no config files found");
+    out.sort();
+    out
+}
+
+#[test]
+fn every_shipped_config_passes_check() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let files: Vec<_> = ["config", "deploy"]
+        .iter()
+        .flat_map(|d| tomls(&root.join(d)))
+        .collect();
+    for path in &files {
+        let out = sluice()
+            .args(["check", "--config"])
+            .arg(path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{} fails check: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains("ok:"));
+    }
+    let names: Vec<String> = files
+        .iter()
+        .map(|p| p.strip_prefix(root).unwrap().display().to_string())
+        .collect();
+    for want in [
+        "config/sluice.example.toml",
+        "config/demo.toml",
+        "config/recipes/svix.toml",
+        "config/recipes/convoy.toml",
+        "config/recipes/outpost.toml",
+        "config/recipes/worker-pool.toml",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} not checked: {names:?}"
+        );
+    }
 }
 
 #[test]
