@@ -1,6 +1,14 @@
 //! The `sluice` binary: `check` on good and bad files, `run` on a taken port, `ca init`.
 
+mod common;
+
 use std::process::Command;
+use std::time::Duration;
+
+use common::process::RunWithin;
+
+/// Longest any child process (curl, the sluice binary) may run before the test fails.
+const CHILD_DEADLINE: Duration = Duration::from_secs(30);
 
 fn sluice() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sluice"))
@@ -35,8 +43,7 @@ fn every_shipped_config_passes_check() {
         let out = sluice()
             .args(["check", "--config"])
             .arg(path)
-            .output()
-            .unwrap();
+            .run_within(CHILD_DEADLINE);
         assert!(
             out.status.success(),
             "{} fails check: {}",
@@ -76,8 +83,7 @@ fn check_names_every_bad_key_with_line_and_column() {
     let out = sluice()
         .args(["check", "--config"])
         .arg(&path)
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("2:8: defaults.rate"), "{err}");
@@ -90,8 +96,7 @@ fn check_names_every_bad_key_with_line_and_column() {
 fn check_on_a_missing_file_exits_1() {
     let out = sluice()
         .args(["check", "--config", "/nonexistent/sluice.toml"])
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/sluice.toml"));
 }
@@ -110,8 +115,7 @@ fn run_exits_2_naming_a_taken_port() {
     let out = sluice()
         .args(["run", "--config"])
         .arg(&path)
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&addr.to_string()), "{err}");
@@ -119,8 +123,8 @@ fn run_exits_2_naming_a_taken_port() {
 
 #[test]
 fn version_prints_version_commit_and_build_date() {
-    let long = sluice().arg("--version").output().unwrap();
-    let sub = sluice().arg("version").output().unwrap();
+    let long = sluice().arg("--version").run_within(CHILD_DEADLINE);
+    let sub = sluice().arg("version").run_within(CHILD_DEADLINE);
     assert!(long.status.success() && sub.status.success());
     let text = String::from_utf8_lossy(&long.stdout).trim().to_owned();
     assert_eq!(text, String::from_utf8_lossy(&sub.stdout).trim());
@@ -146,8 +150,7 @@ fn check_in(cwd: &std::path::Path, config: &std::path::Path) -> std::process::Ou
         .current_dir(cwd)
         .args(["check", "--config"])
         .arg(config)
-        .output()
-        .unwrap()
+        .run_within(CHILD_DEADLINE)
 }
 
 #[test]
@@ -157,8 +160,7 @@ fn check_resolves_relative_paths_against_the_config_folder() {
     let made = sluice()
         .args(["ca", "init", "--dir"])
         .arg(folder.join("ca"))
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     assert!(made.status.success(), "{made:?}");
     std::fs::write(folder.join("users"), "").unwrap();
     let config = folder.join("sluice.toml");
@@ -213,8 +215,7 @@ fn check_names_the_key_of_every_missing_or_unreadable_file() {
     let out = sluice()
         .args(["run", "--config"])
         .arg(&config)
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("tls.ca_key"));
 }

@@ -6,19 +6,24 @@
 //! those ports and `cargo run --release --` → this build's binary. What it asserts is
 //! measured at the receiver: pacing, nothing sent for a 503, nothing during a cooldown.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use common::process::{ChildGuard, output_within};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sluice");
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
-/// A child process that dies with the test, and the lines it has printed so far.
+/// A child process that dies with the test (its guard kills it on drop), and the lines
+/// it has printed so far.
 struct Proc {
-    child: Child,
+    _child: ChildGuard,
     lines: Arc<Mutex<Vec<String>>>,
 }
 
@@ -31,11 +36,11 @@ impl Proc {
         } else {
             cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
         }
-        let mut child = cmd.spawn().expect("spawn");
+        let mut child = ChildGuard::spawn(&mut cmd);
         let out: Box<dyn Read + Send> = if from_stderr {
-            Box::new(child.stderr.take().unwrap())
+            Box::new(child.child().stderr.take().unwrap())
         } else {
-            Box::new(child.stdout.take().unwrap())
+            Box::new(child.child().stdout.take().unwrap())
         };
         let lines = Arc::new(Mutex::new(Vec::new()));
         let sink = Arc::clone(&lines);
@@ -45,7 +50,10 @@ impl Proc {
                 sink.lock().unwrap().push(line);
             }
         });
-        Proc { child, lines }
+        Proc {
+            _child: child,
+            lines,
+        }
     }
 
     fn lines(&self) -> Vec<String> {
@@ -66,13 +74,6 @@ impl Proc {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -141,11 +142,10 @@ fn run_block(block: &str, p: &Ports) -> String {
         !script.contains("cargo "),
         "unlocalized command in:\n{script}"
     );
-    let out = Command::new("bash")
-        .args(["-euo", "pipefail", "-c", &script])
-        .current_dir(ROOT)
-        .output()
-        .expect("bash runs");
+    let mut bash = Command::new("bash");
+    bash.args(["-euo", "pipefail", "-c", &script])
+        .current_dir(ROOT);
+    let out = output_within(&mut bash, Duration::from_secs(60));
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),

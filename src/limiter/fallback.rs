@@ -12,13 +12,16 @@
 //! bucket already let through. Reservations handed out by the local store carry
 //! [`LOCAL_GENERATION`] so that their confirmation and refund go back to the store that
 //! made them, whichever store is in use by then.
+//!
+//! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
 use super::memory::MemoryStore;

@@ -10,14 +10,16 @@
 //! flushed Redis) loads the script and retries once ([`Script::invoke_async`]; in a
 //! cluster `SCRIPT LOAD` goes to every node). Every call is bounded by `store.timeout`,
 //! latency and failures are recorded in [`StoreStats`], and errors are classified once,
-//! in [`classify`].
+//! in [`classify`]. Bucket times come from Redis `TIME` (the server clock, shared by
+//! every replica); only the call latency is measured on tokio's clock here.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, RedisError, Script, ScriptInvocation, Value};
+use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
