@@ -217,6 +217,9 @@ pub struct ProxyConfig {
     pub max_connections: usize,
     /// Distinct `endpoint` label values in metrics before the rest become `_other`.
     pub metrics_max_endpoints: usize,
+    /// Threads serving requests: 0 = one per core; 1 = a single-threaded runtime (no
+    /// cross-thread wake-ups: the least CPU per request on small machines).
+    pub workers: usize,
     /// A sender connection (also HTTP inside an intercepted tunnel) with no bytes either
     /// way and no request in flight for this long is closed.
     pub idle_timeout: Duration,
@@ -800,6 +803,7 @@ impl Reader<'_> {
                 "shutdown_grace",
                 "max_connections",
                 "metrics_max_endpoints",
+                "workers",
                 "idle_timeout",
                 "tunnel_idle_timeout",
                 "admin_token_file",
@@ -829,6 +833,20 @@ impl Reader<'_> {
             shutdown_grace: self.duration(t, p, "shutdown_grace", Duration::from_secs(10)),
             max_connections: self.count(t, p, "max_connections", 10_000),
             metrics_max_endpoints: self.count(t, p, "metrics_max_endpoints", 500),
+            workers: match self.number(t, p, "workers") {
+                None => 0,
+                Some((n, _)) if n >= 0.0 && n.fract() == 0.0 && n <= 1024.0 => n as usize,
+                Some((n, at)) => {
+                    self.issue(
+                        at,
+                        "proxy.workers",
+                        format!(
+                            "{n} is invalid: must be a whole number from 0 (one per core) to 1024"
+                        ),
+                    );
+                    0
+                }
+            },
             idle_timeout: self.positive(t, p, "idle_timeout", Duration::from_secs(120)),
             tunnel_idle_timeout: self.positive(
                 t,

@@ -288,7 +288,7 @@ async fn forward_request(
     let (mut parts, body) = req.into_parts();
     let uri = target_uri(&parts.uri, conn.tunnel.as_ref())?;
     let target = Target::new(uri.host().unwrap_or_default(), 0)?;
-    trace.destination = uri.authority().map(|a| a.to_string());
+    trace.destination = uri.authority().cloned();
     if parts.headers.get_all(HOST).iter().count() > 1 {
         return Err(ProxyError::BadRequest("more than one Host header".into()).into());
     }
@@ -463,7 +463,7 @@ async fn connect(
         .cloned()
         .ok_or_else(|| ProxyError::BadRequest("CONNECT needs host:port".into()))?;
     let target = Target::new(authority.host(), authority.port_u16().unwrap_or(443))?;
-    trace.destination = Some(authority.to_string());
+    trace.destination = Some(authority.clone());
     let rt = app.runtime.load_full();
     let who = identify(&rt, req.headers(), conn).await?;
     trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
