@@ -52,6 +52,15 @@ pub struct CodeLabels {
     pub code: u16,
 }
 
+/// `{version, commit}` of `sluice_build_info`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct BuildLabels {
+    /// The crate version.
+    pub version: &'static str,
+    /// The short git commit (or `unknown`).
+    pub commit: &'static str,
+}
+
 fn wait_histogram() -> Histogram {
     // 1 ms .. ~65 s.
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
@@ -82,6 +91,8 @@ pub struct Metrics {
     pub connections: Gauge,
     /// Store instruments.
     pub store: StoreStats,
+    /// `sluice_build_info{version,commit}`: always 1.
+    pub build_info: Family<BuildLabels, Gauge>,
     labelled: RwLock<HashSet<Arc<str>>>,
     max_labels: usize,
     other: EndpointLabel,
@@ -103,11 +114,18 @@ impl Metrics {
             tunnels: Family::default(),
             connections: Gauge::default(),
             store: StoreStats::default(),
+            build_info: Family::default(),
             labelled: RwLock::new(configured.cloned().collect()),
             max_labels,
             other: EndpointLabel("_other".into()),
             registry: Registry::default(),
         };
+        m.build_info
+            .get_or_create(&BuildLabels {
+                version: crate::version::VERSION,
+                commit: crate::version::COMMIT,
+            })
+            .set(1);
         m.register(&mut registry);
         Metrics { registry, ..m }
     }
@@ -175,6 +193,11 @@ impl Metrics {
             "store_degraded",
             "1 while the on_error fallback is in force",
             m.store.degraded.clone(),
+        );
+        registry.register(
+            "build_info",
+            "The running build: version and git commit; always 1",
+            m.build_info.clone(),
         );
     }
 
@@ -262,5 +285,17 @@ mod tests {
             .filter(|l| l.starts_with("sluice_requests_total{"))
             .count();
         assert!(series <= 11, "{series} series");
+    }
+
+    #[test]
+    fn build_info_names_version_and_commit() {
+        let m = Metrics::new(10, std::iter::empty());
+        let text = m.render();
+        let want = format!(
+            "sluice_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+            crate::version::VERSION,
+            crate::version::COMMIT
+        );
+        assert!(text.contains(&want), "{text}");
     }
 }
