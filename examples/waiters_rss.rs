@@ -36,11 +36,13 @@ async fn tokens(admin: u16) -> Option<f64> {
         .await
         .ok()?;
     let mut body = Vec::new();
-    tokio::io::AsyncReadExt::read_to_end(&mut s, &mut body).await.ok()?;
+    tokio::io::AsyncReadExt::read_to_end(&mut s, &mut body)
+        .await
+        .ok()?;
     let text = String::from_utf8_lossy(&body);
     let at = text.find("\"tokens\":")? + 9;
     text[at..]
-        .split(|c: char| c == ',' || c == '\n' || c == '}')
+        .split([',', '\n', '}'])
         .next()?
         .trim()
         .parse()
@@ -50,7 +52,9 @@ async fn tokens(admin: u16) -> Option<f64> {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let bin = args.next().unwrap_or_else(|| "target/release/sluice".into());
+    let bin = args
+        .next()
+        .unwrap_or_else(|| "target/release/sluice".into());
     let n: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let upstream = TcpListener::bind("127.0.0.1:0").await?;
     let up = upstream.local_addr()?;
@@ -80,13 +84,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // One request through first: the endpoint exists and the burst token is spent.
-    let req = format!(
-        "GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nX-Endpoint-Id: hold\r\n\r\n"
-    );
+    let req = format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nX-Endpoint-Id: hold\r\n\r\n");
     let mut first = TcpStream::connect(("127.0.0.1", proxy)).await?;
     first.write_all(req.as_bytes()).await?;
     let (mut conn, _) = upstream.accept().await?;
-    let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+    let _ = conn
+        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = rss_kib(pid);
     let mut held = Vec::with_capacity(n);
