@@ -48,9 +48,29 @@ pub enum ConfigError {
         /// Every problem found, in file order.
         issues: Vec<ConfigIssue>,
     },
+    /// Files the config names are missing or unreadable ([`Config::check_files`]).
+    #[error("{path}: {} file(s) cannot be read:\n{}", issues.len(), render(issues))]
+    Files {
+        /// The config file.
+        path: PathBuf,
+        /// One per unreadable file, naming its key.
+        issues: Vec<FileIssue>,
+    },
 }
 
-fn render(issues: &[ConfigIssue]) -> String {
+/// A file named by the config that cannot be opened and read.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: cannot read {}: {source}", path.display())]
+pub struct FileIssue {
+    /// Dotted key naming the file, e.g. `tls.ca_key` or `tls.upstream_roots[1]`.
+    pub key: String,
+    /// The path tried (after [`Config::resolve_paths`]).
+    pub path: PathBuf,
+    /// Why it cannot be read.
+    pub source: std::io::Error,
+}
+
+fn render(issues: &[impl std::fmt::Display]) -> String {
     issues
         .iter()
         .map(|i| format!("  {i}"))
@@ -347,16 +367,78 @@ pub struct Config {
 }
 
 impl Config {
-    /// Reads and validates a file.
+    /// Reads and validates a file; relative paths in it are resolved against the file's
+    /// folder ([`Config::resolve_paths`]). Does not open those files: see
+    /// [`Config::check_files`].
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Config::parse(&text).map_err(|issues| ConfigError::Invalid {
+        let mut config = Config::parse(&text).map_err(|issues| ConfigError::Invalid {
             path: path.to_owned(),
             issues,
-        })
+        })?;
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
+        config.resolve_paths(folder.unwrap_or(Path::new(".")));
+        Ok(config)
+    }
+
+    /// Every file path the config names: its dotted key, the path, and whether this
+    /// config will open it (the CA only with `tls.intercept`). A new path key is one line
+    /// here; [`Config::resolve_paths`] and [`Config::check_files`] both follow this list.
+    fn paths_mut(&mut self) -> Vec<(String, &mut PathBuf, bool)> {
+        let intercept = self.tls.intercept;
+        let mut paths = vec![
+            ("tls.ca_cert".to_owned(), &mut self.tls.ca_cert, intercept),
+            ("tls.ca_key".to_owned(), &mut self.tls.ca_key, intercept),
+        ];
+        for (i, p) in self.tls.upstream_roots.iter_mut().enumerate() {
+            paths.push((format!("tls.upstream_roots[{i}]"), p, true));
+        }
+        if let Some(p) = &mut self.proxy.admin_token_file {
+            paths.push(("proxy.admin_token_file".to_owned(), p, true));
+        }
+        if let Some(p) = &mut self.security.auth_users_file {
+            paths.push(("security.auth_users_file".to_owned(), p, true));
+        }
+        paths
+    }
+
+    /// Makes every relative path absolute-or-CWD-relative by joining it to `base_dir`,
+    /// the folder of the config file, so a config means the same files wherever sluice
+    /// is started from.
+    pub fn resolve_paths(&mut self, base_dir: &Path) {
+        for (_, path, _) in self.paths_mut() {
+            if path.is_relative() {
+                *path = base_dir.join(&*path);
+            }
+        }
+    }
+
+    /// Opens and reads from every file this config will use; one [`FileIssue`] (naming
+    /// the key) per missing or unreadable one. `sluice check` and `sluice run` call it
+    /// before binding anything.
+    pub fn check_files(&self) -> Result<(), Vec<FileIssue>> {
+        // paths_mut needs `&mut`; a copy keeps this a read-only check.
+        let mut copy = self.clone();
+        let issues: Vec<FileIssue> = copy
+            .paths_mut()
+            .into_iter()
+            .filter(|(_, _, used)| *used)
+            .filter_map(|(key, path, _)| {
+                readable(path).err().map(|source| FileIssue {
+                    key,
+                    path: path.clone(),
+                    source,
+                })
+            })
+            .collect();
+        if issues.is_empty() {
+            Ok(())
+        } else {
+            Err(issues)
+        }
     }
 
     /// Validates TOML text, returning every issue found.
@@ -404,6 +486,14 @@ impl Config {
 pub const MIN_RATE: f64 = 1e-6;
 /// The largest rate and burst a config may ask for.
 pub const MAX_RATE: f64 = 1e9;
+
+/// Opens `path` and reads a byte: a directory or a file without read permission fails
+/// here, not at the first request.
+fn readable(path: &Path) -> std::io::Result<()> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    f.read(&mut [0u8; 1]).map(|_| ())
+}
 
 /// Parses `"250ms"`, `"5s"`, `"1.5s"`, `"5m"`, `"1h"`, `"0"`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -1492,6 +1582,23 @@ mod tests {
     fn low_rate_endpoint_gets_floor_capped_by_default() {
         let c = Config::parse("[[endpoints]]\nid = \"slow\"\nrate = 0.5\n").unwrap();
         assert_eq!(c.endpoints[0].policy.adaptive.unwrap().floor, 0.5);
+    }
+
+    #[test]
+    fn relative_paths_resolve_against_the_base_dir() {
+        let mut c = Config::parse(
+            "[proxy]\nadmin_token_file = \"token\"\n[tls]\nca_cert = \"/abs/ca.pem\"\n\
+             upstream_roots = [\"roots/a.pem\"]\n",
+        )
+        .unwrap();
+        c.resolve_paths(Path::new("/etc/sluice"));
+        assert_eq!(c.tls.ca_cert, Path::new("/abs/ca.pem"));
+        assert_eq!(c.tls.ca_key, Path::new("/etc/sluice/ca/ca.key"));
+        assert_eq!(c.tls.upstream_roots, [Path::new("/etc/sluice/roots/a.pem")]);
+        assert_eq!(
+            c.proxy.admin_token_file.as_deref(),
+            Some(Path::new("/etc/sluice/token"))
+        );
     }
 
     #[test]

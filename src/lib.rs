@@ -26,7 +26,9 @@
 //! - [`metrics`]: Prometheus registry and the instruments sluice exports.
 //! - [`observer`]: periodic endpoint look: gauges and state-change logs.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/endpoints`.
+//! - [`demo`]: `sluice demo-receiver`, a tiny receiver (200 / 429 / slow) for trying sluice offline.
 //! - [`error`]: [`error::ProxyError`] and the one place that turns it into a response.
+//! - [`version`]: version, git commit and build date stamped by `build.rs`.
 #![deny(missing_docs)]
 
 pub mod adapt;
@@ -37,6 +39,7 @@ pub mod config;
 pub mod conn;
 pub mod core;
 pub mod decision;
+pub mod demo;
 pub mod destination;
 pub mod endpoint;
 pub mod error;
@@ -48,3 +51,4 @@ pub mod observer;
 pub mod proxy;
 pub mod server;
 pub mod upstream_tls;
+pub mod version;
