@@ -19,6 +19,7 @@ async fn decisions_per_sec(secs: u64, concurrency: usize, endpoints: usize) -> f
         burst: 1e9,
         max_wait: Duration::ZERO,
         adaptive: None,
+        ..Policy::default()
     };
     let ask = Ask::new(&policy, 0.0, None);
     let ids: Arc<Vec<String>> = Arc::new((0..endpoints).map(|i| format!("ep{i}")).collect());
