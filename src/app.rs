@@ -223,6 +223,30 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
             new.store.backend != cfg.store.backend || new.store.urls != cfg.store.urls,
         ),
         ("tls.intercept", new.tls.intercept != cfg.tls.intercept),
+        (
+            "tls.ca_cert / tls.ca_key / tls.upstream_roots / tls.leaf_cache_size",
+            new.tls.ca_cert != cfg.tls.ca_cert
+                || new.tls.ca_key != cfg.tls.ca_key
+                || new.tls.upstream_roots != cfg.tls.upstream_roots
+                || new.tls.leaf_cache_size != cfg.tls.leaf_cache_size,
+        ),
+        (
+            "proxy.max_connections",
+            new.proxy.max_connections != cfg.proxy.max_connections,
+        ),
+        ("proxy.workers", new.proxy.workers != cfg.proxy.workers),
+        (
+            "proxy.idle_timeout",
+            new.proxy.idle_timeout != cfg.proxy.idle_timeout,
+        ),
+        (
+            "proxy.upstream_timeout",
+            new.proxy.upstream_timeout != cfg.proxy.upstream_timeout,
+        ),
+        (
+            "proxy.metrics_max_endpoints",
+            new.proxy.metrics_max_endpoints != cfg.proxy.metrics_max_endpoints,
+        ),
     ] {
         if changed {
             tracing::warn!(

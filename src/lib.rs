@@ -16,7 +16,9 @@
 //! - [`endpoint`]: endpoint resolution (header, proxy user, host/path rules, defaults).
 //! - [`destination`]: destination policy (allowed hosts, private-address refusal).
 //! - [`limiter`]: the [`limiter::Limiter`] over the [`limiter::BucketStore`] seam
-//!   (memory, Redis, Redis Cluster, fallback); the bucket math lives in [`limiter::bucket`].
+//!   (memory, Redis, Redis Cluster, fallback); the bucket math lives in [`limiter::bucket`],
+//!   in-flight leases in [`limiter::lease`] and [`limiter::slot`], the per-endpoint
+//!   FIFO / weighted fair / priority queue in [`limiter::queue`].
 //! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.
 //! - [`forward`]: upstream client (pooled, rustls), hop-by-hop hygiene, CONNECT tunnels.
 //! - [`tls`]: the interception CA on disk ([`tls::ca`]), per-host leaves and their
@@ -26,7 +28,9 @@
 //! - [`metrics`]: Prometheus registry and the instruments sluice exports.
 //! - [`observer`]: periodic endpoint look: gauges and state-change logs.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/endpoints`.
+//! - [`demo`]: `sluice demo-receiver`, a tiny receiver (200 / 429 / slow) for trying sluice offline.
 //! - [`error`]: [`error::ProxyError`] and the one place that turns it into a response.
+//! - [`version`]: version, git commit and build date stamped by `build.rs`.
 #![deny(missing_docs)]
 
 pub mod adapt;
@@ -37,6 +41,7 @@ pub mod config;
 pub mod conn;
 pub mod core;
 pub mod decision;
+pub mod demo;
 pub mod destination;
 pub mod endpoint;
 pub mod error;
@@ -47,3 +52,4 @@ pub mod observer;
 pub mod proxy;
 pub mod server;
 pub mod tls;
+pub mod version;

@@ -2,11 +2,10 @@
 //! when the store dies, stalls or comes back empty.
 
 mod common;
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::{Upstream, assert_no_overdraw, client, sustained_rate};
 
@@ -59,7 +58,7 @@ async fn until_back_on_redis(
     c: &reqwest::Client,
     up: &Upstream,
     ep: &str,
-    node: &redis_support::RedisServer,
+    node: &common::redis::RedisServer,
     limit: Duration,
 ) {
     let key = format!("sluice:{{{ep}}}");
@@ -96,7 +95,7 @@ const POLICY: &str = "[defaults]\nrate = 40.0\nburst = 8.0\nmax_wait = \"30s\"\n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_one_redis_never_overdraw() {
-    let redis = redis_support::RedisServer::start();
+    let redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
         redis.url()
@@ -124,7 +123,7 @@ async fn three_replicas_on_one_redis_never_overdraw() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_a_redis_cluster_never_overdraw() {
-    let cluster = redis_support::RedisCluster::start();
+    let cluster = common::redis::RedisCluster::start();
     let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
     let store = format!(
         "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\n",
@@ -161,7 +160,7 @@ async fn three_replicas_on_a_redis_cluster_never_overdraw() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty() {
-    let mut redis = redis_support::RedisServer::start();
+    let mut redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\non_error = \"local\"\n",
         redis.url()
@@ -190,16 +189,42 @@ async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty
             statuses
         })
     };
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Paced on Redis first: past the burst, some requests have arrived.
+    common::wait_for(
+        "arrivals paced on Redis",
+        Duration::from_secs(5),
+        || async { times_of(&up, "out").len() >= 8 },
+    )
+    .await;
     redis.kill();
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let degraded: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
-    assert_eq!(degraded["store"], "degraded");
+    let killed = Instant::now();
+    common::wait_for("readyz to say degraded", Duration::from_secs(5), || async {
+        let r: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+        r["store"] == "degraded"
+    })
+    .await;
+    // Served locally while Redis is dead: more requests arrive during the outage.
+    let before = times_of(&up, "out").len();
+    common::wait_for(
+        "arrivals during the outage",
+        Duration::from_secs(5),
+        || async { times_of(&up, "out").len() >= before + 4 },
+    )
+    .await;
+    let restarted = Instant::now();
     redis.restart(); // same port, empty: no keys, no scripts
     let statuses = sender.await.unwrap();
     assert!(
-        statuses.iter().all(|s| *s == 200),
+        !statuses.is_empty() && statuses.iter().all(|s| *s == 200),
         "a sender saw {statuses:?}"
+    );
+    let during = times_of(&up, "out")
+        .iter()
+        .filter(|t| **t > killed && **t < restarted)
+        .count();
+    assert!(
+        during >= 4,
+        "only {during} requests were served during the outage"
     );
     // Pacing continued locally: the whole run stayed within the bound.
     let times = times_of(&up, "out");
@@ -215,14 +240,23 @@ async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty
         .text()
         .await
         .unwrap();
-    assert!(metrics.contains("sluice_store_errors_total"), "{metrics}");
+    // The counter is exported from start-up; the outage must have counted errors.
+    let errors: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("sluice_store_errors_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sluice_store_errors_total sample:\n{metrics}"));
+    assert!(
+        errors >= 1.0,
+        "no store error counted during the outage:\n{metrics}"
+    );
     s.stop().await;
 }
 
 async fn stalled_redis(
     on_error: &str,
-) -> (redis_support::RedisServer, sluice::app::Running, Upstream) {
-    let redis = redis_support::RedisServer::start();
+) -> (common::redis::RedisServer, sluice::app::Running, Upstream) {
+    let redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"150ms\"\non_error = \"{on_error}\"\n",
         redis.url()
@@ -290,7 +324,7 @@ async fn a_stalled_redis_with_allow_forwards_unlimited() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_deny() {
-    let mut redis = redis_support::RedisServer::start();
+    let mut redis = common::redis::RedisServer::start();
     redis.kill();
     let store = |on_error: &str| {
         format!(
@@ -335,7 +369,7 @@ async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_d
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_back() {
-    let mut cluster = redis_support::RedisCluster::start();
+    let mut cluster = common::redis::RedisCluster::start();
     let seeds = cluster
         .urls()
         .iter()
@@ -369,7 +403,7 @@ async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_bac
         n.revive();
     }
     for n in &cluster.nodes {
-        redis_support::wait_until("cluster_state:ok", Duration::from_secs(20), || {
+        common::redis::wait_until("cluster_state:ok", Duration::from_secs(20), || {
             n.cli(&["CLUSTER", "INFO"])
                 .is_some_and(|i| i.contains("cluster_state:ok"))
         });

@@ -3,7 +3,8 @@
 //! The memory store runs these functions under a lock; `lua/acquire.lua` and
 //! `lua/feedback.lua` are line-for-line ports of them, and the shared behaviour suite
 //! holds both to the same results. Times are microseconds on the store's own clock
-//! (monotonic in memory, Redis `TIME` in Redis), as `f64`.
+//! (tokio's monotonic clock in memory, which tests can pause; Redis `TIME` in Redis), as
+//! `f64`.
 //!
 //! The model is a reservation bucket: `tokens` is the balance at time `ts`, and may go
 //! negative, each missing token being a reservation that starts `1/rate` later than the
@@ -282,6 +283,7 @@ mod tests {
             burst,
             max_wait: Duration::from_secs(5),
             adaptive: Some(Adaptive::default()),
+            ..Policy::default()
         }
     }
 
@@ -454,7 +456,7 @@ mod tests {
             gaps in proptest::collection::vec(0u32..200_000, 1..400),
             releases in proptest::collection::vec(any::<bool>(), 400),
         ) {
-            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None };
+            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None, ..Policy::default() };
             let ask = Ask::new(&p, budget_s * S, None);
             let mut s = fresh(burst, 0.0);
             let mut now = 0.0;
@@ -487,7 +489,7 @@ mod tests {
             budget_s in 0.0f64..2.0,
             n in 1usize..200,
         ) {
-            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None };
+            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None, ..Policy::default() };
             let ask = Ask::new(&p, budget_s * S, None);
             let mut s = fresh(burst, 0.0);
             for _ in 0..n {

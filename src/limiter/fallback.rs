@@ -12,15 +12,19 @@
 //! bucket already let through. Reservations handed out by the local store carry
 //! [`LOCAL_GENERATION`] so that their confirmation and refund go back to the store that
 //! made them, whichever store is in use by then.
+//!
+//! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
+use super::lease::{LeaseAsk, Leased};
 use super::memory::MemoryStore;
 use super::{BucketStore, StoreError, StoreFuture, StoreHealth, StoreStats};
 use crate::config::{Adaptive, OnError};
@@ -230,6 +234,48 @@ impl BucketStore for Resilient {
                 Err(e) => self.failed(e),
             }
             r
+        })
+    }
+
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, Leased> {
+        Box::pin(self.run(
+            move |p| p.acquire_leased(endpoint, ask, lease),
+            move |l| match l.acquire_leased_now(endpoint, ask, lease) {
+                Leased::Took(o) => Leased::Took(tag_local(o)),
+                busy => busy,
+            },
+            Leased::Took(Outcome::Granted {
+                wait_us: 0.0,
+                generation: u64::MAX,
+            }),
+        ))
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(self.run(
+            move |p| p.renew_lease(endpoint, ask, lease),
+            move |l| l.renew_lease_now(endpoint, ask, lease),
+            true,
+        ))
+    }
+
+    /// Releases wherever the lease may be: the local store (a no-op when it is not
+    /// there) and the shared one.
+    fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.local.load().release_lease_now(endpoint, ask, id);
+            self.run(move |p| p.release_lease(endpoint, ask, id), |_| (), ())
+                .await
         })
     }
 

@@ -1,5 +1,10 @@
 //! The in-process bucket store: the [`bucket`](super::bucket) math under sharded locks,
-//! on a monotonic clock.
+//! on tokio's monotonic clock.
+//!
+//! The clock is [`tokio::time::Instant`], the one the limiter sleeps on: under
+//! `tokio::time::pause()` the buckets refill only as virtual time advances, so bucket,
+//! cooldown and recovery behaviour can be tested deterministically. Outside a paused
+//! runtime it reads the same monotonic clock as `std::time::Instant`.
 //!
 //! Idle buckets (full again, no cooldown, no decrease to remember) are evicted by an
 //! amortised sweep, the analogue of the Redis key expiry, so a sender spraying endpoint
@@ -9,9 +14,12 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::bucket::{self, Ask, BucketState, Outcome, View};
+use super::lease::{self, LeaseAsk, Leased, Leases};
 use super::{BucketStore, StoreError, StoreFuture};
 use crate::config::Adaptive;
 
@@ -23,6 +31,8 @@ const SWEEP_EVERY: u64 = 1024;
 struct Entry {
     state: BucketState,
     ask: Ask,
+    /// In-flight leases (only for endpoints with `max_in_flight`).
+    leases: Leases,
 }
 
 /// In-process buckets, one per endpoint ID.
@@ -86,6 +96,16 @@ impl MemoryStore {
         ask: &Ask,
         f: impl FnOnce(&mut BucketState, f64) -> T,
     ) -> T {
+        self.with_entry(endpoint, ask, |s, _, now| f(s, now))
+    }
+
+    /// Runs `f` on the endpoint's bucket and leases (created when absent).
+    fn with_entry<T>(
+        &self,
+        endpoint: &str,
+        ask: &Ask,
+        f: impl FnOnce(&mut BucketState, &mut Leases, f64) -> T,
+    ) -> T {
         let idx = (self.hasher.hash_one(endpoint) as usize) % SHARDS;
         let n = self.calls.fetch_add(1, Ordering::Relaxed);
         if n % SWEEP_EVERY == 0 {
@@ -98,17 +118,21 @@ impl MemoryStore {
             None => shard.entry(endpoint.into()).or_insert_with(|| Entry {
                 state: bucket::fresh(if self.start_full { ask.burst } else { 0.0 }, now),
                 ask: *ask,
+                leases: Leases::new(),
             }),
         };
         entry.ask = *ask;
-        f(&mut entry.state, now)
+        f(&mut entry.state, &mut entry.leases, now)
     }
 
     /// Evicts idle buckets of one shard.
     pub fn sweep(&self, idx: usize) {
         let now = self.now();
         if let Ok(mut shard) = self.shards[idx % SHARDS].lock() {
-            shard.retain(|_, e| !bucket::idle(&e.state, &e.ask, now));
+            shard.retain(|_, e| {
+                lease::prune(&mut e.leases, now);
+                !e.leases.is_empty() || !bucket::idle(&e.state, &e.ask, now)
+            });
         }
     }
 
@@ -145,6 +169,25 @@ impl MemoryStore {
         shard
             .get(endpoint)
             .map(|e| bucket::view(&e.state, &ask, floor, now))
+    }
+
+    /// Leased acquire without the future wrapper: a slot and a token together.
+    pub fn acquire_leased_now(&self, endpoint: &str, ask: Ask, l: LeaseAsk) -> Leased {
+        self.with_entry(endpoint, &ask, |s, leases, now| {
+            lease::acquire(s, leases, &ask, &l, now)
+        })
+    }
+
+    /// Lease renewal without the future wrapper.
+    pub fn renew_lease_now(&self, endpoint: &str, ask: Ask, l: LeaseAsk) -> bool {
+        self.with_entry(endpoint, &ask, |_, leases, now| {
+            lease::renew(leases, &l, now)
+        })
+    }
+
+    /// Lease release without the future wrapper.
+    pub fn release_lease_now(&self, endpoint: &str, ask: Ask, id: u64) {
+        self.with_entry(endpoint, &ask, |_, leases, _| leases.remove(&id));
     }
 
     /// Release without the future wrapper.
@@ -190,6 +233,31 @@ impl BucketStore for MemoryStore {
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(std::future::ready(Ok::<(), StoreError>(())))
     }
+
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, Leased> {
+        let out = self.acquire_leased_now(endpoint, ask, lease);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, bool> {
+        let out = self.renew_lease_now(endpoint, ask, lease);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+        self.release_lease_now(endpoint, ask, id);
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 #[cfg(test)]
@@ -197,20 +265,23 @@ mod tests {
     use super::*;
     use crate::config::Policy;
 
-    #[test]
-    fn idle_buckets_are_evicted() {
+    #[tokio::test(start_paused = true)]
+    async fn idle_buckets_are_evicted() {
         let store = MemoryStore::new();
         let p = Policy {
             rate: 1000.0,
             burst: 1.0,
             max_wait: Duration::ZERO,
             adaptive: None,
+            ..Policy::default()
         };
         let ask = Ask::new(&p, 0.0, None);
         for i in 0..5000 {
             store.acquire_now(&format!("spray-{i}"), ask);
         }
-        std::thread::sleep(Duration::from_millis(5));
+        assert!(!store.is_empty(), "buckets one token short are kept");
+        // One token at 1000/s refills in 1 ms: after that every bucket is idle again.
+        tokio::time::advance(Duration::from_millis(1)).await;
         store.sweep_all();
         assert_eq!(store.len(), 0);
     }

@@ -1,20 +1,20 @@
 //! Private Redis servers for tests: a single node or a 3-master cluster, each on free
 //! ports with its own temp directory, signalled and killed only through their own child
-//! handles (never the Redis that may already listen on 6379).
+//! handles (never the Redis that may already listen on 6379). Each server is held by a
+//! [`ChildGuard`]: it dies with the test, panicking or not.
 //!
-//! Include from a test file with:
-//! ```ignore
-//! #[path = "support/redis.rs"]
-//! #[allow(dead_code)]
-//! mod redis_support;
-//! ```
+//! Use from a test file as `common::redis::RedisServer` (with `mod common;`).
 //! Needs `redis-server` and `redis-cli` on PATH (`.ci/run` installs them).
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::process::ChildGuard;
 
 /// How long a server may take to answer PING after spawning.
 const START_DEADLINE: Duration = Duration::from_secs(10);
+/// Longest a redis-cli call may take.
+const CLI_DEADLINE: Duration = Duration::from_secs(10);
 /// Attempts at finding a free port before giving up (another process may take the port
 /// between our probe bind and redis-server's bind).
 const PORT_ATTEMPTS: usize = 8;
@@ -30,20 +30,21 @@ fn free_port() -> u16 {
     }
 }
 
-fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
-    let out = Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(args)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
+fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> Option<String> {
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
+    if let Some(p) = password {
+        cmd.args(["--no-auth-warning", "-a", p]);
+    }
+    // Bounded: a stopped (SIGSTOP) server would otherwise hang the test forever.
+    let out = super::process::output_within(cmd.args(args), CLI_DEADLINE);
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-/// Polls `ok` every 20 ms until it holds, panicking after `deadline`.
+/// Polls `ok` every 20 ms until it holds, panicking after `deadline` (blocking; for
+/// async conditions use [`super::wait_for`]).
 pub fn wait_until(what: &str, deadline: Duration, mut ok: impl FnMut() -> bool) {
     let end = Instant::now() + deadline;
     loop {
@@ -60,19 +61,25 @@ pub fn wait_until(what: &str, deadline: Duration, mut ok: impl FnMut() -> bool) 
 
 /// One redis-server child process.
 pub struct RedisServer {
-    child: Option<Child>,
+    child: Option<ChildGuard>,
     port: u16,
     dir: tempfile::TempDir,
     cluster: bool,
+    password: Option<String>,
 }
 
 impl RedisServer {
     /// Starts a single node on a free port and waits until it answers PING.
     pub fn start() -> RedisServer {
-        RedisServer::spawn(false)
+        RedisServer::spawn(false, None)
     }
 
-    fn spawn(cluster: bool) -> RedisServer {
+    /// Starts a single node that requires `password` (`--requirepass`).
+    pub fn start_with_password(password: &str) -> RedisServer {
+        RedisServer::spawn(false, Some(password.to_owned()))
+    }
+
+    fn spawn(cluster: bool, password: Option<String>) -> RedisServer {
         let mut dir = tempfile::tempdir().expect("temp dir");
         for _ in 0..PORT_ATTEMPTS {
             let mut s = RedisServer {
@@ -80,6 +87,7 @@ impl RedisServer {
                 port: free_port(),
                 dir,
                 cluster,
+                password: password.clone(),
             };
             if s.launch() {
                 return s;
@@ -101,13 +109,16 @@ impl RedisServer {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        if let Some(p) = &self.password {
+            cmd.args(["--requirepass", p]);
+        }
         if self.cluster {
             cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
                 .arg("--cluster-config-file")
                 .arg(self.dir.path().join("nodes.conf"));
         }
         let mut child = match cmd.spawn() {
-            Ok(c) => c,
+            Ok(c) => ChildGuard::from(c),
             Err(e) => panic!(
                 "cannot run redis-server ({e}): install it (e.g. `apt-get install redis-server`; \
                  .ci/run does) so the Redis tests can start their own servers"
@@ -116,11 +127,11 @@ impl RedisServer {
         let pid = child.id().to_string();
         let end = Instant::now() + START_DEADLINE;
         loop {
-            if let Ok(Some(_)) = child.try_wait() {
+            if let Ok(Some(_)) = child.child().try_wait() {
                 return false;
             }
             // Make sure the server answering is ours, not one that holds the port.
-            let info = redis_cli(self.port, &["INFO", "server"]).unwrap_or_default();
+            let info = self.cli(&["INFO", "server"]).unwrap_or_default();
             if info
                 .lines()
                 .any(|l| l.trim() == format!("process_id:{pid}"))
@@ -129,17 +140,19 @@ impl RedisServer {
                 return true;
             }
             if Instant::now() >= end {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 panic!("redis-server on port {} never answered", self.port);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
-    /// `redis://127.0.0.1:PORT/`.
+    /// `redis://127.0.0.1:PORT/`, with the password when there is one.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        match &self.password {
+            Some(p) => format!("redis://:{p}@127.0.0.1:{}/", self.port),
+            None => format!("redis://127.0.0.1:{}/", self.port),
+        }
     }
 
     /// The port.
@@ -149,19 +162,18 @@ impl RedisServer {
 
     /// The child's pid, while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.child.as_ref().map(ChildGuard::id)
     }
 
     /// Runs a redis-cli command against this server; `None` when it fails.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
-        redis_cli(self.port, args)
+        redis_cli(self.port, self.password.as_deref(), args)
     }
 
     /// SIGKILLs the server (through the child handle) and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            c.kill();
         }
     }
 
@@ -186,7 +198,10 @@ impl RedisServer {
     /// Sends `sig` to our child only (by its pid).
     fn signal(&self, sig: &str) {
         if let Some(pid) = self.pid() {
-            let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
+            let _ = Command::new("kill")
+                .args([sig, &pid.to_string()])
+                .stdin(Stdio::null())
+                .status();
         }
     }
 
@@ -229,21 +244,19 @@ impl RedisCluster {
     /// Starts three cluster-enabled nodes, creates the cluster, waits for
     /// `cluster_state:ok` on every node.
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::spawn(true)).collect();
+        let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::spawn(true, None)).collect();
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        let out = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-            .expect("redis-cli not found: install redis-server (it ships redis-cli)");
+        let out = super::process::output_within(
+            Command::new("redis-cli")
+                .arg("--cluster")
+                .arg("create")
+                .args(&addrs)
+                .args(["--cluster-replicas", "0", "--cluster-yes"]),
+            Duration::from_secs(30),
+        );
         assert!(
             out.status.success(),
             "cluster create failed: {}",
