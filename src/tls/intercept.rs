@@ -138,7 +138,7 @@ impl Interceptor {
                 other => format!("client sent TLS alert {other:?}"),
             },
             Some(rustls::Error::NoApplicationProtocol) => {
-                "client offered no ALPN protocol sluice supports (only http/1.1 is supported inside intercepted tunnels)".to_owned()
+                "client offered no ALPN protocol sluice supports (intercepted tunnels speak h2 and http/1.1)".to_owned()
             }
             Some(rustls::Error::InvalidMessage(_)) => {
                 "client did not send a valid TLS handshake (is it sending plain HTTP inside the CONNECT tunnel?)".to_owned()
