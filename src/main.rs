@@ -111,6 +111,11 @@ fn load(path: &Path) -> Result<Config, ExitCode> {
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     Ok(match load(path) {
         Ok(c) => {
+            // Files the config names are opened and parsed now, not at the first connect.
+            if let Err(e) = sluice::limiter::redis::tls_certificates(&c.store.tls) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
             println!("{}: {}", path.display(), c.summary());
             ExitCode::SUCCESS
         }

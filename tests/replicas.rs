@@ -94,14 +94,9 @@ fn times_of(up: &Upstream, ep: &str) -> Vec<Instant> {
 
 const POLICY: &str = "[defaults]\nrate = 40.0\nburst = 8.0\nmax_wait = \"30s\"\n";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_replicas_on_one_redis_never_overdraw() {
-    let redis = redis_support::RedisServer::start();
-    let store = format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
-        redis.url()
-    );
-    let rs = replicas(&store, POLICY, 3).await;
+/// 3 replicas on one shared Redis (`store`): no overdraw, ≥ 95% utilization.
+async fn three_replicas_share_one_redis(store: &str) {
+    let rs = replicas(store, POLICY, 3).await;
     let up = Upstream::start().await;
     let sent = load(&rs, &up, &["shared"], 24, 7).await;
     let times = times_of(&up, "shared");
@@ -122,12 +117,11 @@ async fn three_replicas_on_one_redis_never_overdraw() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_replicas_on_a_redis_cluster_never_overdraw() {
-    let cluster = redis_support::RedisCluster::start();
+/// 3 replicas on a 3-master cluster (`urls` quoted, `extra` more `[store]` keys).
+async fn three_replicas_share_a_cluster(cluster: &redis_support::RedisCluster, extra: &str) {
     let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
     let store = format!(
-        "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\n",
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\n{extra}",
         urls.join(", ")
     );
     let rs = replicas(
@@ -157,6 +151,45 @@ async fn three_replicas_on_a_redis_cluster_never_overdraw() {
     for r in rs {
         r.stop().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_one_redis_never_overdraw() {
+    let redis = redis_support::RedisServer::start();
+    three_replicas_share_one_redis(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
+        redis.url()
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_a_redis_cluster_never_overdraw() {
+    let cluster = redis_support::RedisCluster::start();
+    three_replicas_share_a_cluster(&cluster, "").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_over_mutual_tls_to_one_redis_never_overdraw() {
+    let tls = redis_support::RedisTls::generate();
+    // The server demands a client certificate signed by the test CA.
+    let redis = redis_support::RedisServer::start_with(redis_support::Options::tls(&tls, "yes"));
+    assert!(redis.url().starts_with("rediss://"));
+    three_replicas_share_one_redis(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n{}",
+        redis.url(),
+        tls.store_keys(true)
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_a_tls_redis_cluster_never_overdraw() {
+    let tls = redis_support::RedisTls::generate();
+    // Bus and replication over TLS too; sluice trusts the CA and shows no certificate.
+    let cluster =
+        redis_support::RedisCluster::start_with(redis_support::Options::tls(&tls, "optional"));
+    three_replicas_share_a_cluster(&cluster, &tls.store_keys(false)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,6 +27,7 @@ fn store_config(backend: Backend, urls: Vec<String>) -> StoreConfig {
         key_prefix: "sluice:".into(),
         timeout: Duration::from_millis(500),
         on_error: OnError::Deny,
+        ..StoreConfig::default()
     }
 }
 

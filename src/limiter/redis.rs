@@ -12,16 +12,21 @@
 //! latency and failures are recorded in [`StoreStats`], and errors are classified once,
 //! in [`classify`].
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use base64::Engine;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{FromRedisValue, RedisError, Script, ScriptInvocation, Value};
+use redis::{
+    ClientTlsConfig, FromRedisValue, RedisError, Script, ScriptInvocation, TlsCertificates, Value,
+};
 
 use super::bucket::{Ask, Outcome, View};
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
-use crate::config::{Adaptive, Backend, StoreConfig, redact};
+use crate::config::{Adaptive, Backend, StoreConfig, StoreTls, redact};
 
 macro_rules! bucket_script {
     ($file:literal) => {
@@ -44,6 +49,110 @@ const VIEW_LUA: &str = bucket_script!("view.lua");
 /// Connections are allowed at least this long even with a tighter call timeout: a TCP
 /// handshake plus HELLO must fit, or a reconnect could never succeed.
 const MIN_CONNECT_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// A `[store] tls_*` file that cannot be used, named by its key and path.
+#[derive(Debug, thiserror::Error)]
+#[error("store.{key} = \"{}\": {reason}", path.display())]
+pub struct StoreTlsError {
+    /// The config key (`tls_ca_file`, `tls_cert_file` or `tls_key_file`).
+    pub key: &'static str,
+    /// The path it names.
+    pub path: PathBuf,
+    /// What is wrong with the file.
+    pub reason: String,
+}
+
+/// Reads and checks the `[store] tls_*` files (used at start and by `sluice check`).
+///
+/// `None` when no file is configured: `rediss://` then trusts the system roots. With
+/// `tls_ca_file`, its certificates are trusted *in addition to* the system roots (redis-rs
+/// replaces the roots when given any, so the system ones are appended here).
+pub fn tls_certificates(tls: &StoreTls) -> Result<Option<TlsCertificates>, StoreTlsError> {
+    if tls.ca_file.is_none() && tls.client.is_none() {
+        return Ok(None);
+    }
+    let root_cert = match &tls.ca_file {
+        Some(path) => {
+            let mut pem = read_certs(path, "tls_ca_file")?;
+            let native = rustls_native_certs::load_native_certs();
+            for cert in native.certs {
+                pem.extend_from_slice(&pem_block(&cert));
+            }
+            Some(pem)
+        }
+        None => None,
+    };
+    let client_tls = match &tls.client {
+        Some(c) => Some(ClientTlsConfig {
+            client_cert: read_certs(&c.cert_file, "tls_cert_file")?,
+            client_key: read_key(&c.key_file)?,
+        }),
+        None => None,
+    };
+    Ok(Some(TlsCertificates {
+        client_tls,
+        root_cert,
+    }))
+}
+
+fn read_file(path: &Path, key: &'static str) -> Result<Vec<u8>, StoreTlsError> {
+    std::fs::read(path).map_err(|e| StoreTlsError {
+        key,
+        path: path.to_owned(),
+        reason: format!("cannot read it: {e}"),
+    })
+}
+
+/// A PEM file that must hold at least one certificate.
+fn read_certs(path: &Path, key: &'static str) -> Result<Vec<u8>, StoreTlsError> {
+    let pem = read_file(path, key)?;
+    let bad = |reason: String| StoreTlsError {
+        key,
+        path: path.to_owned(),
+        reason,
+    };
+    let certs = rustls_pemfile::certs(&mut pem.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(format!("not valid PEM: {e}")))?;
+    if certs.is_empty() {
+        return Err(bad(
+            "holds no `-----BEGIN CERTIFICATE-----` block".to_owned()
+        ));
+    }
+    Ok(pem)
+}
+
+/// A PEM file that must hold a private key.
+fn read_key(path: &Path) -> Result<Vec<u8>, StoreTlsError> {
+    let key = "tls_key_file";
+    let pem = read_file(path, key)?;
+    match rustls_pemfile::private_key(&mut pem.as_slice()) {
+        Ok(Some(_)) => Ok(pem),
+        Ok(None) => Err(StoreTlsError {
+            key,
+            path: path.to_owned(),
+            reason: "holds no PEM private key (PKCS#8, PKCS#1 or SEC1)".to_owned(),
+        }),
+        Err(e) => Err(StoreTlsError {
+            key,
+            path: path.to_owned(),
+            reason: format!("not a valid PEM private key: {e}"),
+        }),
+    }
+}
+
+/// One DER certificate as a PEM block.
+fn pem_block(der: &[u8]) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut out = String::with_capacity(b64.len() + b64.len() / 64 + 60);
+    out.push_str("-----BEGIN CERTIFICATE-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        out.push_str(&String::from_utf8_lossy(line));
+        out.push('\n');
+    }
+    out.push_str("-----END CERTIFICATE-----\n");
+    out.into_bytes()
+}
 
 /// The two connection kinds; both are cheap clones of a shared multiplexed handle.
 #[derive(Clone)]
@@ -113,6 +222,7 @@ impl RedisStore {
         eager: bool,
     ) -> Result<RedisStore, StoreError> {
         let connect_timeout = cfg.timeout.max(MIN_CONNECT_TIMEOUT);
+        let certs = tls_certificates(&cfg.tls).map_err(|e| StoreError::Protocol(e.to_string()))?;
         let conn = match cfg.backend {
             Backend::RedisCluster => {
                 let seeds = || {
@@ -122,7 +232,11 @@ impl RedisStore {
                         .collect::<Vec<_>>()
                         .join(", ")
                 };
-                let client = ClusterClient::builder(cfg.urls.clone())
+                let mut builder = ClusterClient::builder(cfg.urls.clone());
+                if let Some(certs) = certs {
+                    builder = builder.certs(certs);
+                }
+                let client = builder
                     .retries(1)
                     .min_retry_wait(10)
                     .max_retry_wait(100)
@@ -150,7 +264,11 @@ impl RedisStore {
             }
             Backend::Redis | Backend::Memory => {
                 let url = cfg.urls.first().cloned().unwrap_or_default();
-                let client = redis::Client::open(url.as_str()).map_err(|e| {
+                let client = match certs {
+                    Some(certs) => redis::Client::build_with_tls(url.as_str(), certs),
+                    None => redis::Client::open(url.as_str()),
+                }
+                .map_err(|e| {
                     StoreError::Protocol(format!("bad Redis URL {}: {e}", redact(&url)))
                 })?;
                 // Few, short reconnect attempts per failure: the store timeout bounds each

@@ -8,9 +8,13 @@
 //! #[allow(dead_code)]
 //! mod redis_support;
 //! ```
-//! Needs `redis-server` and `redis-cli` on PATH (`.ci/run` installs them).
+//! Needs `redis-server` and `redis-cli` on PATH (`.ci/run` installs them), both built
+//! with TLS for the `rediss://` tests (Debian's are).
 
+use std::ffi::OsString;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long a server may take to answer PING after spawning.
@@ -30,9 +34,163 @@ fn free_port() -> u16 {
     }
 }
 
-fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
+/// A test PKI for Redis over TLS, made with rcgen: a CA, a server certificate for
+/// 127.0.0.1/localhost and a client certificate, as PEM files in a temp dir.
+pub struct RedisTls {
+    _dir: tempfile::TempDir,
+    /// The CA certificate.
+    pub ca: PathBuf,
+    /// The server's certificate and key.
+    pub server_cert: PathBuf,
+    /// The server's key.
+    pub server_key: PathBuf,
+    /// A client certificate the CA signed (for mutual TLS).
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+}
+
+impl RedisTls {
+    /// Generates the CA and both certificates.
+    pub fn generate() -> Arc<RedisTls> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair, KeyUsagePurpose,
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        let write = |name: &str, pem: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, pem).expect("write PEM");
+            p
+        };
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "redis test CA");
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_key = KeyPair::generate().unwrap();
+        let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+        let issuer = Issuer::new(ca, ca_key);
+        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(names).unwrap();
+            // A cluster node is a server and (to its peers) a client.
+            params.extended_key_usages = vec![usage, ExtendedKeyUsagePurpose::ClientAuth];
+            let cert = params.signed_by(&key, &issuer).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf(
+            vec!["127.0.0.1".into(), "localhost".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (client_cert, client_key) =
+            leaf(vec!["sluice".into()], ExtendedKeyUsagePurpose::ClientAuth);
+        Arc::new(RedisTls {
+            ca: write("ca.pem", ca_pem),
+            server_cert: write("server.pem", server_cert),
+            server_key: write("server.key", server_key),
+            client_cert: write("client.pem", client_cert),
+            client_key: write("client.key", client_key),
+            _dir: dir,
+        })
+    }
+
+    /// `[store]` lines for sluice: the CA, and the client certificate when `mutual`.
+    pub fn store_keys(&self, mutual: bool) -> String {
+        let mut s = format!("tls_ca_file = \"{}\"\n", self.ca.display());
+        if mutual {
+            s.push_str(&format!(
+                "tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+                self.client_cert.display(),
+                self.client_key.display()
+            ));
+        }
+        s
+    }
+
+    fn cli_args(&self) -> Vec<OsString> {
+        let mut v: Vec<OsString> = vec!["--tls".into(), "--cacert".into()];
+        v.push(self.ca.clone().into());
+        v.push("--cert".into());
+        v.push(self.client_cert.clone().into());
+        v.push("--key".into());
+        v.push(self.client_key.clone().into());
+        v
+    }
+}
+
+/// How a test Redis listens and who may talk to it.
+#[derive(Clone, Default)]
+pub struct Options {
+    /// TLS only (`--port 0 --tls-port P`), with the client-certificate policy
+    /// (`--tls-auth-clients`: "yes", "no" or "optional").
+    pub tls: Option<(Arc<RedisTls>, &'static str)>,
+    /// `--requirepass`.
+    pub password: Option<String>,
+}
+
+impl Options {
+    /// TLS with the given `--tls-auth-clients` policy.
+    pub fn tls(tls: &Arc<RedisTls>, auth_clients: &'static str) -> Options {
+        Options {
+            tls: Some((Arc::clone(tls), auth_clients)),
+            ..Options::default()
+        }
+    }
+
+    /// Password-protected (`--requirepass`).
+    pub fn password(password: &str) -> Options {
+        Options {
+            password: Some(password.to_owned()),
+            ..Options::default()
+        }
+    }
+
+    fn server_args(&self, port: u16, cluster: bool) -> Vec<OsString> {
+        let mut v: Vec<OsString> = Vec::new();
+        let port = port.to_string();
+        match &self.tls {
+            None => v.extend(["--port", &port].map(OsString::from)),
+            Some((t, auth)) => {
+                v.extend(["--port", "0", "--tls-port", &port].map(OsString::from));
+                v.extend(["--tls-auth-clients", auth].map(OsString::from));
+                for (flag, path) in [
+                    ("--tls-cert-file", &t.server_cert),
+                    ("--tls-key-file", &t.server_key),
+                    ("--tls-ca-cert-file", &t.ca),
+                ] {
+                    v.push(flag.into());
+                    v.push(path.clone().into());
+                }
+                if cluster {
+                    v.extend(
+                        ["--tls-cluster", "yes", "--tls-replication", "yes"].map(OsString::from),
+                    );
+                }
+            }
+        }
+        if let Some(p) = &self.password {
+            v.extend(["--requirepass".into(), p.into()]);
+        }
+        v
+    }
+
+    fn cli_args(&self) -> Vec<OsString> {
+        let mut v = self
+            .tls
+            .as_ref()
+            .map_or_else(Vec::new, |(t, _)| t.cli_args());
+        if let Some(p) = &self.password {
+            v.extend(["-a".into(), p.into(), "--no-auth-warning".into()]);
+        }
+        v
+    }
+}
+
+fn redis_cli(port: u16, opts: &Options, args: &[&str]) -> Option<String> {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(opts.cli_args())
         .args(args)
         .stdin(Stdio::null())
         .stderr(Stdio::null())
@@ -64,15 +222,21 @@ pub struct RedisServer {
     port: u16,
     dir: tempfile::TempDir,
     cluster: bool,
+    opts: Options,
 }
 
 impl RedisServer {
     /// Starts a single node on a free port and waits until it answers PING.
     pub fn start() -> RedisServer {
-        RedisServer::spawn(false)
+        RedisServer::spawn(false, Options::default())
     }
 
-    fn spawn(cluster: bool) -> RedisServer {
+    /// Starts a single node with `opts` (TLS, password) and waits until it answers.
+    pub fn start_with(opts: Options) -> RedisServer {
+        RedisServer::spawn(false, opts)
+    }
+
+    fn spawn(cluster: bool, opts: Options) -> RedisServer {
         let mut dir = tempfile::tempdir().expect("temp dir");
         for _ in 0..PORT_ATTEMPTS {
             let mut s = RedisServer {
@@ -80,6 +244,7 @@ impl RedisServer {
                 port: free_port(),
                 dir,
                 cluster,
+                opts: opts.clone(),
             };
             if s.launch() {
                 return s;
@@ -94,7 +259,8 @@ impl RedisServer {
     /// when it exited (port taken).
     fn launch(&mut self) -> bool {
         let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+        cmd.args(self.opts.server_args(self.port, self.cluster))
+            .args(["--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(self.dir.path())
@@ -120,7 +286,7 @@ impl RedisServer {
                 return false;
             }
             // Make sure the server answering is ours, not one that holds the port.
-            let info = redis_cli(self.port, &["INFO", "server"]).unwrap_or_default();
+            let info = self.cli(&["INFO", "server"]).unwrap_or_default();
             if info
                 .lines()
                 .any(|l| l.trim() == format!("process_id:{pid}"))
@@ -137,9 +303,14 @@ impl RedisServer {
         }
     }
 
-    /// `redis://127.0.0.1:PORT/`.
+    /// `redis://127.0.0.1:PORT/` (`rediss://` with TLS, no password in it).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        let scheme = if self.opts.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}/", self.port)
     }
 
     /// The port.
@@ -154,7 +325,7 @@ impl RedisServer {
 
     /// Runs a redis-cli command against this server; `None` when it fails.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
-        redis_cli(self.port, args)
+        redis_cli(self.port, &self.opts, args)
     }
 
     /// SIGKILLs the server (through the child handle) and reaps it.
@@ -229,12 +400,21 @@ impl RedisCluster {
     /// Starts three cluster-enabled nodes, creates the cluster, waits for
     /// `cluster_state:ok` on every node.
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::spawn(true)).collect();
+        RedisCluster::start_with(Options::default())
+    }
+
+    /// Like [`start`](Self::start), every node with `opts` (with TLS, the cluster bus
+    /// and replication use TLS too).
+    pub fn start_with(opts: Options) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::spawn(true, opts.clone()))
+            .collect();
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let out = Command::new("redis-cli")
+            .args(opts.cli_args())
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
