@@ -202,7 +202,9 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ConfigError> {
         ),
         (
             "store",
-            new.store.backend != cfg.store.backend || new.store.urls != cfg.store.urls,
+            new.store.backend != cfg.store.backend
+                || new.store.urls != cfg.store.urls
+                || new.store.tls != cfg.store.tls,
         ),
         ("tls.intercept", new.tls.intercept != cfg.tls.intercept),
     ] {

@@ -3,6 +3,9 @@
 //! signals and logs matter.
 
 mod common;
+#[path = "support/redis.rs"]
+#[allow(dead_code)]
+mod redis_support;
 
 use std::io::Read;
 use std::path::Path;
@@ -200,10 +203,20 @@ impl Proc {
     }
 
     async fn start(path: &Path, admin: std::net::SocketAddr) -> Proc {
+        Proc::start_with_env(path, admin, &[]).await
+    }
+
+    /// Like [`start`](Self::start), with extra environment variables for the process.
+    async fn start_with_env(
+        path: &Path,
+        admin: std::net::SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
             .args(["run", "--config"])
             .arg(path)
             .env("RUST_LOG", "debug")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -407,49 +420,43 @@ async fn status_prints_every_endpoint_and_json_round_trips() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_never_show_the_redis_password_or_proxy_credentials() {
-    let rdir = tempfile::tempdir().unwrap();
-    let port = free_addr().port();
-    let mut redis = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .args(["--requirepass", "hunter2-secret"])
-        .arg("--dir")
-        .arg(rdir.path())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let secret = "hunter2-secret";
+    let mut redis =
+        redis_support::RedisServer::start_with(redis_support::Options::password(secret));
+    let port = redis.port();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
     let (proxy, admin) = (free_addr(), free_addr());
+    // The password is not in the file: it comes from the environment.
     let store = format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"redis://:hunter2-secret@127.0.0.1:{port}/\"]\ntimeout = \"200ms\"\n"
+        "[store]\nbackend = \"redis\"\nurls = [\"redis://:${{SLUICE_REDIS_PASSWORD}}@127.0.0.1:{port}/\"]\n\
+         timeout = \"200ms\"\non_error = \"deny\"\n"
     );
     std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
-    let p = Proc::start(&path, admin).await;
+    let p = Proc::start_with_env(&path, admin, &[("SLUICE_REDIS_PASSWORD", secret)]).await;
     let c = client(proxy);
     let r = c
         .get(up.url("/"))
         .header("proxy-authorization", "Basic dXNlcjpzM2NyM3QtcGFzcw==")
+        .header("x-endpoint-id", "authed")
         .send()
         .await
         .unwrap();
+    // on_error = deny: a 200 means the authenticated Redis decided.
     assert_eq!(r.status(), 200);
-    let _ = redis.kill();
-    let _ = redis.wait();
+    assert_eq!(
+        redis.cli(&["EXISTS", "sluice:{authed}"]).as_deref(),
+        Some("1")
+    );
+    let metrics = reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!metrics.contains(secret), "password in /metrics");
+    redis.kill();
     // Errors while Redis is gone get logged; none may carry the password.
     for _ in 0..3 {
         let _ = c.get(up.url("/down")).send().await.unwrap();
@@ -457,7 +464,7 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
     p.wait_log("rate-limit store failed", Duration::from_secs(5))
         .await;
     let log = p.stop();
-    assert!(!log.contains("hunter2-secret"), "password in logs:\n{log}");
+    assert!(!log.contains(secret), "password in logs:\n{log}");
     assert!(
         !log.contains("dXNlcjpzM2NyM3QtcGFzcw") && !log.contains("s3cr3t-pass"),
         "credentials in logs:\n{log}"
