@@ -11,9 +11,9 @@ use hyper::body::Incoming;
 use serde::{Deserialize, Serialize};
 
 use crate::config::OnError;
+use crate::core::App;
 use crate::error::Body;
 use crate::limiter::{Ask, StoreHealth};
-use crate::proxy::App;
 
 /// One endpoint as operators see it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,7 +88,20 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n", "text/plain");
     }
-    match req.uri().path() {
+    let path = req.uri().path();
+    if matches!(path, "/metrics" | "/endpoints") && !authorised(&app, req.headers()) {
+        let mut r = text(
+            StatusCode::UNAUTHORIZED,
+            "send Authorization: Bearer <the token in proxy.admin_token_file>\n",
+            "text/plain",
+        );
+        r.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"sluice-admin\""),
+        );
+        return r;
+    }
+    match path {
         "/metrics" => text(
             StatusCode::OK,
             app.metrics.render(),
@@ -107,6 +120,22 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
             "text/plain",
         ),
     }
+}
+
+/// Whether the request may read `/metrics` and `/endpoints`: always when no admin token
+/// is configured; otherwise only with `Authorization: Bearer <token>` (compared in
+/// constant time). `/healthz` and `/readyz` stay open for probes.
+fn authorised(app: &App, headers: &http::HeaderMap) -> bool {
+    let rt = app.runtime.load();
+    let Some(token) = &rt.admin_token else {
+        return true;
+    };
+    let given = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    crate::auth::constant_time_eq(given.trim().as_bytes(), token.as_bytes())
 }
 
 /// 200 when the store answers; while it fails, 200 "degraded" if a fallback serves

@@ -12,6 +12,8 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::config::{Backend, Config, ConfigError, OnError};
+use crate::conn::Lifecycle;
+use crate::core::{App, Runtime, RuntimeError};
 use crate::destination::DestinationPolicy;
 use crate::forward::Forwarder;
 use crate::limiter::fallback::Resilient;
@@ -20,8 +22,6 @@ use crate::limiter::redis::RedisStore;
 use crate::limiter::{BucketStore, Limiter, StoreError};
 use crate::metrics::Metrics;
 use crate::mitm::{CertAuthority, Interceptor, MitmError};
-use crate::proxy::{App, Runtime};
-use crate::server::Lifecycle;
 use crate::upstream_tls::UpstreamTlsError;
 
 /// How often the observer refreshes gauges and looks for state changes.
@@ -47,6 +47,9 @@ pub enum StartError {
     /// Upstream trust roots could not be loaded.
     #[error("upstream TLS roots: {0}")]
     UpstreamTls(#[from] UpstreamTlsError),
+    /// A file the config names (users, admin token) cannot be used.
+    #[error("{0}")]
+    Files(#[from] RuntimeError),
     /// A listener address is taken or not ours.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -59,6 +62,7 @@ pub enum StartError {
 
 /// Builds everything a request needs, once.
 pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
+    let runtime = Runtime::load(Arc::clone(&config))?;
     let metrics = Arc::new(Metrics::new(
         config.proxy.metrics_max_endpoints,
         config.endpoints.iter().map(|e| &e.id),
@@ -106,12 +110,13 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
         None
     };
     Ok(Arc::new(App {
-        runtime: ArcSwap::from_pointee(Runtime::new(config)),
+        runtime: ArcSwap::from_pointee(runtime),
         limiter: Limiter::new(store),
         forwarder,
         metrics,
         interceptor,
         lifecycle: Lifecycle::new(),
+        sampler: Default::default(),
     }))
 }
 
@@ -187,11 +192,24 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     })
 }
 
+/// Why a reload was refused (the running config stays).
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The file is unreadable or invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A file it names (users, admin token) cannot be used.
+    #[error(transparent)]
+    Files(#[from] RuntimeError),
+}
+
 /// Validates `path` and, if good, swaps it in. Endpoint state (tokens, rate, cooldown)
 /// lives in the store and survives; in-flight requests keep the policy they started with.
-/// Settings that need a restart (listeners, store, TLS) are kept and logged.
-pub fn reload(app: &App, path: &Path) -> Result<(), ConfigError> {
+/// The users file and admin token are read again. Settings that need a restart
+/// (listeners, store, TLS) are kept and logged.
+pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
     let new = Config::load(path)?;
+    let runtime = Runtime::load(Arc::new(new.clone()))?;
     let old = app.runtime.load_full();
     let cfg = &old.config;
     for (what, changed) in [
@@ -215,9 +233,11 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ConfigError> {
             );
         }
     }
-    app.forwarder
-        .set_policy(DestinationPolicy::new(&new.security));
-    app.runtime.store(Arc::new(Runtime::new(Arc::new(new))));
+    let policy = DestinationPolicy::new(&new.security);
+    if !app.forwarder.policy().same_as(&policy) {
+        app.forwarder.set_policy(policy);
+    }
+    app.runtime.store(Arc::new(runtime));
     tracing::info!(path = %path.display(), "config reloaded");
     Ok(())
 }

@@ -89,6 +89,26 @@ pub enum UnknownEndpoints {
     Reject,
 }
 
+/// Whether an endpoint's limit is enforced or only measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Requests wait for their token or are refused.
+    #[default]
+    Enforce,
+    /// Nothing waits and nothing is refused; what would have happened is counted and
+    /// logged (for rolling sluice out in front of live traffic).
+    Shadow,
+}
+
+/// `[log]`: the per-request decision log.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogConfig {
+    /// One structured line per request (target `sluice::decision`, level info).
+    pub decisions: bool,
+    /// Fraction of forwarded requests logged, in [0, 1]; refusals are always logged.
+    pub sample: f64,
+}
+
 /// Reaction to upstream throttling (`[defaults.adaptive]`, per-endpoint overrides).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Adaptive {
@@ -154,6 +174,8 @@ pub struct EndpointRule {
     pub hosts: Vec<String>,
     /// Optional refinement of `hosts`.
     pub path_prefix: Option<String>,
+    /// Enforced or shadow.
+    pub mode: Mode,
 }
 
 /// `[proxy]`.
@@ -175,6 +197,13 @@ pub struct ProxyConfig {
     pub max_connections: usize,
     /// Distinct `endpoint` label values in metrics before the rest become `_other`.
     pub metrics_max_endpoints: usize,
+    /// A sender connection (also HTTP inside an intercepted tunnel) with no bytes either
+    /// way and no request in flight for this long is closed.
+    pub idle_timeout: Duration,
+    /// A CONNECT tunnel (not intercepted) with no bytes either way for this long is closed.
+    pub tunnel_idle_timeout: Duration,
+    /// When set, `/metrics` and `/endpoints` need `Authorization: Bearer <file content>`.
+    pub admin_token_file: Option<PathBuf>,
 }
 
 /// `[store]`.
@@ -242,6 +271,8 @@ pub struct TlsConfig {
     pub passthrough_hosts: HostGlobs,
     /// Hosts whose leaf certificate is cached.
     pub leaf_cache_size: usize,
+    /// A sender must finish the TLS handshake of an intercepted tunnel within this.
+    pub handshake_timeout: Duration,
 }
 
 /// `[security]`.
@@ -251,8 +282,20 @@ pub struct SecurityConfig {
     pub allow_private_destinations: bool,
     /// Non-empty: only these destination hosts.
     pub allowed_hosts: HostGlobs,
-    /// Proxy auth users file (not available yet).
+    /// Proxy auth users file (htpasswd, bcrypt): when set, every request needs
+    /// `Proxy-Authorization`.
     pub auth_users_file: Option<PathBuf>,
+    /// `[security.user_endpoints]`: the endpoint IDs each listed user may spend.
+    pub user_endpoints: Vec<UserGrant>,
+}
+
+/// One `[security.user_endpoints]` entry: a user and the endpoint-ID globs it may spend.
+#[derive(Debug, Clone)]
+pub struct UserGrant {
+    /// The proxy user name.
+    pub user: String,
+    /// Endpoint-ID globs (case-sensitive), compiled.
+    pub endpoints: GlobSet,
 }
 
 /// A compiled list of case-insensitive host globs.
@@ -260,6 +303,13 @@ pub struct SecurityConfig {
 pub struct HostGlobs {
     set: GlobSet,
     len: usize,
+    patterns: Vec<String>,
+}
+
+impl PartialEq for HostGlobs {
+    fn eq(&self, other: &Self) -> bool {
+        self.patterns == other.patterns
+    }
 }
 
 impl HostGlobs {
@@ -284,6 +334,10 @@ pub struct Config {
     pub defaults: Arc<Policy>,
     /// `[defaults] unknown`.
     pub unknown: UnknownEndpoints,
+    /// `[defaults] mode`: for endpoints without their own.
+    pub default_mode: Mode,
+    /// `[log]`.
+    pub log: LogConfig,
     /// `[[endpoints]]`, in file order.
     pub endpoints: Vec<EndpointRule>,
     /// `[tls]`.
@@ -407,6 +461,11 @@ pub fn expand_env(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Strin
     out.push_str(rest);
     Ok(out)
 }
+/// The slowest rate (and floor) a config may ask for: one token in ~11.6 days. Slower
+/// rates make waits that no clock or `Duration` can hold.
+pub const MIN_RATE: f64 = 1e-6;
+/// The largest rate and burst a config may ask for.
+pub const MAX_RATE: f64 = 1e9;
 
 /// Parses `"250ms"`, `"5s"`, `"1.5s"`, `"5m"`, `"1h"`, `"0"`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -678,24 +737,34 @@ impl Reader<'_> {
     fn globs(&mut self, t: &Table<'_>, path: &str, name: &str) -> HostGlobs {
         let mut b = GlobSetBuilder::new();
         let mut len = 0;
+        let mut patterns = Vec::new();
         for (g, at) in self.strings(t, path, name) {
             match Glob::new(&g.to_ascii_lowercase()) {
                 Ok(glob) => {
                     b.add(glob);
                     len += 1;
+                    patterns.push(g.to_ascii_lowercase());
                 }
                 Err(e) => self.issue(at, &join(path, name), format!("bad glob \"{g}\": {e}")),
             }
         }
         let set = b.build().unwrap_or_else(|_| GlobSet::empty());
-        HostGlobs { set, len }
+        HostGlobs { set, len, patterns }
     }
 
     fn config(&mut self, root: &Table<'_>) -> Option<Config> {
         self.known_keys(
             root,
             "",
-            &["proxy", "store", "defaults", "endpoints", "tls", "security"],
+            &[
+                "proxy",
+                "store",
+                "defaults",
+                "endpoints",
+                "tls",
+                "security",
+                "log",
+            ],
         );
         let empty = Table::default();
         let proxy_t = self.sub_table(root, "", "proxy").unwrap_or(&empty);
@@ -706,8 +775,11 @@ impl Reader<'_> {
         self.known_keys(
             defaults_t,
             "defaults",
-            &["rate", "burst", "max_wait", "unknown", "adaptive"],
+            &["rate", "burst", "max_wait", "unknown", "adaptive", "mode"],
         );
+        let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
+        let log_t = self.sub_table(root, "", "log").unwrap_or(&empty);
+        let log = self.log(log_t);
         let defaults = self.policy(defaults_t, "defaults", &Policy::default());
         let unknown = self.enumerated(
             defaults_t,
@@ -719,34 +791,18 @@ impl Reader<'_> {
                 ("reject", UnknownEndpoints::Reject),
             ],
         );
-        let endpoints = self.endpoints(root, &defaults);
+        let endpoints = self.endpoints(root, &defaults, default_mode);
         let tls_t = self.sub_table(root, "", "tls").unwrap_or(&empty);
         let tls = self.tls(tls_t);
         let sec_t = self.sub_table(root, "", "security").unwrap_or(&empty);
         let security = self.security(sec_t);
-        if let Some(file) = &security.auth_users_file {
-            let at = self
-                .string(sec_t, "security", "auth_users_file")
-                .map_or(0, |(_, at)| at);
-            if proxy.endpoint_from_proxy_user {
-                self.issue(
-                    at,
-                    "security.auth_users_file",
-                    "cannot be combined with proxy.endpoint_from_proxy_user: both read Proxy-Authorization".into(),
-                );
-            } else {
-                self.issue(
-                    at,
-                    "security.auth_users_file",
-                    format!("proxy authentication ({}) is not available yet in this version of sluice; leave it empty", file.display()),
-                );
-            }
-        }
         Some(Config {
             proxy,
             store,
             defaults: Arc::new(defaults),
             unknown,
+            default_mode,
+            log,
             endpoints,
             tls,
             security,
@@ -767,6 +823,9 @@ impl Reader<'_> {
                 "shutdown_grace",
                 "max_connections",
                 "metrics_max_endpoints",
+                "idle_timeout",
+                "tunnel_idle_timeout",
+                "admin_token_file",
             ],
         );
         let endpoint_header = match self.string(t, p, "endpoint_header") {
@@ -793,6 +852,14 @@ impl Reader<'_> {
             shutdown_grace: self.duration(t, p, "shutdown_grace", Duration::from_secs(10)),
             max_connections: self.count(t, p, "max_connections", 10_000),
             metrics_max_endpoints: self.count(t, p, "metrics_max_endpoints", 500),
+            idle_timeout: self.positive(t, p, "idle_timeout", Duration::from_secs(120)),
+            tunnel_idle_timeout: self.positive(
+                t,
+                p,
+                "tunnel_idle_timeout",
+                Duration::from_secs(600),
+            ),
+            admin_token_file: self.path(t, p, "admin_token_file"),
         }
     }
 
@@ -941,10 +1008,17 @@ impl Reader<'_> {
 
     /// Reads rate/burst/max_wait/adaptive from `t`, inheriting from `base`.
     fn policy(&mut self, t: &Table<'_>, path: &str, base: &Policy) -> Policy {
-        let rate = self.checked(t, path, "rate", base.rate, "> 0 tokens per second", |n| {
-            n > 0.0
+        let rate = self.checked(
+            t,
+            path,
+            "rate",
+            base.rate,
+            "between 0.000001 and 1e9 tokens per second",
+            |n| (MIN_RATE..=MAX_RATE).contains(&n),
+        );
+        let burst = self.checked(t, path, "burst", base.burst, "between 1 and 1e9", |n| {
+            (1.0..=MAX_RATE).contains(&n)
         });
-        let burst = self.checked(t, path, "burst", base.burst, "≥ 1", |n| n >= 1.0);
         let max_wait = self.duration(t, path, "max_wait", base.max_wait);
         let base_adaptive = base.adaptive.unwrap_or_default();
         let adaptive_path = join(path, "adaptive");
@@ -1013,7 +1087,14 @@ impl Reader<'_> {
         let enabled = self.boolean(t, p, "enabled", base_on);
         let floor_default = base.floor.min(rate);
         let a = Adaptive {
-            floor: self.checked(t, p, "floor", floor_default, "> 0", |n| n > 0.0),
+            floor: self.checked(
+                t,
+                p,
+                "floor",
+                floor_default,
+                "at least 0.000001 tokens per second",
+                |n| n >= MIN_RATE,
+            ),
             decrease: self.checked(
                 t,
                 p,
@@ -1045,7 +1126,32 @@ impl Reader<'_> {
         enabled.then_some(a)
     }
 
-    fn endpoints(&mut self, root: &Table<'_>, defaults: &Policy) -> Vec<EndpointRule> {
+    fn mode(&mut self, t: &Table<'_>, path: &str, default: Mode) -> Mode {
+        self.enumerated(
+            t,
+            path,
+            "mode",
+            default,
+            &[("enforce", Mode::Enforce), ("shadow", Mode::Shadow)],
+        )
+    }
+
+    fn log(&mut self, t: &Table<'_>) -> LogConfig {
+        self.known_keys(t, "log", &["decisions", "sample"]);
+        LogConfig {
+            decisions: self.boolean(t, "log", "decisions", true),
+            sample: self.checked(t, "log", "sample", 1.0, "between 0 and 1", |n| {
+                (0.0..=1.0).contains(&n)
+            }),
+        }
+    }
+
+    fn endpoints(
+        &mut self,
+        root: &Table<'_>,
+        defaults: &Policy,
+        default_mode: Mode,
+    ) -> Vec<EndpointRule> {
         let Some(v) = root.get("endpoints") else {
             return Vec::new();
         };
@@ -1076,6 +1182,7 @@ impl Reader<'_> {
                     "hosts",
                     "path_prefix",
                     "adaptive",
+                    "mode",
                 ],
             );
             let id = match self.string(t, &path, "id") {
@@ -1104,7 +1211,10 @@ impl Reader<'_> {
             let hosts = self
                 .strings(t, &path, "hosts")
                 .into_iter()
-                .map(|(h, _)| h.to_ascii_lowercase())
+                .map(|(h, _)| {
+                    let h = h.to_ascii_lowercase();
+                    h.strip_suffix('.').map(str::to_owned).unwrap_or(h)
+                })
                 .collect();
             let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
                 if !p.starts_with('/') {
@@ -1112,11 +1222,13 @@ impl Reader<'_> {
                 }
                 p
             });
+            let mode = self.mode(t, &path, default_mode);
             out.push(EndpointRule {
                 id: id.into(),
                 policy: Arc::new(policy),
                 hosts,
                 path_prefix,
+                mode,
             });
         }
         out
@@ -1134,6 +1246,7 @@ impl Reader<'_> {
                 "upstream_roots",
                 "passthrough_hosts",
                 "leaf_cache_size",
+                "handshake_timeout",
             ],
         );
         TlsConfig {
@@ -1151,6 +1264,7 @@ impl Reader<'_> {
                 .collect(),
             passthrough_hosts: self.globs(t, p, "passthrough_hosts"),
             leaf_cache_size: self.count(t, p, "leaf_cache_size", 1000),
+            handshake_timeout: self.positive(t, p, "handshake_timeout", Duration::from_secs(10)),
         }
     }
 
@@ -1163,16 +1277,67 @@ impl Reader<'_> {
                 "allow_private_destinations",
                 "allowed_hosts",
                 "auth_users_file",
+                "user_endpoints",
             ],
         );
+        let auth_users_file = self.path(t, p, "auth_users_file");
+        let user_endpoints = self.user_endpoints(t);
+        if auth_users_file.is_none() && !user_endpoints.is_empty() {
+            let at = t.get("user_endpoints").map_or(0, |v| v.span().start);
+            self.issue(
+                at,
+                "security.user_endpoints",
+                "grants need proxy users: set security.auth_users_file".into(),
+            );
+        }
         SecurityConfig {
             allow_private_destinations: self.boolean(t, p, "allow_private_destinations", false),
             allowed_hosts: self.globs(t, p, "allowed_hosts"),
-            auth_users_file: self
-                .string(t, p, "auth_users_file")
-                .filter(|(s, _)| !s.is_empty())
-                .map(|(s, _)| s.into()),
+            auth_users_file,
+            user_endpoints,
         }
+    }
+
+    /// `[security.user_endpoints]`: `user = ["glob", ...]`.
+    fn user_endpoints(&mut self, t: &Table<'_>) -> Vec<UserGrant> {
+        let path = "security.user_endpoints";
+        let Some(table) = self.sub_table(t, "security", "user_endpoints") else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (user, _) in table.iter() {
+            let user = user.get_ref().to_string();
+            let mut b = GlobSetBuilder::new();
+            for (g, at) in self.strings(table, path, &user) {
+                match Glob::new(&g) {
+                    Ok(glob) => {
+                        b.add(glob);
+                    }
+                    Err(e) => self.issue(at, &join(path, &user), format!("bad glob \"{g}\": {e}")),
+                }
+            }
+            let endpoints = b.build().unwrap_or_else(|_| GlobSet::empty());
+            out.push(UserGrant { user, endpoints });
+        }
+        out
+    }
+
+    /// An optional path; an empty string means unset.
+    fn path(&mut self, t: &Table<'_>, path: &str, name: &str) -> Option<PathBuf> {
+        self.string(t, path, name)
+            .filter(|(s, _)| !s.is_empty())
+            .map(|(s, _)| s.into())
+    }
+
+    /// A duration that must be greater than zero.
+    fn positive(&mut self, t: &Table<'_>, path: &str, name: &str, default: Duration) -> Duration {
+        let d = self.duration(t, path, name, default);
+        if d.is_zero() {
+            let at = t.get(name).map_or(0, |v| v.span().start);
+            self.issue(at, &join(path, name), "must be greater than 0".into());
+            return default;
+        }
+        d
     }
 }
 
@@ -1355,13 +1520,17 @@ mod tests {
                 "security.allowed_hosts",
             ),
             (
-                "[security]\nauth_users_file = \"users\"",
-                "security.auth_users_file",
+                "[security.user_endpoints]\nalice = [\"a*\"]",
+                "security.user_endpoints",
             ),
+            ("[defaults]\nrate = 1e-7", "defaults.rate"),
+            ("[defaults]\nrate = 5e-20", "defaults.rate"),
+            ("[defaults]\nburst = 1e12", "defaults.burst"),
             (
-                "[proxy]\nendpoint_from_proxy_user = true\n[security]\nauth_users_file = \"u\"",
-                "security.auth_users_file",
+                "[defaults.adaptive]\nfloor = 1e-9",
+                "defaults.adaptive.floor",
             ),
+            ("[proxy]\nidle_timeout = \"0\"", "proxy.idle_timeout"),
             ("[tls]\nintercept = \"yes\"", "tls.intercept"),
             ("proxy = 3", "proxy"),
         ];

@@ -19,6 +19,15 @@ pub struct Denied {
     pub why: String,
 }
 
+impl From<Denied> for crate::error::ProxyError {
+    fn from(d: Denied) -> Self {
+        crate::error::ProxyError::DestinationDenied {
+            host: d.host,
+            why: d.why,
+        }
+    }
+}
+
 /// The compiled `[security]` destination rules.
 #[derive(Debug, Clone)]
 pub struct DestinationPolicy {
@@ -33,6 +42,11 @@ impl DestinationPolicy {
             allow_private: cfg.allow_private_destinations,
             allowed_hosts: cfg.allowed_hosts.clone(),
         }
+    }
+
+    /// True when `other` allows exactly what this policy allows.
+    pub fn same_as(&self, other: &DestinationPolicy) -> bool {
+        self.allow_private == other.allow_private && self.allowed_hosts == other.allowed_hosts
     }
 
     /// Name-level check (and address check for IP literals), before any token is spent.
@@ -101,12 +115,62 @@ pub enum ResolveError {
     Dns(String),
 }
 
-/// Loopback, private, link-local, CGNAT, unspecified, multicast, and their IPv6 forms.
+/// Why a request target's host is not a host name or address.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid destination host: {0}")]
+pub struct BadHost(pub &'static str);
+
+/// The longest host name DNS can carry (RFC 1035), without the trailing dot.
+const MAX_NAME: usize = 253;
+/// The longest DNS label.
+const MAX_LABEL: usize = 63;
+
+/// The canonical form of a request target's host: lowercase, one trailing dot removed,
+/// IPv6 without brackets. Refuses anything that is not a DNS name (≤ 253 characters,
+/// labels of 1–63 letters, digits, `-` or `_`) or an IP address, so such hosts never
+/// reach endpoint rules, metric labels or DNS.
+pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
+    if let Some(inner) = raw.strip_prefix('[') {
+        let inner = inner.strip_suffix(']').ok_or(BadHost("unclosed '['"))?;
+        let ip: Ipv6Addr = inner.parse().map_err(|_| BadHost("not an IPv6 address"))?;
+        return Ok(ip.to_string());
+    }
+    if let Ok(ip) = raw.parse::<Ipv6Addr>() {
+        return Ok(ip.to_string());
+    }
+    let name = raw.strip_suffix('.').unwrap_or(raw);
+    if name.is_empty() {
+        return Err(BadHost("empty"));
+    }
+    if name.len() > MAX_NAME {
+        return Err(BadHost("longer than 253 characters"));
+    }
+    for label in name.split('.') {
+        if label.is_empty() {
+            return Err(BadHost("empty label"));
+        }
+        if label.len() > MAX_LABEL {
+            return Err(BadHost("a label is longer than 63 characters"));
+        }
+        if !label
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(BadHost(
+                "only letters, digits, '-', '_' and '.' are allowed",
+            ));
+        }
+    }
+    Ok(name.to_ascii_lowercase())
+}
+
+/// Loopback, private, link-local, CGNAT, unspecified, multicast, and their IPv6 forms,
+/// including IPv6 addresses that carry an IPv4 address (classified by that address).
 pub fn is_private(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => private_v4(v4),
         IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
+            if let Some(v4) = embedded_v4(v6) {
                 return private_v4(v4);
             }
             let seg0 = v6.segments()[0];
@@ -119,6 +183,32 @@ pub fn is_private(ip: IpAddr) -> bool {
                 || v6 == Ipv6Addr::from([0, 0, 0, 0, 0, 0, 0, 1])
         }
     }
+}
+
+/// The IPv4 address an IPv6 address stands for, in the forms routers translate:
+/// IPv4-mapped `::ffff:0:0/96`, IPv4-compatible `::/96`, NAT64 `64:ff9b::/96` and
+/// `64:ff9b:1::/48`, 6to4 `2002::/16`, and Teredo `2001::/32` (the client address,
+/// stored inverted).
+fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return Some(v4);
+    }
+    let o = v6.octets();
+    let s = v6.segments();
+    let tail = Ipv4Addr::new(o[12], o[13], o[14], o[15]);
+    if s[..6] == [0; 6] && !v6.is_loopback() && !v6.is_unspecified() {
+        return Some(tail); // IPv4-compatible (deprecated)
+    }
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || (s[0] == 0x64 && s[1] == 0xff9b && s[2] == 1) {
+        return Some(tail); // NAT64
+    }
+    if s[0] == 0x2002 {
+        return Some(Ipv4Addr::new(o[2], o[3], o[4], o[5])); // 6to4
+    }
+    if s[0] == 0x2001 && s[1] == 0 {
+        return Some(Ipv4Addr::new(!o[12], !o[13], !o[14], !o[15])); // Teredo client
+    }
+    None
 }
 
 fn private_v4(ip: Ipv4Addr) -> bool {
@@ -161,11 +251,51 @@ mod tests {
             "fe80::1",
             "fd00::1",
             "::ffff:127.0.0.1",
+            "[64:ff9b::7f00:1]",
+            "[64:ff9b::a9fe:a9fe]",
+            "[64:ff9b:1::a00:1]",
+            "[2002:7f00:1::]",
+            "[2002:a9fe:a9fe::1]",
+            "[::127.0.0.1]",
+            "[::10.0.0.1]",
+            "[2001:0:4136:e378:8000:63bf:80ff:fffe]", // Teredo client 127.0.0.1
         ] {
             assert!(p.check_host(h).is_err(), "{h} should be refused");
         }
         assert!(p.check_host("93.184.216.34").is_ok());
         assert!(p.check_host("2606:2800:220:1::1").is_ok());
+        // Embedded public IPv4 stays allowed.
+        assert!(p.check_host("[64:ff9b::5db8:d822]").is_ok());
+        assert!(p.check_host("[2002:5db8:d822::1]").is_ok());
+    }
+
+    #[test]
+    fn hosts_are_normalised_or_refused() {
+        assert_eq!(
+            normalise_host("API.Example.com.").unwrap(),
+            "api.example.com"
+        );
+        assert_eq!(normalise_host("[::1]").unwrap(), "::1");
+        assert_eq!(normalise_host("10.0.0.1").unwrap(), "10.0.0.1");
+        assert_eq!(normalise_host("my_host-1").unwrap(), "my_host-1");
+        for bad in [
+            "",
+            ".",
+            "a..b",
+            "a.b..",
+            "exa mple.com",
+            "ex%61mple.com",
+            "[::1",
+            "[nope]",
+            "a@b.com",
+        ] {
+            assert!(normalise_host(bad).is_err(), "{bad:?} must be refused");
+        }
+        let long_label = format!("{}.com", "a".repeat(64));
+        assert!(normalise_host(&long_label).is_err());
+        let long_name = vec!["a".repeat(60); 5].join(".");
+        assert!(long_name.len() > 253 && normalise_host(&long_name).is_err());
+        assert!(normalise_host(&"a.".repeat(126)).is_ok()); // 251 characters + dot
     }
 
     #[test]

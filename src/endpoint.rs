@@ -11,7 +11,7 @@ use std::sync::Arc;
 use base64::Engine;
 use http::{HeaderMap, HeaderName};
 
-use crate::config::{Config, EndpointRule, Policy, UnknownEndpoints, check_endpoint_id};
+use crate::config::{Config, EndpointRule, Mode, Policy, UnknownEndpoints, check_endpoint_id};
 use crate::error::ProxyError;
 
 /// The endpoint a request belongs to.
@@ -21,6 +21,8 @@ pub struct Resolved {
     pub id: Arc<str>,
     /// Its policy.
     pub policy: Arc<Policy>,
+    /// Enforced or shadow.
+    pub mode: Mode,
 }
 
 /// Compiled resolution rules.
@@ -29,8 +31,9 @@ pub struct Resolver {
     header: HeaderName,
     from_proxy_user: bool,
     rules: Vec<EndpointRule>,
-    by_id: HashMap<Arc<str>, Arc<Policy>>,
+    by_id: HashMap<Arc<str>, (Arc<Policy>, Mode)>,
     defaults: Arc<Policy>,
+    default_mode: Mode,
     unknown: UnknownEndpoints,
 }
 
@@ -43,10 +46,11 @@ impl Resolver {
             by_id: cfg
                 .endpoints
                 .iter()
-                .map(|r| (Arc::clone(&r.id), Arc::clone(&r.policy)))
+                .map(|r| (Arc::clone(&r.id), (Arc::clone(&r.policy), r.mode)))
                 .collect(),
             rules: cfg.endpoints.clone(),
             defaults: Arc::clone(&cfg.defaults),
+            default_mode: cfg.default_mode,
             unknown: cfg.unknown,
         }
     }
@@ -70,7 +74,7 @@ impl Resolver {
     pub fn policy_of(&self, id: &str) -> Arc<Policy> {
         self.by_id
             .get(id)
-            .cloned()
+            .map(|(p, _)| Arc::clone(p))
             .unwrap_or_else(|| Arc::clone(&self.defaults))
     }
 
@@ -105,22 +109,25 @@ impl Resolver {
             return Ok(Resolved {
                 id: Arc::clone(&rule.id),
                 policy: Arc::clone(&rule.policy),
+                mode: rule.mode,
             });
         }
         self.by_name(&host)
     }
 
     fn by_name(&self, id: &str) -> Result<Resolved, ProxyError> {
-        if let Some((k, p)) = self.by_id.get_key_value(id) {
+        if let Some((k, (p, mode))) = self.by_id.get_key_value(id) {
             return Ok(Resolved {
                 id: Arc::clone(k),
                 policy: Arc::clone(p),
+                mode: *mode,
             });
         }
         match self.unknown {
             UnknownEndpoints::Default => Ok(Resolved {
                 id: id.into(),
                 policy: Arc::clone(&self.defaults),
+                mode: self.default_mode,
             }),
             UnknownEndpoints::Reject => Err(ProxyError::UnknownEndpoint(id.to_owned())),
         }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use http::header::{CONTENT_TYPE, HeaderValue, PROXY_AUTHENTICATE, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
@@ -27,6 +27,19 @@ pub enum ProxyError {
     /// The request is malformed in a way hyper did not catch.
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// Proxy authentication is on and the credentials are missing or wrong.
+    #[error(
+        "proxy authentication required: send Proxy-Authorization: Basic with a user of security.auth_users_file"
+    )]
+    ProxyAuthRequired,
+    /// The authenticated user may not spend this endpoint's budget.
+    #[error("user {user} may not use endpoint {endpoint:?} (security.user_endpoints)")]
+    EndpointNotAllowed {
+        /// The user.
+        user: String,
+        /// The resolved endpoint.
+        endpoint: String,
+    },
     /// `unknown = "reject"` and the endpoint is not configured.
     #[error("endpoint {0:?} is not configured and unknown endpoints are rejected")]
     UnknownEndpoint(String),
@@ -73,6 +86,8 @@ impl ProxyError {
     pub fn reason(&self) -> &'static str {
         match self {
             ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::ProxyAuthRequired => "proxy_auth_required",
+            ProxyError::EndpointNotAllowed { .. } => "endpoint_not_allowed",
             ProxyError::UnknownEndpoint(_) => "unknown_endpoint",
             ProxyError::DestinationDenied { .. } => "destination_denied",
             ProxyError::RateLimited { .. } => "rate_limited",
@@ -87,9 +102,10 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ProxyError::UnknownEndpoint(_) | ProxyError::DestinationDenied { .. } => {
-                StatusCode::FORBIDDEN
-            }
+            ProxyError::ProxyAuthRequired => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            ProxyError::UnknownEndpoint(_)
+            | ProxyError::EndpointNotAllowed { .. }
+            | ProxyError::DestinationDenied { .. } => StatusCode::FORBIDDEN,
             ProxyError::RateLimited { .. }
             | ProxyError::Cooldown { .. }
             | ProxyError::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -113,7 +129,9 @@ impl ProxyError {
             ProxyError::RateLimited { endpoint, .. }
             | ProxyError::Cooldown { endpoint, .. }
             | ProxyError::StoreUnavailable { endpoint } => Some(endpoint),
-            ProxyError::UnknownEndpoint(e) => Some(e),
+            ProxyError::UnknownEndpoint(e) | ProxyError::EndpointNotAllowed { endpoint: e, .. } => {
+                Some(e)
+            }
             _ => None,
         }
     }
@@ -136,6 +154,12 @@ impl ProxyError {
         h.insert(REASON_HEADER, HeaderValue::from_static(self.reason()));
         if let Some(r) = retry {
             h.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(r)));
+        }
+        if self.status() == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
+            h.insert(
+                PROXY_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"sluice\""),
+            );
         }
         resp
     }

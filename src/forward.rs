@@ -26,6 +26,7 @@ use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 
+use crate::conn::{Activity, Watched};
 use crate::destination::{DestinationPolicy, ResolveError};
 
 /// Why forwarding failed.
@@ -71,10 +72,12 @@ impl tower_service::Service<Name> for GuardedResolver {
 
 type Connector = HttpsConnector<HttpConnector<GuardedResolver>>;
 
+type Pool = Client<Connector, Incoming>;
+
 /// The pooled upstream client.
-#[derive(Clone)]
 pub struct Forwarder {
-    client: Client<Connector, Incoming>,
+    client: ArcSwap<Pool>,
+    tls: rustls::ClientConfig,
     timeout: Duration,
     policy: Arc<ArcSwap<DestinationPolicy>>,
 }
@@ -86,34 +89,26 @@ impl Forwarder {
         timeout: Duration,
         policy: Arc<ArcSwap<DestinationPolicy>>,
     ) -> Forwarder {
-        let mut http = HttpConnector::new_with_resolver(GuardedResolver {
-            policy: Arc::clone(&policy),
-        });
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(timeout));
         // The connector negotiates ALPN itself (http/1.1 only) and refuses presets.
         let mut tls = tls;
         tls.alpn_protocols.clear();
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(256)
-            .build(https);
+        let client = ArcSwap::from_pointee(pool(&tls, timeout, &policy));
         Forwarder {
             client,
+            tls,
             timeout,
             policy,
         }
     }
 
-    /// Swaps the destination policy (live reload).
+    /// Swaps the destination policy (live reload). Pooled upstream connections were
+    /// checked against the old policy, so the pool starts over: no kept-alive connection
+    /// can carry a request to an address the new policy refuses. Requests in flight
+    /// finish on their connections.
     pub fn set_policy(&self, policy: DestinationPolicy) {
         self.policy.store(Arc::new(policy));
+        self.client
+            .store(Arc::new(pool(&self.tls, self.timeout, &self.policy)));
     }
 
     /// The destination policy in force.
@@ -124,23 +119,28 @@ impl Forwarder {
     /// Sends a prepared request (absolute URI, hop-by-hop headers removed) and waits for
     /// the response head; the body streams afterwards.
     pub async fn send(&self, req: Request<Incoming>) -> Result<Response<Incoming>, ForwardError> {
-        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+        let client = self.client.load();
+        match tokio::time::timeout(self.timeout, client.request(req)).await {
             Err(_) => Err(ForwardError::Timeout(self.timeout)),
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) => Err(classify(&e)),
         }
     }
 
-    /// Opens a TCP connection for a CONNECT tunnel to an address that passed the policy.
-    pub async fn connect_tunnel(&self, host: &str, port: u16) -> Result<TcpStream, ForwardError> {
-        let addrs = self
-            .policy()
+    /// Resolves `host:port` through the destination policy: the addresses that passed.
+    pub async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, ForwardError> {
+        self.policy()
             .resolve(host, port)
             .await
             .map_err(|e| match e {
                 ResolveError::Denied(d) => ForwardError::Denied(d),
                 ResolveError::Dns(m) => ForwardError::Connect(m),
-            })?;
+            })
+    }
+
+    /// Opens a TCP connection for a CONNECT tunnel to the first of `addrs` (which passed
+    /// the policy in [`Forwarder::resolve`]) that answers.
+    pub async fn connect_tunnel(&self, addrs: Vec<SocketAddr>) -> Result<TcpStream, ForwardError> {
         let mut last = String::from("no address");
         for addr in addrs {
             match tokio::time::timeout(self.timeout, TcpStream::connect(addr)).await {
@@ -154,6 +154,29 @@ impl Forwarder {
         }
         Err(ForwardError::Connect(last))
     }
+}
+
+/// A fresh pool whose connector resolves through `policy`.
+fn pool(
+    tls: &rustls::ClientConfig,
+    timeout: Duration,
+    policy: &Arc<ArcSwap<DestinationPolicy>>,
+) -> Pool {
+    let mut http = HttpConnector::new_with_resolver(GuardedResolver {
+        policy: Arc::clone(policy),
+    });
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(timeout));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls.clone())
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(256)
+        .build(https)
 }
 
 fn classify(e: &hyper_util::client::legacy::Error) -> ForwardError {
@@ -218,13 +241,37 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     h.remove("proxy-connection");
 }
 
-/// Copies bytes both ways between a sender's upgraded CONNECT and the upstream socket.
+/// Removes `X-Sluice-*` headers from an upstream response: only sluice's own answers
+/// carry them, so a receiver cannot forge a refusal a sender would requeue on.
+pub fn strip_sluice_headers(h: &mut HeaderMap) {
+    let forged: Vec<HeaderName> = h
+        .keys()
+        .filter(|k| k.as_str().starts_with("x-sluice-"))
+        .cloned()
+        .collect();
+    for k in forged {
+        h.remove(k);
+    }
+}
+
+/// Copies bytes both ways between a sender's upgraded CONNECT and the upstream socket,
+/// until either side closes or no byte moved either way for `idle`.
 pub async fn tunnel(
     upgraded: hyper::upgrade::Upgraded,
-    mut upstream: TcpStream,
-) -> std::io::Result<(u64, u64)> {
-    let mut client = TokioIo::new(upgraded);
-    tokio::io::copy_bidirectional(&mut client, &mut upstream).await
+    upstream: TcpStream,
+    idle: Duration,
+) -> std::io::Result<()> {
+    let activity = Activity::new();
+    let mut client = Watched::new(TokioIo::new(upgraded), Arc::clone(&activity));
+    let mut upstream = Watched::new(upstream, Arc::clone(&activity));
+    tokio::select! {
+        r = tokio::io::copy_bidirectional(&mut client, &mut upstream) => r.map(|_| ()),
+        // Nobody spoke for `idle`: a forgotten tunnel must not hold a connection slot.
+        _ = activity.idle_for(idle) => {
+            tracing::debug!(idle_ms = idle.as_millis() as u64, "closing idle tunnel");
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]
@@ -252,5 +299,15 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-keep"));
+    }
+
+    #[test]
+    fn forged_sluice_headers_are_removed() {
+        let mut h = HeaderMap::new();
+        h.insert("x-sluice-reason", "rate_limited".parse().unwrap());
+        h.insert("X-Sluice-Anything", "1".parse().unwrap());
+        h.insert("x-sluicey", "kept".parse().unwrap());
+        strip_sluice_headers(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
     }
 }

@@ -2,10 +2,17 @@
 //! rate limits their receivers publish.
 //!
 //! # Layout
+//! - [`core`]: [`core::App`] and the reloadable [`core::Runtime`]: the state every room
+//!   depends on; it depends on none of the rooms that serve requests.
 //! - [`app`]: wiring: builds the app from a config, binds, runs, reloads.
 //! - [`config`]: TOML → validated, typed [`config::Config`]; every rule tested.
-//! - [`server`]: accept loops, connection handling, graceful shutdown.
-//! - [`proxy`]: one request: classify → resolve endpoint → admit → forward → observe.
+//! - [`server`]: the proxy and admin accept loops, their caps, graceful shutdown.
+//! - [`conn`]: one connection: serving HTTP/1.1 or HTTP/2, idle timeouts, lifecycle.
+//! - [`proxy`]: one request: target → identify → resolve → destination → label → admit
+//!   → forward → observe; the same admission for plain HTTP, CONNECT and intercepted
+//!   requests.
+//! - [`decision`]: the per-request decision log (one structured line per request).
+//! - [`auth`]: proxy users (htpasswd, bcrypt), the credentials cache, endpoint grants.
 //! - [`endpoint`]: endpoint resolution (header, proxy user, host/path rules, defaults).
 //! - [`destination`]: destination policy (allowed hosts, private-address refusal).
 //! - [`limiter`]: the [`limiter::Limiter`] over the [`limiter::BucketStore`] seam
@@ -23,7 +30,11 @@
 pub mod adapt;
 pub mod admin;
 pub mod app;
+pub mod auth;
 pub mod config;
+pub mod conn;
+pub mod core;
+pub mod decision;
 pub mod destination;
 pub mod endpoint;
 pub mod error;

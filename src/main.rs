@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice::admin::EndpointView;
+use sluice::app::ReloadError;
 use sluice::config::{Config, ConfigError};
 
 #[derive(Parser)]
@@ -92,8 +93,11 @@ fn main() -> ExitCode {
 fn init_logs(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour only for people: no ANSI codes in files, pipes and log collectors.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -116,7 +120,13 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
                 eprintln!("{}: {e}", path.display());
                 return Ok(ExitCode::from(1));
             }
-            println!("{}: {}", path.display(), c.summary());
+            let summary = c.summary();
+            // The files it names (users, admin token) must be usable too.
+            if let Err(e) = sluice::core::Runtime::load(std::sync::Arc::new(c)) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
+            println!("{}: {summary}", path.display());
             ExitCode::SUCCESS
         }
         Err(code) => code,
@@ -208,10 +218,10 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-fn reload(app: &sluice::proxy::App, path: &Path) {
+fn reload(app: &sluice::core::App, path: &Path) {
     match sluice::app::reload(app, path) {
         Ok(()) => {}
-        Err(ConfigError::Invalid { issues, .. }) => {
+        Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {
             for i in &issues {
                 tracing::error!(%i, "reload refused: keeping the running config");
             }

@@ -64,6 +64,8 @@ pub struct Metrics {
     pub requests: Family<OutcomeLabels, Counter>,
     /// `sluice_wait_seconds{endpoint}`: time held before forwarding.
     pub wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
+    /// `sluice_shadow_wait_seconds{endpoint}`: the wait shadow-mode requests would have had.
+    pub shadow_wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
     /// `sluice_upstream_responses_total{endpoint,code}`.
     pub upstream: Family<CodeLabels, Counter>,
     /// `sluice_upstream_throttles_total{endpoint}`: 429s (and 503 + Retry-After) seen.
@@ -92,6 +94,7 @@ impl Metrics {
         let m = Metrics {
             requests: Family::default(),
             wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
+            shadow_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             upstream: Family::default(),
             throttles: Family::default(),
             rate: Family::default(),
@@ -114,6 +117,11 @@ impl Metrics {
             "wait_seconds",
             "Time requests waited for their token",
             m.wait.clone(),
+        );
+        registry.register(
+            "shadow_wait_seconds",
+            "Shadow mode: the time requests would have waited for their token",
+            m.shadow_wait.clone(),
         );
         registry.register(
             "upstream_responses",
@@ -181,6 +189,20 @@ impl Metrics {
             }
             _ => self.other.clone(),
         }
+    }
+
+    /// The label an endpoint already has (configured or seen before), else `_other`:
+    /// for refusals counted before a request earned a label of its own.
+    pub fn existing_label(&self, id: &Arc<str>) -> EndpointLabel {
+        match self.labelled.read() {
+            Ok(set) if set.contains(id) => EndpointLabel(Arc::clone(id)),
+            _ => self.other.clone(),
+        }
+    }
+
+    /// The `_other` label.
+    pub fn other(&self) -> EndpointLabel {
+        self.other.clone()
     }
 
     /// Endpoint IDs that have their own label (configured, then first seen).

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::admin::{EndpointView, endpoint_views};
+use crate::core::App;
 use crate::metrics::EndpointLabels;
-use crate::proxy::App;
 
 /// Runs until shutdown, looking every `every`.
 pub async fn run(app: Arc<App>, every: Duration) {
@@ -19,7 +19,7 @@ pub async fn run(app: Arc<App>, every: Duration) {
         tokio::select! {
             _ = tick.tick() => {}
             // Shutdown: stop looking.
-            _ = crate::server::until_down(&mut stop) => return,
+            _ = crate::conn::until_down(&mut stop) => return,
         }
         let views = endpoint_views(&app).await;
         let rt = app.runtime.load_full();

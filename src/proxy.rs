@@ -1,62 +1,53 @@
-//! One request, top to bottom: classify → resolve endpoint → check destination →
-//! admit (wait for the token) → forward → observe the response (429 feedback).
+//! One request, top to bottom. Every form a sender uses — an absolute-form HTTP request,
+//! a CONNECT tunnel, a request inside an intercepted tunnel (HTTP/1.1 or HTTP/2) — goes
+//! through the same admission ([`admission`]):
 //!
-//! Plain absolute-form requests and the requests inside an intercepted CONNECT take the
-//! same path ([`handle`]); a CONNECT that is not intercepted is paced once and becomes a
-//! byte tunnel ([`connect`]).
+//! 1. the target host is validated and normalised ([`Target`]),
+//! 2. the sender is identified (proxy authentication, [`identify`]),
+//! 3. the endpoint is resolved and the user's grant checked,
+//! 4. the destination policy is checked (for tunnels, including DNS),
+//! 5. the endpoint gets its metric label (only now: nothing unchecked becomes a label),
+//! 6. the request waits for its token.
+//!
+//! Then it is sent (a forwarded request, or a byte tunnel) and its response observed
+//! for 429 feedback. Nothing is spent before step 6, and a token whose request never
+//! left (the resolved address was refused) is refunded.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
-use arc_swap::ArcSwap;
+use http::header::HOST;
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
 use crate::adapt::{self, CooldownPolicy};
-use crate::config::{Adaptive, Config, Policy};
-use crate::endpoint::{Resolved, Resolver, proxy_user};
+use crate::auth::Identity;
+use crate::config::{Adaptive, Mode};
+use crate::conn::{ConnSlot, Timeouts};
+use crate::core::{App, Runtime};
+use crate::decision::{self, Trace};
+use crate::destination::normalise_host;
+use crate::endpoint::{Resolved, proxy_user};
 use crate::error::{Body, ProxyError};
-use crate::forward::{ForwardError, Forwarder, strip_hop_by_hop};
-use crate::limiter::{Ask, Limiter, Refusal};
-use crate::metrics::{CodeLabels, EndpointLabel, EndpointLabels, Metrics};
-use crate::mitm::Interceptor;
-use crate::server::Lifecycle;
+use crate::forward::{ForwardError, strip_hop_by_hop, strip_sluice_headers};
+use crate::limiter::{Ask, Grant, Refusal, Shadow};
+use crate::metrics::{CodeLabels, EndpointLabel, EndpointLabels};
 
-/// What may change on a live reload, swapped as one `Arc`.
-pub struct Runtime {
-    /// The validated config in force.
-    pub config: Arc<Config>,
-    /// Endpoint resolution compiled from it.
-    pub resolver: Resolver,
-}
+/// HTTP/1.1 request heads inside intercepted tunnels must arrive within this.
+const TUNNEL_HEADER_READ: std::time::Duration = std::time::Duration::from_secs(30);
 
-impl Runtime {
-    /// Compiles a config.
-    pub fn new(config: Arc<Config>) -> Runtime {
-        Runtime {
-            resolver: Resolver::new(&config),
-            config,
-        }
-    }
-}
-
-/// Everything a request needs, built once at start-up.
-pub struct App {
-    /// Reloadable rules.
-    pub runtime: ArcSwap<Runtime>,
-    /// Admission over the bucket store.
-    pub limiter: Limiter,
-    /// The upstream client.
-    pub forwarder: Forwarder,
-    /// Instruments.
-    pub metrics: Arc<Metrics>,
-    /// TLS interception, when `tls.intercept = true`.
-    pub interceptor: Option<Arc<Interceptor>>,
-    /// Connection tracking and shutdown signal.
-    pub lifecycle: Lifecycle,
+/// The sender connection a request arrived on.
+pub struct Conn {
+    /// The sender's address.
+    pub peer: SocketAddr,
+    /// Its place under `proxy.max_connections` (kept by tunnels it turns into).
+    pub slot: Arc<ConnSlot>,
+    /// Set for connections inside an intercepted CONNECT tunnel.
+    pub tunnel: Option<Tunnel>,
 }
 
 /// Context of an intercepted CONNECT tunnel, for the requests inside it.
@@ -64,111 +55,298 @@ pub struct App {
 pub struct Tunnel {
     /// The CONNECT authority (`host:port`).
     pub authority: Authority,
-    /// The user name of the CONNECT's `Proxy-Authorization`.
-    pub proxy_user: Option<String>,
+    /// The sender as the CONNECT identified it.
+    pub who: Who,
+}
+
+/// Who sends, as far as endpoint resolution and grants care.
+#[derive(Debug, Clone, Default)]
+pub struct Who {
+    /// The authenticated user (proxy authentication on).
+    pub identity: Option<Identity>,
+    /// The endpoint named by the proxy user (`endpoint_from_proxy_user = true`).
+    pub endpoint_hint: Option<String>,
+}
+
+/// A validated request target.
+#[derive(Debug, Clone)]
+struct Target {
+    /// Normalised host (lowercase, no trailing dot, IPv6 without brackets).
+    host: String,
+    port: u16,
+}
+
+impl Target {
+    fn new(raw_host: &str, port: u16) -> Result<Target, ProxyError> {
+        let host = normalise_host(raw_host).map_err(|e| ProxyError::BadRequest(e.to_string()))?;
+        Ok(Target { host, port })
+    }
+}
+
+/// What admission looks at: the request's facts, whatever its form.
+struct Asking<'a> {
+    headers: &'a HeaderMap,
+    who: &'a Who,
+    target: &'a Target,
+    path: &'a str,
+    /// Resolve and check the addresses now (tunnels connect to exactly these); plain
+    /// requests are checked by name here and by address when the pool connects.
+    resolve_dns: bool,
+}
+
+/// A request admitted to leave.
+struct Admitted {
+    ep: Resolved,
+    label: EndpointLabel,
+    grant: Grant,
+    /// `forwarded`, or in shadow mode what enforcing would have answered.
+    outcome: &'static str,
+    /// For tunnels: the resolved addresses that passed the destination policy.
+    addrs: Vec<SocketAddr>,
+}
+
+/// A refusal, with the label it is counted under (when the endpoint is known).
+struct Refused {
+    label: Option<EndpointLabel>,
+    error: ProxyError,
+}
+
+impl From<ProxyError> for Refused {
+    fn from(error: ProxyError) -> Refused {
+        Refused { label: None, error }
+    }
 }
 
 /// Serves one request from a sender (or from inside an intercepted tunnel).
-pub async fn handle(
-    app: Arc<App>,
-    req: Request<Incoming>,
-    tunnel: Option<Arc<Tunnel>>,
-) -> Response<Body> {
-    if req.method() == Method::CONNECT && tunnel.is_none() {
-        return connect(app, req).await;
+pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> Response<Body> {
+    let method = req.method().clone();
+    let mut trace = Trace::default();
+    let result = if method == Method::CONNECT && conn.tunnel.is_none() {
+        connect(&app, req, &conn, &mut trace).await
+    } else {
+        forward_request(&app, req, &conn, &mut trace).await
+    };
+    match result {
+        Ok(resp) => {
+            let log = app.runtime.load().config.log;
+            decision::forwarded(&log, &app.sampler, conn.peer, method.as_str(), &trace);
+            resp
+        }
+        Err(r) => refuse(&app, r, conn.peer, method.as_str(), &trace),
     }
-    let mut label = None;
-    match forward_request(&app, req, tunnel.as_deref(), &mut label).await {
-        Ok(resp) => resp,
-        Err(e) => refuse(&app, label.as_ref(), e),
-    }
-}
-
-/// [`handle`] behind a box: requests inside a tunnel recurse into it.
-fn handle_boxed(
-    app: Arc<App>,
-    req: Request<Incoming>,
-    tunnel: Option<Arc<Tunnel>>,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send>> {
-    Box::pin(handle(app, req, tunnel))
 }
 
 /// Counts, logs and renders a refusal or failure.
-fn refuse(app: &App, label: Option<&EndpointLabel>, e: ProxyError) -> Response<Body> {
-    if let Some(l) = label {
-        app.metrics.outcome(l, e.reason());
-    }
-    match &e {
-        ProxyError::Upstream(_)
-        | ProxyError::UpstreamTimeout(_)
-        | ProxyError::StoreUnavailable { .. } => {
-            tracing::warn!(reason = e.reason(), error = %e, "request failed")
+fn refuse(app: &App, r: Refused, peer: SocketAddr, method: &str, trace: &Trace) -> Response<Body> {
+    let label = r.label.unwrap_or_else(|| app.metrics.other());
+    app.metrics.outcome(&label, r.error.reason());
+    decision::refused(peer, method, trace, &r.error);
+    r.error.into_response()
+}
+
+/// Steps 3–6 of the module doc, the same for every form of request.
+async fn admission(
+    app: &App,
+    rt: &Runtime,
+    ask: Asking<'_>,
+    trace: &mut Trace,
+) -> Result<Admitted, Refused> {
+    let Asking {
+        headers,
+        who,
+        target,
+        path,
+        resolve_dns,
+    } = ask;
+    let ep = rt
+        .resolver
+        .resolve(headers, who.endpoint_hint.as_deref(), &target.host, path)?;
+    trace.endpoint = Some(Arc::clone(&ep.id));
+    if let (Some(users), Some(id)) = (&rt.users, &who.identity) {
+        if !users.may_spend(&id.user, &ep.id) {
+            return Err(ProxyError::EndpointNotAllowed {
+                user: id.user.to_string(),
+                endpoint: ep.id.to_string(),
+            }
+            .into());
         }
-        _ => tracing::info!(reason = e.reason(), error = %e, "request refused"),
     }
-    e.into_response()
+    let known = Some(app.metrics.existing_label(&ep.id));
+    let denied = |error| Refused {
+        label: known.clone(),
+        error,
+    };
+    app.forwarder
+        .policy()
+        .check_host(&target.host)
+        .map_err(|d| denied(d.into()))?;
+    let addrs = if resolve_dns {
+        app.forwarder
+            .resolve(&target.host, target.port)
+            .await
+            .map_err(|e| denied(upstream_error(e)))?
+    } else {
+        Vec::new()
+    };
+    let label = app.metrics.label(&ep.id);
+    let (grant, outcome) = match ep.mode {
+        Mode::Enforce => {
+            let grant = admit(app, &ep).await.map_err(|error| Refused {
+                label: Some(label.clone()),
+                error,
+            })?;
+            (grant, "forwarded")
+        }
+        Mode::Shadow => shadow(app, &ep).await,
+    };
+    trace.waited = grant.waited;
+    let wait = match ep.mode {
+        Mode::Enforce => &app.metrics.wait,
+        Mode::Shadow => &app.metrics.shadow_wait,
+    };
+    wait.get_or_create(&EndpointLabels {
+        endpoint: label.clone(),
+    })
+    .observe(grant.waited.as_secs_f64());
+    Ok(Admitted {
+        ep,
+        label,
+        grant,
+        outcome,
+        addrs,
+    })
+}
+
+/// A grant that holds no token (a shadow request enforcing would have refused).
+const NO_TOKEN: u64 = u64::MAX;
+
+/// Shadow mode: what enforcing would have done, without waiting or refusing.
+async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
+    match app.limiter.shadow(&ep.id, &ep.policy).await {
+        Shadow::Wait(grant) => (grant, "forwarded"),
+        Shadow::Refuse(r) => {
+            let outcome = match r {
+                Refusal::RateLimited { .. } => "shadow_rate_limited",
+                Refusal::Cooldown { .. } => "shadow_cooldown",
+                Refusal::StoreUnavailable => "shadow_store_unavailable",
+            };
+            let nothing = Grant {
+                waited: std::time::Duration::ZERO,
+                generation: NO_TOKEN,
+            };
+            (nothing, outcome)
+        }
+    }
+}
+
+/// Step 2: who sends. Inside a tunnel, the CONNECT's identity (still listed in the
+/// users file as it is now); otherwise this request's `Proxy-Authorization`.
+async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who, ProxyError> {
+    if let Some(t) = &conn.tunnel {
+        let gone = match (&rt.users, &t.who.identity) {
+            (Some(users), Some(id)) => !users.contains(&id.user),
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        return if gone {
+            Err(ProxyError::ProxyAuthRequired)
+        } else {
+            Ok(t.who.clone())
+        };
+    }
+    let from_user = rt.resolver.uses_proxy_user();
+    match &rt.users {
+        Some(users) => {
+            let id = users
+                .authenticate(headers)
+                .await
+                .map_err(|_| ProxyError::ProxyAuthRequired)?;
+            let endpoint_hint = id
+                .endpoint
+                .as_deref()
+                .filter(|_| from_user)
+                .map(str::to_owned);
+            Ok(Who {
+                identity: Some(id),
+                endpoint_hint,
+            })
+        }
+        None => Ok(Who {
+            identity: None,
+            endpoint_hint: from_user.then(|| proxy_user(headers)).flatten(),
+        }),
+    }
 }
 
 async fn forward_request(
     app: &App,
     req: Request<Incoming>,
-    tunnel: Option<&Tunnel>,
-    label: &mut Option<EndpointLabel>,
-) -> Result<Response<Body>, ProxyError> {
-    let rt = app.runtime.load();
+    conn: &Conn,
+    trace: &mut Trace,
+) -> Result<Response<Body>, Refused> {
+    let rt = app.runtime.load_full();
     let (mut parts, body) = req.into_parts();
-    let uri = target_uri(&parts.uri, tunnel)?;
-    let host = uri.host().unwrap_or_default();
-    let user = match tunnel {
-        Some(t) => t.proxy_user.clone(),
-        None if rt.resolver.uses_proxy_user() => proxy_user(&parts.headers),
-        None => None,
+    let uri = target_uri(&parts.uri, conn.tunnel.as_ref())?;
+    let target = Target::new(uri.host().unwrap_or_default(), 0)?;
+    trace.destination = uri.authority().map(|a| a.to_string());
+    if parts.headers.get_all(HOST).iter().count() > 1 {
+        return Err(ProxyError::BadRequest("more than one Host header".into()).into());
+    }
+    let who = identify(&rt, &parts.headers, conn).await?;
+    trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
+    let ask = Asking {
+        headers: &parts.headers,
+        who: &who,
+        target: &target,
+        path: uri.path(),
+        resolve_dns: false,
     };
-    let ep = rt
-        .resolver
-        .resolve(&parts.headers, user.as_deref(), host, uri.path())?;
-    let l = app.metrics.label(&ep.id);
-    *label = Some(l.clone());
-    app.forwarder
-        .policy()
-        .check_host(host)
-        .map_err(|d| ProxyError::DestinationDenied {
-            host: d.host,
-            why: d.why,
-        })?;
-
-    let waited = admit(app, &ep).await?;
-    app.metrics
-        .wait
-        .get_or_create(&EndpointLabels {
-            endpoint: l.clone(),
-        })
-        .observe(waited.as_secs_f64());
+    let admitted = admission(app, &rt, ask, trace).await?;
 
     strip_hop_by_hop(&mut parts.headers);
     parts.headers.remove(rt.resolver.header());
+    // The upstream's Host comes from the target we checked, never from the sender.
+    parts.headers.remove(HOST);
     parts.uri = uri;
     parts.version = Version::HTTP_11;
-    let resp = app
-        .forwarder
-        .send(Request::from_parts(parts, body))
-        .await
-        .map_err(upstream_error)?;
-
+    let sent = tokio::time::Instant::now();
+    let resp = match app.forwarder.send(Request::from_parts(parts, body)).await {
+        Ok(r) => r,
+        Err(e) => return Err(after_admission(app, &admitted, e).await),
+    };
+    trace.upstream = Some(sent.elapsed());
+    trace.status = Some(resp.status().as_u16());
+    trace.outcome = admitted.outcome;
+    let Admitted {
+        ep, label, outcome, ..
+    } = admitted;
     app.metrics
         .upstream
         .get_or_create(&CodeLabels {
-            endpoint: l.clone(),
+            endpoint: label.clone(),
             code: resp.status().as_u16(),
         })
         .inc();
-    app.metrics.outcome(&l, "forwarded");
+    app.metrics.outcome(&label, outcome);
     if let Some(adaptive) = ep.policy.adaptive {
-        observe(app, &ep, &l, &adaptive, resp.status(), resp.headers()).await;
+        observe(app, &ep, &label, &adaptive, resp.status(), resp.headers()).await;
     }
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    strip_sluice_headers(&mut parts.headers);
     Ok(Response::from_parts(parts, Either::Left(body)))
+}
+
+/// A send that failed after admission: when nothing left (the resolved address was
+/// refused), the token goes back.
+async fn after_admission(app: &App, a: &Admitted, e: ForwardError) -> Refused {
+    if matches!(e, ForwardError::Denied(_)) && a.grant.generation != NO_TOKEN {
+        app.limiter.refund(&a.ep.id, &a.ep.policy, a.grant).await;
+    }
+    Refused {
+        label: Some(a.label.clone()),
+        error: upstream_error(e),
+    }
 }
 
 /// The absolute URI to forward to: the request's own, or rebuilt from the tunnel's
@@ -198,7 +376,7 @@ fn target_uri(uri: &Uri, tunnel: Option<&Tunnel>) -> Result<Uri, ProxyError> {
 }
 
 /// Waits for the endpoint's token, mapping refusals to [`ProxyError`].
-async fn admit(app: &App, ep: &Resolved) -> Result<Duration, ProxyError> {
+async fn admit(app: &App, ep: &Resolved) -> Result<Grant, ProxyError> {
     let endpoint = || ep.id.to_string();
     app.limiter
         .admit(&ep.id, &ep.policy)
@@ -220,10 +398,7 @@ async fn admit(app: &App, ep: &Resolved) -> Result<Duration, ProxyError> {
 
 fn upstream_error(e: ForwardError) -> ProxyError {
     match e {
-        ForwardError::Denied(d) => ProxyError::DestinationDenied {
-            host: d.host,
-            why: d.why,
-        },
+        ForwardError::Denied(d) => d.into(),
         ForwardError::Timeout(t) => ProxyError::UpstreamTimeout(t),
         other => ProxyError::Upstream(other.to_string()),
     }
@@ -274,112 +449,147 @@ async fn observe(
     }
 }
 
-/// Handles CONNECT: intercepted (TLS terminated, each request paced) or tunnelled
-/// (paced once per CONNECT).
-pub async fn connect(app: Arc<App>, mut req: Request<Incoming>) -> Response<Body> {
-    let Some(authority) = req.uri().authority().cloned() else {
-        return ProxyError::BadRequest("CONNECT needs host:port".into()).into_response();
-    };
+/// Handles CONNECT: intercepted (TLS terminated, each request inside admitted on its
+/// own) or tunnelled (admitted once, as one unit).
+async fn connect(
+    app: &Arc<App>,
+    mut req: Request<Incoming>,
+    conn: &Arc<Conn>,
+    trace: &mut Trace,
+) -> Result<Response<Body>, Refused> {
+    let authority = req
+        .uri()
+        .authority()
+        .cloned()
+        .ok_or_else(|| ProxyError::BadRequest("CONNECT needs host:port".into()))?;
+    let target = Target::new(authority.host(), authority.port_u16().unwrap_or(443))?;
+    trace.destination = Some(authority.to_string());
     let rt = app.runtime.load_full();
-    let host = authority.host().to_owned();
-    let user = proxy_user(req.headers());
-    if let Err(d) = app.forwarder.policy().check_host(&host) {
-        return refuse(
-            &app,
-            None,
-            ProxyError::DestinationDenied {
-                host: d.host,
-                why: d.why,
-            },
-        );
-    }
+    let who = identify(&rt, req.headers(), conn).await?;
+    trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
     let on_upgrade = hyper::upgrade::on(&mut req);
     if let Some(interceptor) = app
         .interceptor
         .clone()
-        .filter(|_| !rt.config.tls.passthrough_hosts.matches(&host))
+        .filter(|_| !rt.config.tls.passthrough_hosts.matches(&target.host))
     {
-        let tunnel = Arc::new(Tunnel {
-            authority,
-            proxy_user: user,
-        });
-        let app2 = Arc::clone(&app);
-        app.lifecycle.spawn(async move {
-            let upgraded = match on_upgrade.await {
-                Ok(u) => u,
-                Err(e) => return tracing::debug!(error = %e, "CONNECT upgrade failed"),
-            };
-            let (tls, _sni) = match interceptor.accept(TokioIo::new(upgraded), &host).await {
-                Ok(t) => t,
-                Err(e) => return tracing::warn!("{e}"),
-            };
-            let app3 = Arc::clone(&app2);
-            let svc = hyper::service::service_fn(move |req| {
-                let (app, tunnel) = (Arc::clone(&app3), Arc::clone(&tunnel));
-                async move {
-                    Ok::<_, std::convert::Infallible>(handle_boxed(app, req, Some(tunnel)).await)
-                }
-            });
-            let stop = app2.lifecycle.signal();
-            let protocol = if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-                Version::HTTP_2
-            } else {
-                Version::HTTP_11
-            };
-            crate::server::serve(TokioIo::new(tls), svc, protocol, stop).await;
-        });
-        return ok_empty();
+        app.forwarder
+            .policy()
+            .check_host(&target.host)
+            .map_err(ProxyError::from)?;
+        let session = Intercepted {
+            app: Arc::clone(app),
+            interceptor,
+            peer: conn.peer,
+            slot: Arc::clone(&conn.slot),
+            tunnel: Tunnel { authority, who },
+            host: target.host,
+        };
+        app.lifecycle.spawn(session.run(on_upgrade));
+        trace.outcome = "intercepted";
+        return Ok(ok_empty());
     }
 
-    // Not intercepted: the tunnel is one unit, paced once.
-    let user_ref = rt
-        .resolver
-        .uses_proxy_user()
-        .then_some(user.as_deref())
-        .flatten();
-    let ep = match rt.resolver.resolve(req.headers(), user_ref, &host, "") {
-        Ok(ep) => ep,
-        Err(e) => return refuse(&app, None, e),
+    // Not intercepted: the tunnel is one unit, admitted once.
+    let ask = Asking {
+        headers: req.headers(),
+        who: &who,
+        target: &target,
+        path: "",
+        resolve_dns: true,
     };
-    let label = app.metrics.label(&ep.id);
-    let waited = match admit(&app, &ep).await {
-        Ok(w) => w,
-        Err(e) => return refuse(&app, Some(&label), e),
-    };
-    app.metrics
-        .wait
-        .get_or_create(&EndpointLabels {
-            endpoint: label.clone(),
-        })
-        .observe(waited.as_secs_f64());
-    let port = authority.port_u16().unwrap_or(443);
-    let upstream = match app.forwarder.connect_tunnel(&host, port).await {
+    let admitted = admission(app, &rt, ask, trace).await?;
+    let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
         Ok(s) => s,
-        Err(e) => return refuse(&app, Some(&label), upstream_error(e)),
+        Err(e) => return Err(after_admission(app, &admitted, e).await),
     };
-    app.metrics.outcome(&label, "forwarded");
+    let label = admitted.label;
+    trace.outcome = admitted.outcome;
+    app.metrics.outcome(&label, admitted.outcome);
     app.metrics
         .tunnels
         .get_or_create(&EndpointLabels { endpoint: label })
         .inc();
+    let slot = Arc::clone(&conn.slot);
+    let idle = rt.config.proxy.tunnel_idle_timeout;
     app.lifecycle.spawn(async move {
+        // The tunnel keeps the connection's place under max_connections until it ends.
+        let _slot = slot;
         match on_upgrade.await {
             Ok(upgraded) => {
-                if let Err(e) = crate::forward::tunnel(upgraded, upstream).await {
+                if let Err(e) = crate::forward::tunnel(upgraded, upstream, idle).await {
                     tracing::debug!(error = %e, "tunnel closed with an error");
                 }
             }
             Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
         }
     });
-    ok_empty()
+    Ok(ok_empty())
+}
+
+/// An intercepted CONNECT: TLS terminated with a minted leaf, then every request inside
+/// is served by [`handle`] like any other.
+struct Intercepted {
+    app: Arc<App>,
+    interceptor: Arc<crate::mitm::Interceptor>,
+    peer: SocketAddr,
+    slot: Arc<ConnSlot>,
+    tunnel: Tunnel,
+    host: String,
+}
+
+impl Intercepted {
+    async fn run(self, on_upgrade: hyper::upgrade::OnUpgrade) {
+        let upgraded = match on_upgrade.await {
+            Ok(u) => u,
+            Err(e) => return tracing::debug!(error = %e, "CONNECT upgrade failed"),
+        };
+        let cfg = Arc::clone(&self.app.runtime.load().config);
+        let handshake = self.interceptor.accept(TokioIo::new(upgraded), &self.host);
+        let tls = match tokio::time::timeout(cfg.tls.handshake_timeout, handshake).await {
+            Ok(Ok((tls, _sni))) => tls,
+            Ok(Err(e)) => return tracing::warn!("{e}"),
+            Err(_) => {
+                return tracing::info!(
+                    host = %self.host,
+                    timeout_ms = cfg.tls.handshake_timeout.as_millis() as u64,
+                    "intercepted TLS handshake timed out"
+                );
+            }
+        };
+        let protocol = if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+            Version::HTTP_2
+        } else {
+            Version::HTTP_11
+        };
+        let conn = Arc::new(Conn {
+            peer: self.peer,
+            slot: self.slot,
+            tunnel: Some(self.tunnel),
+        });
+        let app = Arc::clone(&self.app);
+        let svc = hyper::service::service_fn(move |req| {
+            let (app, conn) = (Arc::clone(&app), Arc::clone(&conn));
+            async move { Ok::<_, std::convert::Infallible>(handle_boxed(app, req, conn).await) }
+        });
+        let timeouts = Timeouts {
+            header_read: TUNNEL_HEADER_READ,
+            idle: cfg.proxy.idle_timeout,
+        };
+        let stop = self.app.lifecycle.signal();
+        crate::conn::serve(TokioIo::new(tls), svc, protocol, timeouts, stop).await;
+    }
+}
+
+/// [`handle`] behind a box: requests inside a tunnel recurse into it.
+fn handle_boxed(
+    app: Arc<App>,
+    req: Request<Incoming>,
+    conn: Arc<Conn>,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send>> {
+    Box::pin(handle(app, req, conn))
 }
 
 fn ok_empty() -> Response<Body> {
     Response::new(Either::Right(Full::new(bytes::Bytes::new())))
-}
-
-/// The policy of an endpoint ID as the current config sees it (for views).
-pub fn policy_of(app: &App, id: &str) -> Arc<Policy> {
-    app.runtime.load().resolver.policy_of(id)
 }

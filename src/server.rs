@@ -1,9 +1,10 @@
-//! Listeners and lifecycle: the accept loops (proxy and admin), the connection cap, and
-//! graceful shutdown with a bounded grace period.
+//! The listeners: the proxy's and the admin's accept loops, each with its own connection
+//! cap and timeouts, and graceful shutdown with a bounded grace period.
 //!
-//! Every connection (and every tunnel) runs under the [`Lifecycle`] tracker; on shutdown
-//! the accept loops stop, each HTTP connection is told to finish its in-flight request
-//! and close, and [`run`] returns once all are done or the grace period ends.
+//! Every connection (and every tunnel) runs under the [`crate::conn::Lifecycle`]
+//! tracker; on shutdown the accept loops stop, each HTTP connection is told to finish
+//! its in-flight request and close, and [`run`] returns once all are done or the grace
+//! period ends.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -11,121 +12,27 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Version;
-use hyper::body::Incoming;
-use hyper::server::conn::{http1, http2};
-use hyper::service::{HttpService, service_fn};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
-use tokio_util::task::TaskTracker;
 
-use crate::proxy::App;
+use crate::conn::{ConnSlot, Timeouts, serve, until_down};
+use crate::core::App;
+use crate::proxy::Conn;
 
-/// Largest request head accepted; larger heads get 431.
-const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// A sender must finish sending a request head within this.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Tracks connections and tunnels, and carries the shutdown signal.
-#[derive(Clone)]
-pub struct Lifecycle {
-    tx: Arc<watch::Sender<bool>>,
-    tracker: TaskTracker,
-}
-
-impl Default for Lifecycle {
-    fn default() -> Self {
-        Lifecycle::new()
-    }
-}
-
-impl Lifecycle {
-    /// A lifecycle with nothing running.
-    pub fn new() -> Lifecycle {
-        Lifecycle {
-            tx: Arc::new(watch::channel(false).0),
-            tracker: TaskTracker::new(),
-        }
-    }
-
-    /// Runs `fut` as a tracked task (waited for on shutdown).
-    pub fn spawn<F>(&self, fut: F)
-    where
-        F: Future<Output = ()> + Send + 'static,
-    {
-        self.tracker.spawn(fut);
-    }
-
-    /// A receiver that changes when shutdown begins.
-    pub fn signal(&self) -> watch::Receiver<bool> {
-        self.tx.subscribe()
-    }
-
-    /// Begins shutdown and waits up to `grace` for tracked tasks to end. True when all ended.
-    pub async fn shutdown(&self, grace: Duration) -> bool {
-        self.tx.send_replace(true);
-        self.tracker.close();
-        tokio::time::timeout(grace, self.tracker.wait())
-            .await
-            .is_ok()
-    }
-}
-
-/// Resolves once shutdown has begun.
-pub async fn until_down(rx: &mut watch::Receiver<bool>) {
-    // Dropping the guard here keeps callers' futures Send.
-    let _ = rx.wait_for(|down| *down).await;
-}
-
-/// Serves one connection until it closes or shutdown asks it to finish its in-flight
-/// work: HTTP/1.1 (with CONNECT upgrades) for `Version::HTTP_11`, HTTP/2 for
-/// `Version::HTTP_2` (an intercepted tunnel whose sender chose `h2` by ALPN).
-pub async fn serve<I, S>(io: I, svc: S, protocol: Version, mut shutdown: watch::Receiver<bool>)
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    S: HttpService<Incoming> + Send,
-    S::Future: Send + 'static,
-    S::ResBody: Send + 'static,
-    <S::ResBody as hyper::body::Body>::Data: Send,
-    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    if protocol == Version::HTTP_2 {
-        let conn = http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .max_header_list_size(MAX_HEAD_BYTES as u32)
-            .serve_connection(io, svc);
-        drive(conn, |c| c.graceful_shutdown(), &mut shutdown).await;
-    } else {
-        let conn = http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_READ_TIMEOUT)
-            .max_buf_size(MAX_HEAD_BYTES)
-            .keep_alive(true)
-            .serve_connection(io, svc)
-            .with_upgrades();
-        drive(conn, |c| c.graceful_shutdown(), &mut shutdown).await;
-    }
-}
-
-/// Runs a served connection until it ends on its own (sender closed, error) or shutdown
-/// begins; then `graceful` asks it to finish its in-flight work, and it is awaited.
-async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
-    conn: C,
-    graceful: impl FnOnce(std::pin::Pin<&mut C>),
-    shutdown: &mut watch::Receiver<bool>,
-) {
-    tokio::pin!(conn);
-    let result = tokio::select! {
-        r = conn.as_mut() => r,
-        _ = until_down(shutdown) => {
-            graceful(conn.as_mut());
-            conn.await
-        }
-    };
-    if let Err(e) = result {
-        tracing::debug!(error = %e, "connection ended with an error");
-    }
-}
+/// Admin connections at once. Far above what probes and scrapers need; each costs a
+/// task and a socket.
+const ADMIN_MAX_CONNECTIONS: usize = 4096;
+/// Admin connections are short-lived: a probe or scraper sends its request at once, and
+/// one that says nothing for this long is closed, so idle sockets cannot crowd probes out.
+const ADMIN_TIMEOUTS: Timeouts = Timeouts {
+    header_read: Duration::from_secs(5),
+    idle: Duration::from_secs(5),
+};
 
 /// Runs the proxy and admin listeners until `shutdown` resolves, then drains within
 /// `proxy.shutdown_grace`.
@@ -138,13 +45,65 @@ pub async fn run(
     let cfg = app.runtime.load_full().config.clone();
     let limit = Arc::new(Semaphore::new(cfg.proxy.max_connections));
     let stop = app.lifecycle.signal();
-    let accept_proxy = accept_loop(Arc::clone(&app), proxy, limit, stop.clone(), Role::Proxy);
+    let proxy_timeouts = Timeouts {
+        header_read: HEADER_READ_TIMEOUT,
+        idle: cfg.proxy.idle_timeout,
+    };
+    let open = app.metrics.connections.clone();
+    let accept_proxy = accept_loop(
+        &app,
+        proxy,
+        limit,
+        open,
+        stop.clone(),
+        |app, stream, slot| {
+            let peer = stream
+                .peer_addr()
+                .unwrap_or_else(|_| ([0, 0, 0, 0], 0).into());
+            let conn = Arc::new(Conn {
+                peer,
+                slot,
+                tunnel: None,
+            });
+            let signal = app.lifecycle.signal();
+            let svc = service_fn(move |req| {
+                let (a, c) = (Arc::clone(&app), Arc::clone(&conn));
+                async move { Ok::<_, Infallible>(crate::proxy::handle(a, req, c).await) }
+            });
+            serve(
+                TokioIo::new(stream),
+                svc,
+                Version::HTTP_11,
+                proxy_timeouts,
+                signal,
+            )
+        },
+    );
+    let admin_limit = Arc::new(Semaphore::new(ADMIN_MAX_CONNECTIONS));
     let accept_admin = accept_loop(
-        Arc::clone(&app),
+        &app,
         admin,
-        Arc::new(Semaphore::new(256)),
+        admin_limit,
+        Gauge::default(),
         stop,
-        Role::Admin,
+        |app, stream, slot| {
+            let signal = app.lifecycle.signal();
+            let svc = service_fn(move |req| {
+                let a = Arc::clone(&app);
+                async move { Ok::<_, Infallible>(crate::admin::handle(a, req).await) }
+            });
+            async move {
+                let _slot = slot;
+                serve(
+                    TokioIo::new(stream),
+                    svc,
+                    Version::HTTP_11,
+                    ADMIN_TIMEOUTS,
+                    signal,
+                )
+                .await
+            }
+        },
     );
     let accepting = async { tokio::join!(accept_proxy, accept_admin) };
     tokio::select! {
@@ -164,26 +123,26 @@ pub async fn run(
     }
 }
 
-#[derive(Clone, Copy)]
-enum Role {
-    Proxy,
-    Admin,
-}
-
-async fn accept_loop(
-    app: Arc<App>,
+/// Accepts connections while a place under `limit` is free (at the cap, new ones wait
+/// in the backlog), and runs `serve_one` for each as a tracked task.
+async fn accept_loop<F, Fut>(
+    app: &Arc<App>,
     listener: TcpListener,
     limit: Arc<Semaphore>,
+    open: Gauge,
     mut stop: watch::Receiver<bool>,
-    role: Role,
-) {
+    serve_one: F,
+) where
+    F: Fn(Arc<App>, TcpStream, Arc<ConnSlot>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     loop {
         // Hold a permit before accepting: at the cap, new connections wait in the backlog.
         let permit = tokio::select! {
             p = Arc::clone(&limit).acquire_owned() => match p { Ok(p) => p, Err(_) => return },
             _ = until_down(&mut stop) => return,
         };
-        let (stream, peer) = tokio::select! {
+        let (stream, _peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(s) => s,
                 Err(e) => {
@@ -196,32 +155,8 @@ async fn accept_loop(
             _ = until_down(&mut stop) => return,
         };
         let _ = stream.set_nodelay(true);
-        let app2 = Arc::clone(&app);
-        let signal = app.lifecycle.signal();
-        app.lifecycle.spawn(async move {
-            let _permit = permit;
-            let io = TokioIo::new(stream);
-            match role {
-                Role::Proxy => {
-                    app2.metrics.connections.inc();
-                    let a = Arc::clone(&app2);
-                    let svc = service_fn(move |req| {
-                        let a = Arc::clone(&a);
-                        async move { Ok::<_, Infallible>(crate::proxy::handle(a, req, None).await) }
-                    });
-                    serve(io, svc, Version::HTTP_11, signal).await;
-                    app2.metrics.connections.dec();
-                }
-                Role::Admin => {
-                    let a = Arc::clone(&app2);
-                    let svc = service_fn(move |req| {
-                        let a = Arc::clone(&a);
-                        async move { Ok::<_, Infallible>(crate::admin::handle(a, req).await) }
-                    });
-                    serve(io, svc, Version::HTTP_11, signal).await;
-                }
-            }
-            tracing::trace!(%peer, "connection closed");
-        });
+        let slot = ConnSlot::new(permit, open.clone());
+        app.lifecycle
+            .spawn(serve_one(Arc::clone(app), stream, slot));
     }
 }

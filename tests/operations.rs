@@ -203,7 +203,7 @@ impl Proc {
     }
 
     async fn start(path: &Path, admin: std::net::SocketAddr) -> Proc {
-        Proc::start_with_env(path, admin, &[]).await
+        Proc::start_with(path, admin, &[]).await
     }
 
     /// Like [`start`](Self::start), with extra environment variables for the process.
@@ -212,7 +212,21 @@ impl Proc {
         admin: std::net::SocketAddr,
         env: &[(&str, &str)],
     ) -> Proc {
+        Proc::launch(path, admin, &[], env).await
+    }
+
+    async fn start_with(path: &Path, admin: std::net::SocketAddr, args: &[&str]) -> Proc {
+        Proc::launch(path, admin, args, &[]).await
+    }
+
+    async fn launch(
+        path: &Path,
+        admin: std::net::SocketAddr,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(args)
             .args(["run", "--config"])
             .arg(path)
             .env("RUST_LOG", "debug")
@@ -428,10 +442,19 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
     let (proxy, admin) = (free_addr(), free_addr());
-    // The password is not in the file: it comes from the environment.
+    // The Redis password is not in the file: it comes from the environment.
+    // Proxy authentication on: the user's password must not be logged either.
+    let users = dir.path().join("users.htpasswd");
+    std::fs::write(
+        &users,
+        format!("user:{}\n", bcrypt::hash("s3cr3t-pass", 4).unwrap()),
+    )
+    .unwrap();
     let store = format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"redis://:${{SLUICE_REDIS_PASSWORD}}@127.0.0.1:{port}/\"]\n\
-         timeout = \"200ms\"\non_error = \"deny\"\n"
+        "auth_users_file = \"{}\"\n[store]\nbackend = \"redis\"\n\
+         urls = [\"redis://:${{SLUICE_REDIS_PASSWORD}}@127.0.0.1:{port}/\"]\n\
+         timeout = \"200ms\"\non_error = \"deny\"\n",
+        users.display()
     );
     std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
     let p = Proc::start_with_env(&path, admin, &[("SLUICE_REDIS_PASSWORD", secret)]).await;
@@ -456,17 +479,33 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
         .await
         .unwrap();
     assert!(!metrics.contains(secret), "password in /metrics");
+    // A wrong password is refused (and logged as a refusal, without the credentials).
+    let wrong = c
+        .get(up.url("/"))
+        .header("proxy-authorization", "Basic dXNlcjp3cm9uZy1zM2NyM3Q=")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 407);
     redis.kill();
     // Errors while Redis is gone get logged; none may carry the password.
     for _ in 0..3 {
-        let _ = c.get(up.url("/down")).send().await.unwrap();
+        let _ = c
+            .get(up.url("/down"))
+            .header("proxy-authorization", "Basic dXNlcjpzM2NyM3QtcGFzcw==")
+            .send()
+            .await
+            .unwrap();
     }
     p.wait_log("rate-limit store failed", Duration::from_secs(5))
         .await;
     let log = p.stop();
     assert!(!log.contains(secret), "password in logs:\n{log}");
     assert!(
-        !log.contains("dXNlcjpzM2NyM3QtcGFzcw") && !log.contains("s3cr3t-pass"),
+        !log.contains("dXNlcjpzM2NyM3QtcGFzcw")
+            && !log.contains("s3cr3t-pass")
+            && !log.contains("wrong-s3cr3t")
+            && !log.contains("dXNlcjp3cm9uZy1zM2NyM3Q"),
         "credentials in logs:\n{log}"
     );
 }
@@ -556,4 +595,50 @@ async fn reload_with_a_changed_listener_keeps_serving_on_the_old_one_and_says_so
         log.contains("proxy.listen"),
         "the log names the setting:\n{log}"
     );
+}
+
+/// The decision log: one JSON line per request with endpoint, user, destination,
+/// outcome, waits and upstream status; refusals always, with the endpoint as a field;
+/// no ANSI colour codes when stderr is not a terminal.
+#[tokio::test]
+async fn every_request_leaves_one_decision_line() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let rest = "[[endpoints]]\nid = \"logged\"\nrate = 0.01\nburst = 2.0\nmax_wait = \"0\"\n";
+    std::fs::write(&path, Proc::config(proxy, admin, rest)).unwrap();
+    let p = Proc::start_with(&path, admin, &["--log-format", "json"]).await;
+    let c = client(proxy);
+    let mut statuses = Vec::new();
+    for i in 0..3 {
+        let r = c
+            .get(up.url(&format!("/d/{i}")))
+            .header("x-endpoint-id", "logged")
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 503]);
+    p.wait_log("request refused", Duration::from_secs(5)).await;
+    let log = p.stop();
+    assert!(
+        !log.contains('\u{1b}'),
+        "ANSI escape codes in a non-terminal log"
+    );
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"] == "sluice::decision")
+        .collect();
+    assert_eq!(lines.len(), 3, "{log}");
+    for (line, want) in lines.iter().zip(["forwarded", "forwarded", "rate_limited"]) {
+        assert_eq!(line["endpoint"], "logged", "{line}");
+        assert_eq!(line["outcome"], want, "{line}");
+        assert_eq!(line["destination"], up.addr.to_string(), "{line}");
+        assert!(line["waited_ms"].is_u64(), "{line}");
+    }
+    assert_eq!(lines[0]["status"], 200);
+    assert!(lines[0]["upstream_ms"].is_u64());
 }

@@ -458,3 +458,44 @@ async fn admin_endpoints_and_metrics() {
     assert!(metrics.contains("sluice_wait_seconds_bucket{"), "{metrics}");
     s.stop().await;
 }
+
+/// Shadow mode: nothing waits and nothing is refused, but what enforcing would have
+/// done is counted.
+#[tokio::test]
+async fn shadow_mode_forwards_everything_and_counts_what_would_have_been_refused() {
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[[endpoints]]\nid = \"shadowed\"\nmode = \"shadow\"\nrate = 0.01\nburst = 2.0\nmax_wait = \"0\"\n\
+         [[endpoints]]\nid = \"enforced\"\nrate = 0.01\nburst = 2.0\nmax_wait = \"0\"\n",
+    )
+    .await;
+    let c = common::client(s.proxy_addr);
+    for id in ["shadowed", "enforced"] {
+        for i in 0..6 {
+            let r = c
+                .get(up.url(&format!("/{id}/{i}")))
+                .header("x-endpoint-id", id)
+                .send()
+                .await
+                .unwrap();
+            let want = if id == "shadowed" || i < 2 { 200 } else { 503 };
+            assert_eq!(r.status(), want, "{id} #{i}");
+        }
+    }
+    assert_eq!(up.count(), 6 + 2);
+    let m = reqwest::get(format!("http://{}/metrics", s.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "sluice_requests_total{endpoint=\"shadowed\",outcome=\"forwarded\"} 2",
+        "sluice_requests_total{endpoint=\"shadowed\",outcome=\"shadow_rate_limited\"} 4",
+        "sluice_requests_total{endpoint=\"enforced\",outcome=\"rate_limited\"} 4",
+        "sluice_shadow_wait_seconds_count{endpoint=\"shadowed\"} 6",
+    ] {
+        assert!(m.contains(line), "missing {line}:\n{m}");
+    }
+    s.stop().await;
+}

@@ -96,6 +96,24 @@ pub enum Refusal {
     StoreUnavailable,
 }
 
+/// A request that may leave now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Grant {
+    /// Time spent waiting for the token.
+    pub waited: Duration,
+    /// The bucket generation the token came from (for [`Limiter::refund`]).
+    pub generation: u64,
+}
+
+/// What enforcing would have done to a request in shadow mode.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Shadow {
+    /// It would have waited this long (`waited`) for its token.
+    Wait(Grant),
+    /// It would have been refused.
+    Refuse(Refusal),
+}
+
 /// Decides admission for requests, over a shared store.
 #[derive(Clone)]
 pub struct Limiter {
@@ -113,10 +131,10 @@ impl Limiter {
         &self.store
     }
 
-    /// Waits until `endpoint` may send, or refuses. Returns the time spent waiting.
+    /// Waits until `endpoint` may send, or refuses.
     ///
     /// Cancel-safe: dropping the future while it waits gives the reservation back.
-    pub async fn admit(&self, endpoint: &str, policy: &Policy) -> Result<Duration, Refusal> {
+    pub async fn admit(&self, endpoint: &str, policy: &Policy) -> Result<Grant, Refusal> {
         let started = Instant::now();
         let mut held = None;
         loop {
@@ -129,15 +147,21 @@ impl Limiter {
                 .map_err(|_| Refusal::StoreUnavailable)?;
             match outcome {
                 Outcome::Refused { cooldown, retry_us } => {
-                    let retry_after = Duration::from_secs_f64(retry_us.max(0.0) / 1e6);
+                    let retry_after = from_micros(retry_us);
                     return Err(if cooldown {
                         Refusal::Cooldown { retry_after }
                     } else {
                         Refusal::RateLimited { retry_after }
                     });
                 }
-                Outcome::Granted { wait_us, .. } if wait_us <= 0.0 => {
-                    return Ok(started.elapsed());
+                Outcome::Granted {
+                    wait_us,
+                    generation,
+                } if wait_us <= 0.0 => {
+                    return Ok(Grant {
+                        waited: started.elapsed(),
+                        generation,
+                    });
                 }
                 Outcome::Granted {
                     wait_us,
@@ -150,7 +174,7 @@ impl Limiter {
                         generation,
                         armed: true,
                     };
-                    tokio::time::sleep(Duration::from_secs_f64(wait_us / 1e6)).await;
+                    tokio::time::sleep(from_micros(wait_us)).await;
                     guard.disarm();
                     // Re-check on waking: a cooldown started meanwhile voids the reservation.
                     held = Some(generation);
@@ -158,10 +182,56 @@ impl Limiter {
             }
         }
     }
+
+    /// Shadow mode: asks the store what enforcing would do to this request — one call,
+    /// no waiting. A would-be wait takes its token exactly as an enforced request would,
+    /// so the shadow bucket follows the real traffic; a would-be refusal takes nothing.
+    pub async fn shadow(&self, endpoint: &str, policy: &Policy) -> Shadow {
+        let ask = Ask::new(policy, micros(policy.max_wait), None);
+        match self.store.acquire(endpoint, ask).await {
+            Ok(Outcome::Granted {
+                wait_us,
+                generation,
+            }) => Shadow::Wait(Grant {
+                waited: from_micros(wait_us),
+                generation,
+            }),
+            Ok(Outcome::Refused { cooldown, retry_us }) => {
+                let retry_after = from_micros(retry_us);
+                Shadow::Refuse(if cooldown {
+                    Refusal::Cooldown { retry_after }
+                } else {
+                    Refusal::RateLimited { retry_after }
+                })
+            }
+            Err(_) => Shadow::Refuse(Refusal::StoreUnavailable),
+        }
+    }
+
+    /// Gives back the token of a grant whose request never left (the destination was
+    /// refused after admission): the bucket is as if it had not been asked.
+    pub async fn refund(&self, endpoint: &str, policy: &Policy, grant: Grant) {
+        let ask = Ask::new(policy, 0.0, None);
+        if let Err(e) = self.store.release(endpoint, ask, grant.generation).await {
+            tracing::debug!(endpoint, error = %e, "could not refund a token");
+        }
+    }
 }
 
 fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
+}
+
+/// Microseconds from the store as a [`Duration`], saturating: negative, NaN and
+/// absurdly large values can never panic here (they come from float arithmetic).
+pub fn from_micros(us: f64) -> Duration {
+    const MAX_SECS: f64 = 86_400.0 * 365.0 * 100.0;
+    let secs = us / 1e6;
+    if secs.is_nan() || secs <= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::from_secs_f64(secs.min(MAX_SECS))
+    }
 }
 
 /// A reservation held by a waiting request; dropped while armed, it is given back.
@@ -217,5 +287,67 @@ impl Default for StoreStats {
             ),
             degraded: Default::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{MAX_RATE, MIN_RATE};
+    use proptest::prelude::*;
+
+    proptest! {
+        /// No config `check` accepts can make the hot path panic: every wait and
+        /// retry the bucket math hands out converts to a `Duration`, at any rate,
+        /// burst, budget, cooldown and clock.
+        #[test]
+        fn bucket_math_never_panics_on_accepted_configs(
+            rate in MIN_RATE..=MAX_RATE,
+            burst in 1.0..=MAX_RATE,
+            wait_s in 0.0..=86_400.0 * 365.0,
+            recovery_s in 0.001..=86_400.0 * 365.0,
+            floor_frac in 0.0..=1.0f64,
+            pause_s in 0.0..=86_400.0 * 365.0,
+            steps in proptest::collection::vec((0.0..1e13f64, 0u8..4), 1..40),
+        ) {
+            let adaptive = Adaptive {
+                floor: (rate * floor_frac).max(MIN_RATE).min(rate),
+                recovery: Duration::from_secs_f64(recovery_s),
+                ..Adaptive::default()
+            };
+            let policy = Policy {
+                rate,
+                burst,
+                max_wait: Duration::from_secs_f64(wait_s),
+                adaptive: Some(adaptive),
+            };
+            let mut s = bucket::fresh(burst, 0.0);
+            let mut now = 0.0;
+            for (dt, op) in steps {
+                now += dt;
+                let ask = Ask::new(&policy, micros(policy.max_wait), None);
+                match op {
+                    0 | 1 => match bucket::acquire(&mut s, &ask, now) {
+                        Outcome::Granted { wait_us, .. } => { from_micros(wait_us); }
+                        Outcome::Refused { retry_us, .. } => { from_micros(retry_us); }
+                    },
+                    2 => {
+                        let g = s.generation;
+                        bucket::release(&mut s, &ask, g, now)
+                    }
+                    _ => bucket::feedback(&mut s, &ask, &adaptive, pause_s * 1e6, true, now),
+                }
+                let v = bucket::view(&s, &ask, Some(adaptive.floor), now);
+                prop_assert!(v.rate.is_finite() && v.tokens.is_finite());
+            }
+        }
+    }
+
+    #[test]
+    fn from_micros_saturates() {
+        assert_eq!(from_micros(f64::NAN), Duration::ZERO);
+        assert_eq!(from_micros(-5.0), Duration::ZERO);
+        assert!(from_micros(f64::INFINITY) > Duration::from_secs(86_400 * 365));
+        assert!(from_micros(1e300) > Duration::from_secs(86_400 * 365));
     }
 }

@@ -1,0 +1,377 @@
+//! Who is sending: proxy users read from an htpasswd file (bcrypt, as Squid, nginx and
+//! Traefik read it), a bounded cache of verified credentials so a kept-alive sender pays
+//! the bcrypt cost once, and each user's endpoint grants (`[security.user_endpoints]`).
+//!
+//! The proxy user name may carry an endpoint after a `+` (`alice+ep_42`): the part
+//! before the first `+` is the user whose password is checked; the rest names the
+//! endpoint when `proxy.endpoint_from_proxy_user = true`.
+//!
+//! Credentials are never logged. The cache is keyed by a SHA-256 of the header value, so
+//! no password is kept in memory after verification; bcrypt's own comparison is
+//! constant-time, and a cache hit compares digests of the secret, which tell an
+//! attacker nothing about it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine;
+use globset::GlobSet;
+use http::HeaderMap;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use crate::config::UserGrant;
+
+/// How long a verified `Proxy-Authorization` value is trusted without bcrypt again.
+const CACHE_TTL: Duration = Duration::from_secs(60);
+/// How long a refused value is remembered (a sender retrying a wrong password costs
+/// one bcrypt per this period, not one per request).
+const NEGATIVE_TTL: Duration = Duration::from_secs(5);
+/// Cached credential digests, at most.
+const CACHE_CAPACITY: usize = 10_000;
+
+/// An authenticated sender.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// The user name (before any `+`).
+    pub user: Arc<str>,
+    /// The endpoint named after `+`, if any.
+    pub endpoint: Option<Arc<str>>,
+}
+
+/// Why a request is not authenticated (both answer 407).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// No `Proxy-Authorization: Basic` header.
+    #[error("proxy authentication required")]
+    Missing,
+    /// Unknown user, wrong password, or a malformed header.
+    #[error("proxy credentials refused")]
+    Refused,
+}
+
+/// Why a users file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum UsersFileError {
+    /// The file could not be read.
+    #[error("cannot read security.auth_users_file {path}: {source}")]
+    Read {
+        /// The path.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Lines that are not `user:bcrypt-hash`.
+    #[error("security.auth_users_file {path}:\n{}", lines.join("\n"))]
+    Invalid {
+        /// The path.
+        path: PathBuf,
+        /// One message per bad line, each starting with its line number.
+        lines: Vec<String>,
+    },
+}
+
+/// The proxy users, their grants and the verified-credentials cache.
+pub struct Users {
+    hashes: HashMap<String, String>,
+    grants: HashMap<String, GlobSet>,
+    cache: Mutex<HashMap<[u8; 32], Cached>>,
+    /// bcrypt is CPU-bound: at most this many run at once, off the async workers.
+    verifying: Arc<Semaphore>,
+}
+
+#[derive(Clone)]
+struct Cached {
+    identity: Option<Identity>,
+    until: Instant,
+}
+
+impl std::fmt::Debug for Users {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Users")
+            .field("users", &self.hashes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Users {
+    /// Reads and validates an htpasswd file.
+    pub fn load(path: &Path, grants: &[UserGrant]) -> Result<Users, UsersFileError> {
+        let text = std::fs::read_to_string(path).map_err(|source| UsersFileError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Users::parse(&text, grants).map_err(|lines| UsersFileError::Invalid {
+            path: path.to_owned(),
+            lines,
+        })
+    }
+
+    /// Parses htpasswd text: `user:hash` lines, `#` comments and blank lines ignored.
+    /// Every bad line is reported with its number.
+    pub fn parse(text: &str, grants: &[UserGrant]) -> Result<Users, Vec<String>> {
+        let mut hashes = HashMap::new();
+        let mut bad = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            let n = i + 1;
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let Some((user, hash)) = line.split_once(':') else {
+                bad.push(format!("line {n}: expected user:hash"));
+                continue;
+            };
+            if user.is_empty() || user.contains('+') || !user.bytes().all(|b| b.is_ascii_graphic())
+            {
+                bad.push(format!(
+                    "line {n}: user name must be visible ASCII without '+' (it separates the endpoint)"
+                ));
+                continue;
+            }
+            if !(hash.starts_with("$2y$") || hash.starts_with("$2b$") || hash.starts_with("$2a$"))
+                || bcrypt::HashParts::from_str(hash).is_err()
+            {
+                bad.push(format!(
+                    "line {n}: user {user}: only bcrypt hashes ($2y$/$2b$) are supported; create them with `htpasswd -B`"
+                ));
+                continue;
+            }
+            if hashes.insert(user.to_owned(), hash.to_owned()).is_some() {
+                bad.push(format!("line {n}: user {user} is listed twice"));
+            }
+        }
+        if !bad.is_empty() {
+            return Err(bad);
+        }
+        let grants = grants
+            .iter()
+            .map(|g| (g.user.clone(), g.endpoints.clone()))
+            .collect();
+        let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Ok(Users {
+            hashes,
+            grants,
+            cache: Mutex::new(HashMap::new()),
+            verifying: Arc::new(Semaphore::new(workers)),
+        })
+    }
+
+    /// How many users the file lists.
+    pub fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    /// True when the file lists no user (every request is refused).
+    pub fn is_empty(&self) -> bool {
+        self.hashes.is_empty()
+    }
+
+    /// Whether `user` is (still) listed.
+    pub fn contains(&self, user: &str) -> bool {
+        self.hashes.contains_key(user)
+    }
+
+    /// Whether `user` may spend `endpoint`'s budget: users without grants may spend any.
+    pub fn may_spend(&self, user: &str, endpoint: &str) -> bool {
+        self.grants
+            .get(user)
+            .is_none_or(|globs| globs.is_match(endpoint))
+    }
+
+    /// Checks `Proxy-Authorization`. A value verified within the last minute is answered
+    /// from the cache; otherwise bcrypt runs on a blocking thread.
+    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Identity, AuthError> {
+        let value = headers
+            .get(http::header::PROXY_AUTHORIZATION)
+            .ok_or(AuthError::Missing)?;
+        let digest = digest(value.as_bytes());
+        let now = Instant::now();
+        if let Some(hit) = self.cached(&digest, now) {
+            return hit.ok_or(AuthError::Refused);
+        }
+        let identity = self.verify(value.as_bytes()).await;
+        let ttl = if identity.is_some() {
+            CACHE_TTL
+        } else {
+            NEGATIVE_TTL
+        };
+        self.remember(digest, identity.clone(), now + ttl);
+        identity.ok_or(AuthError::Refused)
+    }
+
+    fn cached(&self, digest: &[u8; 32], now: Instant) -> Option<Option<Identity>> {
+        let cache = self.cache.lock().ok()?;
+        let hit = cache.get(digest)?;
+        (hit.until > now).then(|| hit.identity.clone())
+    }
+
+    fn remember(&self, digest: [u8; 32], identity: Option<Identity>, until: Instant) {
+        let Ok(mut cache) = self.cache.lock() else {
+            return;
+        };
+        if cache.len() >= CACHE_CAPACITY {
+            let now = Instant::now();
+            cache.retain(|_, c| c.until > now);
+            if cache.len() >= CACHE_CAPACITY {
+                // Still full of live entries: start over rather than grow.
+                cache.clear();
+            }
+        }
+        cache.insert(digest, Cached { identity, until });
+    }
+
+    async fn verify(&self, header: &[u8]) -> Option<Identity> {
+        let (name, password) = decode_basic(header)?;
+        let (user, endpoint) = match name.split_once('+') {
+            Some((u, e)) => (
+                u.to_owned(),
+                Some(Arc::from(e)).filter(|e: &Arc<str>| !e.is_empty()),
+            ),
+            None => (name, None),
+        };
+        let hash = self.hashes.get(&user)?.clone();
+        let _permit = self.verifying.acquire().await.ok()?;
+        let ok =
+            tokio::task::spawn_blocking(move || bcrypt::verify(password, &hash).unwrap_or(false))
+                .await
+                .unwrap_or(false);
+        ok.then(|| Identity {
+            user: user.into(),
+            endpoint,
+        })
+    }
+}
+
+/// `Basic base64(name:password)` → (name, password).
+fn decode_basic(header: &[u8]) -> Option<(String, String)> {
+    let text = std::str::from_utf8(header).ok()?.trim();
+    let (scheme, creds) = text.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(creds.trim())
+        .ok()?;
+    let text = String::from_utf8(raw).ok()?;
+    let (name, password) = text.split_once(':')?;
+    Some((name.to_owned(), password.to_owned()))
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, bytes);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// Compares two secrets in time that does not depend on where they differ.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    // Digests first: equal-length inputs, so the length of the secret does not leak either.
+    let (a, b) = (digest(a), digest(b));
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(v: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::PROXY_AUTHORIZATION, v.parse().unwrap());
+        h
+    }
+
+    fn basic(user_pass: &str) -> String {
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(user_pass)
+        )
+    }
+
+    fn users() -> Users {
+        let hash = bcrypt::hash("s3cret", 4).unwrap();
+        Users::parse(&format!("# comment\n\nalice:{hash}\n"), &[]).unwrap()
+    }
+
+    #[tokio::test]
+    async fn right_wrong_and_missing_credentials() {
+        let u = users();
+        let id = u
+            .authenticate(&header(&basic("alice:s3cret")))
+            .await
+            .unwrap();
+        assert_eq!(&*id.user, "alice");
+        assert_eq!(id.endpoint, None);
+        assert_eq!(
+            u.authenticate(&header(&basic("alice:nope"))).await,
+            Err(AuthError::Refused)
+        );
+        assert_eq!(
+            u.authenticate(&header(&basic("bob:s3cret"))).await,
+            Err(AuthError::Refused)
+        );
+        assert_eq!(
+            u.authenticate(&HeaderMap::new()).await,
+            Err(AuthError::Missing)
+        );
+        assert_eq!(
+            u.authenticate(&header("Bearer x")).await,
+            Err(AuthError::Refused)
+        );
+    }
+
+    #[tokio::test]
+    async fn endpoint_after_plus() {
+        let u = users();
+        let id = u
+            .authenticate(&header(&basic("alice+ep_42:s3cret")))
+            .await
+            .unwrap();
+        assert_eq!(
+            (&*id.user, id.endpoint.as_deref()),
+            ("alice", Some("ep_42"))
+        );
+    }
+
+    #[tokio::test]
+    async fn verified_credentials_are_cached() {
+        let u = users();
+        let h = header(&basic("alice:s3cret"));
+        u.authenticate(&h).await.unwrap();
+        assert_eq!(u.cache.lock().unwrap().len(), 1);
+        // A hit does not need the verifier: hold every permit and ask again.
+        let _all = u
+            .verifying
+            .acquire_many(u.verifying.available_permits() as u32)
+            .await
+            .unwrap();
+        let again = tokio::time::timeout(Duration::from_secs(1), u.authenticate(&h)).await;
+        assert!(matches!(again, Ok(Ok(_))), "{again:?}");
+    }
+
+    #[test]
+    fn bad_lines_are_named() {
+        let e = Users::parse("ok:$2y$04$abcdefghijklmnopqrstuuBHuVSm3M1l0K3W2oZ8d7bPl0WJbE7S.\nnocolon\nbob:{SHA}abc\n", &[])
+            .unwrap_err();
+        assert!(e.iter().any(|l| l.starts_with("line 2:")), "{e:?}");
+        assert!(
+            e.iter()
+                .any(|l| l.starts_with("line 3:") && l.contains("bcrypt")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn constant_time_compare() {
+        assert!(constant_time_eq(b"token", b"token"));
+        assert!(!constant_time_eq(b"token", b"tokem"));
+        assert!(!constant_time_eq(b"token", b"token2"));
+    }
+}

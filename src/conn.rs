@@ -1,0 +1,370 @@
+//! One connection's life: serving HTTP/1.1 or HTTP/2 on an I/O stream until it closes,
+//! goes idle or shutdown asks it to finish; the [`Lifecycle`] that tracks every
+//! connection and tunnel; and the [`ConnSlot`] that counts one sender connection (and the
+//! tunnel it may become) against `proxy.max_connections`.
+//!
+//! This module knows nothing of proxying: the accept loops ([`crate::server`]) and the
+//! intercepted tunnels ([`crate::proxy`]) both hand it a stream and a service.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response, Version};
+use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
+use hyper::service::Service;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{OwnedSemaphorePermit, watch};
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+/// Largest request head accepted; larger heads get 431.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Tracks connections and tunnels, and carries the shutdown signal.
+#[derive(Clone)]
+pub struct Lifecycle {
+    tx: Arc<watch::Sender<bool>>,
+    tracker: TaskTracker,
+}
+
+impl Default for Lifecycle {
+    fn default() -> Self {
+        Lifecycle::new()
+    }
+}
+
+impl Lifecycle {
+    /// A lifecycle with nothing running.
+    pub fn new() -> Lifecycle {
+        Lifecycle {
+            tx: Arc::new(watch::channel(false).0),
+            tracker: TaskTracker::new(),
+        }
+    }
+
+    /// Runs `fut` as a tracked task (waited for on shutdown).
+    pub fn spawn<F>(&self, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.tracker.spawn(fut);
+    }
+
+    /// A receiver that changes when shutdown begins.
+    pub fn signal(&self) -> watch::Receiver<bool> {
+        self.tx.subscribe()
+    }
+
+    /// Begins shutdown and waits up to `grace` for tracked tasks to end. True when all ended.
+    pub async fn shutdown(&self, grace: Duration) -> bool {
+        self.tx.send_replace(true);
+        self.tracker.close();
+        tokio::time::timeout(grace, self.tracker.wait())
+            .await
+            .is_ok()
+    }
+}
+
+/// Resolves once shutdown has begun.
+pub async fn until_down(rx: &mut watch::Receiver<bool>) {
+    // Dropping the guard here keeps callers' futures Send.
+    let _ = rx.wait_for(|down| *down).await;
+}
+
+/// One sender connection's place under `proxy.max_connections`, shared by the
+/// connection and the CONNECT tunnel it may turn into: the place (and the
+/// `sluice_connections_open` count) is given back when the last holder drops it.
+pub struct ConnSlot {
+    _permit: OwnedSemaphorePermit,
+    open: Gauge,
+}
+
+impl ConnSlot {
+    /// Takes the place `permit` stands for and counts the connection as open.
+    pub fn new(permit: OwnedSemaphorePermit, open: Gauge) -> Arc<ConnSlot> {
+        open.inc();
+        Arc::new(ConnSlot {
+            _permit: permit,
+            open,
+        })
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
+
+/// How long a served connection may stay quiet, and how long a request head may take.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// A sender must finish sending a request head within this (HTTP/1.1).
+    pub header_read: Duration,
+    /// Closed after this long with no bytes either way and no request in flight.
+    pub idle: Duration,
+}
+
+/// Serves one connection until it closes, stays idle longer than `timeouts.idle`, or
+/// shutdown asks it to finish its in-flight work: HTTP/1.1 (with CONNECT upgrades) for
+/// `Version::HTTP_11`, HTTP/2 for `Version::HTTP_2` (an intercepted tunnel whose sender
+/// chose `h2` by ALPN).
+pub async fn serve<I, S, B>(
+    io: I,
+    svc: S,
+    protocol: Version,
+    timeouts: Timeouts,
+    mut shutdown: watch::Receiver<bool>,
+) where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let activity = Activity::new();
+    let io = Watched {
+        inner: io,
+        activity: Arc::clone(&activity),
+    };
+    let svc = Counted {
+        inner: svc,
+        activity: Arc::clone(&activity),
+    };
+    let idle = activity.idle_for(timeouts.idle);
+    if protocol == Version::HTTP_2 {
+        let conn = http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .max_header_list_size(MAX_HEAD_BYTES as u32)
+            .serve_connection(io, svc);
+        drive(conn, |c| c.graceful_shutdown(), idle, &mut shutdown).await;
+    } else {
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(timeouts.header_read)
+            .max_buf_size(MAX_HEAD_BYTES)
+            .keep_alive(true)
+            .serve_connection(io, svc)
+            .with_upgrades();
+        drive(conn, |c| c.graceful_shutdown(), idle, &mut shutdown).await;
+    }
+}
+
+/// Runs a served connection until it ends on its own (sender closed, error), goes idle,
+/// or shutdown begins; then `graceful` asks it to finish its in-flight work, and it is
+/// awaited.
+async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
+    conn: C,
+    graceful: impl FnOnce(Pin<&mut C>),
+    idle: impl Future<Output = ()>,
+    shutdown: &mut watch::Receiver<bool>,
+) {
+    tokio::pin!(conn);
+    let result = tokio::select! {
+        r = conn.as_mut() => r,
+        // Quiet for too long with nothing in flight: nothing is lost by closing.
+        _ = idle => {
+            tracing::debug!("closing idle connection");
+            return;
+        }
+        _ = until_down(shutdown) => {
+            graceful(conn.as_mut());
+            conn.await
+        }
+    };
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
+
+/// When a connection last moved a byte, and how many of its requests are in flight.
+pub struct Activity {
+    epoch: Instant,
+    last_ms: AtomicU64,
+    in_flight: AtomicUsize,
+}
+
+impl Activity {
+    /// A tracker that saw activity now.
+    pub fn new() -> Arc<Activity> {
+        Arc::new(Activity {
+            epoch: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+        })
+    }
+
+    /// Records activity now.
+    pub fn touch(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        self.last_ms.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    /// Resolves once nothing moved for `limit` and no request is in flight.
+    pub async fn idle_for(self: Arc<Self>, limit: Duration) {
+        loop {
+            let last = self.epoch + Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+            let deadline = last + limit;
+            if Instant::now() >= deadline && self.in_flight.load(Ordering::Relaxed) == 0 {
+                return;
+            }
+            // A busy connection is looked at again one full period later.
+            let next = deadline.max(Instant::now() + limit.min(Duration::from_secs(1)));
+            tokio::time::sleep_until(next).await;
+        }
+    }
+}
+
+/// An I/O stream that records its activity.
+pub struct Watched<I> {
+    inner: I,
+    activity: Arc<Activity>,
+}
+
+impl<I> Watched<I> {
+    /// Wraps `inner`, recording into `activity`.
+    pub fn new(inner: I, activity: Arc<Activity>) -> Watched<I> {
+        Watched { inner, activity }
+    }
+}
+
+impl<I: hyper::rt::Read + Unpin> hyper::rt::Read for Watched<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) {
+            self.activity.touch();
+        }
+        r
+    }
+}
+
+impl<I: hyper::rt::Write + Unpin> hyper::rt::Write for Watched<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        r
+    }
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) {
+            self.activity.touch();
+        }
+        r
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A service that counts its requests in flight (until the response head is ready;
+/// the body's bytes then count as activity).
+struct Counted<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+impl<S, B> Service<Request<Incoming>> for Counted<S>
+where
+    S: Service<Request<Incoming>, Response = Response<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<B>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<B>, S::Error>> + Send>>;
+
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
+        let guard = InFlight::enter(Arc::clone(&self.activity));
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let r = fut.await;
+            drop(guard);
+            r
+        })
+    }
+}
+
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn enter(a: Arc<Activity>) -> InFlight {
+        a.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(a)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.touch();
+    }
+}

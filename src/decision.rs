@@ -1,0 +1,111 @@
+//! The decision log: one structured line per request (target `sluice::decision`), as
+//! Envoy's access log or Squid's `access.log` — who sent what where, what sluice
+//! decided, how long it waited and what the upstream answered.
+//!
+//! Forwarded requests are logged when `[log] decisions = true`, sampled by
+//! `[log] sample`; refusals and failures are always logged (at `warn` for failures that
+//! are not the sender's doing), with the endpoint as a field.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::config::LogConfig;
+use crate::error::ProxyError;
+
+/// What one request went through, filled in along its path.
+#[derive(Debug, Default)]
+pub struct Trace {
+    /// The authenticated user.
+    pub user: Option<Arc<str>>,
+    /// The resolved endpoint.
+    pub endpoint: Option<Arc<str>>,
+    /// `host:port` of the destination.
+    pub destination: Option<String>,
+    /// Time spent waiting for the token (or, in shadow mode, that would have been).
+    pub waited: Duration,
+    /// The upstream's status.
+    pub status: Option<u16>,
+    /// Time from sending to the upstream's response head.
+    pub upstream: Option<Duration>,
+    /// `forwarded`, a `shadow_*` outcome, or the refusal reason.
+    pub outcome: &'static str,
+}
+
+/// Deterministic sampling: of every run of requests, exactly `sample` of them are
+/// logged, spread evenly (no random numbers on the hot path).
+#[derive(Debug, Default)]
+pub struct Sampler {
+    seen: AtomicU64,
+}
+
+impl Sampler {
+    /// Whether this request is one of the sampled.
+    pub fn take(&self, sample: f64) -> bool {
+        if sample >= 1.0 {
+            return true;
+        }
+        if sample <= 0.0 {
+            return false;
+        }
+        let n = self.seen.fetch_add(1, Ordering::Relaxed) as f64;
+        ((n + 1.0) * sample).floor() > (n * sample).floor()
+    }
+}
+
+/// Logs a forwarded request (subject to the switch and sampling).
+pub fn forwarded(cfg: &LogConfig, sampler: &Sampler, peer: SocketAddr, method: &str, t: &Trace) {
+    if !cfg.decisions || !sampler.take(cfg.sample) {
+        return;
+    }
+    tracing::info!(
+        target: "sluice::decision",
+        endpoint = t.endpoint.as_deref().unwrap_or("-"),
+        user = t.user.as_deref().unwrap_or("-"),
+        %peer,
+        method,
+        destination = t.destination.as_deref().unwrap_or("-"),
+        outcome = t.outcome,
+        waited_ms = t.waited.as_millis() as u64,
+        status = t.status.unwrap_or(0),
+        upstream_ms = t.upstream.map_or(0, |d| d.as_millis() as u64),
+        "request"
+    );
+}
+
+/// Logs a refusal or failure (always).
+pub fn refused(peer: SocketAddr, method: &str, t: &Trace, e: &ProxyError) {
+    let endpoint = t.endpoint.as_deref().unwrap_or("-");
+    let user = t.user.as_deref().unwrap_or("-");
+    let destination = t.destination.as_deref().unwrap_or("-");
+    let waited_ms = t.waited.as_millis() as u64;
+    match e {
+        ProxyError::Upstream(_)
+        | ProxyError::UpstreamTimeout(_)
+        | ProxyError::StoreUnavailable { .. } => tracing::warn!(
+            target: "sluice::decision",
+            endpoint, user, %peer, method, destination, outcome = e.reason(), waited_ms,
+            error = %e, "request failed"
+        ),
+        _ => tracing::info!(
+            target: "sluice::decision",
+            endpoint, user, %peer, method, destination, outcome = e.reason(), waited_ms,
+            error = %e, "request refused"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_takes_exactly_its_share() {
+        for sample in [0.0, 0.01, 0.25, 0.5, 1.0] {
+            let s = Sampler::default();
+            let taken = (0..1000).filter(|_| s.take(sample)).count();
+            assert_eq!(taken, (1000.0 * sample) as usize, "sample {sample}");
+        }
+    }
+}

@@ -1,0 +1,408 @@
+//! Proxy authentication and per-sender endpoint grants (issue 11), at a real listener
+//! with a real upstream: who may send, and whose budget each sender may spend.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use common::{Upstream, assert_no_overdraw};
+
+/// Cost 4: the minimum bcrypt accepts, so tests stay fast (production files use 10+).
+fn htpasswd(dir: &Path, users: &[(&str, &str)]) -> PathBuf {
+    let p = dir.join("users.htpasswd");
+    let text: String = users
+        .iter()
+        .map(|(u, pw)| format!("{u}:{}\n", bcrypt::hash(pw, 4).unwrap()))
+        .collect();
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn basic(user: &str, password: &str) -> String {
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+    )
+}
+
+fn auth_config(users: &Path, extra: &str) -> String {
+    format!(
+        "[security]\nauth_users_file = \"{}\"\n[security.user_endpoints]\nteam_b = [\"b_*\"]\n{extra}",
+        users.display()
+    )
+}
+
+async fn tokens(admin: SocketAddr, id: &str) -> Option<f64> {
+    let v: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == id)
+        .map(|e| e["tokens"].as_f64().unwrap())
+}
+
+#[tokio::test]
+async fn no_or_wrong_credentials_get_407_and_nothing_is_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(dir.path(), &[("alice", "wonder")]);
+    let up = Upstream::start().await;
+    let s = common::sluice(&auth_config(&users, "")).await;
+    let c = common::client(s.proxy_addr);
+    for auth in [
+        None,
+        Some(basic("alice", "wrong")),
+        Some(basic("mallory", "wonder")),
+    ] {
+        let mut req = c.get(up.url("/")).header("x-endpoint-id", "victim");
+        if let Some(a) = &auth {
+            req = req.header("proxy-authorization", a);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 407, "{auth:?}");
+        assert_eq!(r.headers()["proxy-authenticate"], "Basic realm=\"sluice\"");
+        assert_eq!(r.headers()["x-sluice-reason"], "proxy_auth_required");
+    }
+    assert_eq!(up.count(), 0);
+    assert_eq!(tokens(s.admin_addr, "victim").await, None, "nothing spent");
+    let ok = c
+        .get(up.url("/"))
+        .header("proxy-authorization", basic("alice", "wonder"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    let a = up.arrivals();
+    assert_eq!(a.len(), 1);
+    assert!(!a[0].headers.contains_key("proxy-authorization"));
+    let m = reqwest::get(format!("http://{}/metrics", s.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("sluice_requests_total{endpoint=\"_other\",outcome=\"proxy_auth_required\"} 3"),
+        "{m}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn connect_without_credentials_gets_407() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(dir.path(), &[("alice", "wonder")]);
+    let up = Upstream::start().await;
+    let s = common::sluice(&auth_config(&users, "")).await;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut t = tokio::net::TcpStream::connect(s.proxy_addr).await.unwrap();
+    t.write_all(format!("CONNECT {0} HTTP/1.1\r\nHost: {0}\r\n\r\n", up.addr).as_bytes())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 2048];
+    let n = tokio::time::timeout(Duration::from_secs(10), t.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 407"), "{head}");
+    assert!(
+        head.contains("proxy-authenticate: basic realm=\"sluice\""),
+        "{head}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_granted_user_is_paced_and_a_foreign_endpoint_is_403_with_its_tokens_intact() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(dir.path(), &[("team_b", "pw-b"), ("alice", "wonder")]);
+    let up = Upstream::start().await;
+    let (rate, burst) = (10.0, 2.0);
+    let s = common::sluice(&auth_config(
+        &users,
+        &format!("[defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n"),
+    ))
+    .await;
+    let c = common::client(s.proxy_addr);
+    let b = basic("team_b", "pw-b");
+    // The victim endpoint has spent nothing yet; team_b may not touch it.
+    for _ in 0..5 {
+        let r = c
+            .get(up.url("/x"))
+            .header("proxy-authorization", &b)
+            .header("x-endpoint-id", "victim")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403);
+        assert_eq!(r.headers()["x-sluice-reason"], "endpoint_not_allowed");
+    }
+    assert_eq!(up.count(), 0);
+    assert_eq!(
+        tokens(s.admin_addr, "victim").await,
+        None,
+        "victim's bucket untouched"
+    );
+    // Paced as before on its own endpoint: 20 requests at 10/s, burst 2.
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let (c, b, url) = (c.clone(), b.clone(), up.url(&format!("/b/{i}")));
+        tasks.push(tokio::spawn(async move {
+            c.get(url)
+                .header("proxy-authorization", b)
+                .header("x-endpoint-id", "b_hooks")
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let times: Vec<Instant> = up.arrivals().iter().map(|a| a.at).collect();
+    assert_eq!(times.len(), 20);
+    assert_no_overdraw(&times, rate, burst);
+    // A user without grants may spend any endpoint.
+    let r = c
+        .get(up.url("/alice"))
+        .header("proxy-authorization", basic("alice", "wonder"))
+        .header("x-endpoint-id", "victim")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn user_plus_endpoint_in_the_proxy_url_names_the_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(dir.path(), &[("team_b", "pw-b")]);
+    let up = Upstream::start().await;
+    let s = common::sluice(&auth_config(
+        &users,
+        "[proxy]\nendpoint_from_proxy_user = true\n[defaults]\nrate = 0.001\nburst = 1.0\nmax_wait = \"0\"\n",
+    ))
+    .await;
+    // reqwest takes the credentials from the proxy URL, as HTTP_PROXY users write them.
+    let c = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::http(format!("http://team_b+b_42:pw-b@{}", s.proxy_addr)).unwrap())
+        .build()
+        .unwrap();
+    assert_eq!(c.get(up.url("/1")).send().await.unwrap().status(), 200);
+    let second = c.get(up.url("/2")).send().await.unwrap();
+    assert_eq!(second.status(), 503, "the b_42 bucket (burst 1) is spent");
+    assert!(tokens(s.admin_addr, "b_42").await.is_some());
+    let foreign = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::http(format!("http://team_b+a_1:pw-b@{}", s.proxy_addr)).unwrap())
+        .build()
+        .unwrap();
+    let r = foreign.get(up.url("/3")).send().await.unwrap();
+    assert_eq!(r.status(), 403);
+    assert_eq!(r.headers()["x-sluice-reason"], "endpoint_not_allowed");
+    assert_eq!(up.count(), 1);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_user_removed_and_reloaded_is_refused_from_the_next_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(dir.path(), &[("alice", "wonder"), ("bob", "builder")]);
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[security]\nallow_private_destinations = true\nauth_users_file = \"{}\"\n",
+            users.display()
+        ),
+    )
+    .unwrap();
+    let up = Upstream::start().await;
+    let s = sluice::app::start(sluice::config::Config::load(&path).unwrap())
+        .await
+        .unwrap();
+    let c = common::client(s.proxy_addr);
+    let bob = basic("bob", "builder");
+    let send = |auth: String| {
+        let c = c.clone();
+        let url = up.url("/");
+        async move {
+            c.get(url)
+                .header("proxy-authorization", auth)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(send(bob.clone()).await, 200);
+    assert_eq!(send(bob.clone()).await, 200, "cached");
+    htpasswd(dir.path(), &[("alice", "wonder")]);
+    sluice::app::reload(&s.app, &path).unwrap();
+    assert_eq!(send(bob).await, 407, "bob was removed");
+    assert_eq!(send(basic("alice", "wonder")).await, 200);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn admin_token_guards_metrics_and_endpoints_but_not_probes() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("admin.token");
+    std::fs::write(&token, "t0ken-123\n").unwrap();
+    let s = common::sluice(&format!(
+        "[proxy]\nadmin_token_file = \"{}\"\n",
+        token.display()
+    ))
+    .await;
+    let c = reqwest::Client::new();
+    let base = format!("http://{}", s.admin_addr);
+    for path in ["/metrics", "/endpoints"] {
+        let r = c.get(format!("{base}{path}")).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{path}");
+        let r = c
+            .get(format!("{base}{path}"))
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "{path}");
+        let r = c
+            .get(format!("{base}{path}"))
+            .bearer_auth("t0ken-123")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
+    for path in ["/healthz", "/readyz"] {
+        assert_eq!(
+            c.get(format!("{base}{path}"))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+    }
+    s.stop().await;
+}
+
+#[test]
+fn check_names_bad_lines_of_the_users_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users");
+    std::fs::write(&users, "ok:$2y$04$abcdefghijklmnopqrstuuBHuVSm3M1l0K3W2oZ8d7bPl0WJbE7S.\nbroken line\ncarol:{SHA}abc=\n").unwrap();
+    let cfg = dir.path().join("sluice.toml");
+    std::fs::write(
+        &cfg,
+        format!("[security]\nauth_users_file = \"{}\"\n", users.display()),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("line 2"), "{err}");
+    assert!(err.contains("line 3") && err.contains("bcrypt"), "{err}");
+}
+
+/// Credentials on the CONNECT authenticate the whole intercepted tunnel; each request
+/// inside is paced on its own, and a user removed by a reload is refused inside the
+/// tunnel from its next request.
+#[tokio::test]
+async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() {
+    use common::tls::{TestPki, TlsUpstream};
+    let dir = tempfile::tempdir().unwrap();
+    let ca = sluice::mitm::generate_ca(&dir.path().join("ca")).unwrap();
+    let pki = TestPki::new(&["localhost"]);
+    let upstream_ca = pki.write_ca(dir.path());
+    let up = TlsUpstream::ok(&pki).await;
+    let users = htpasswd(dir.path(), &[("team_b", "pw-b"), ("alice", "wonder")]);
+    let (rate, burst) = (10.0, 2.0);
+    let path = dir.path().join("sluice.toml");
+    let write = |users_file: &Path| {
+        std::fs::write(
+            &path,
+            format!(
+                "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+                 [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n\
+                 [tls]\nintercept = true\nca_cert = \"{}\"\nca_key = \"{}\"\nupstream_roots = [\"{}\"]\n\
+                 [security]\nallow_private_destinations = true\nauth_users_file = \"{}\"\n\
+                 [security.user_endpoints]\nteam_b = [\"b_*\"]\n",
+                ca.cert.display(),
+                ca.key.display(),
+                upstream_ca.display(),
+                users_file.display()
+            ),
+        )
+        .unwrap()
+    };
+    write(&users);
+    let s = sluice::app::start(sluice::config::Config::load(&path).unwrap())
+        .await
+        .unwrap();
+    let client = |user: &str, pw: &str| {
+        let pem = std::fs::read(&ca.cert).unwrap();
+        reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(&pem).unwrap())
+            .proxy(
+                reqwest::Proxy::https(format!("http://{}", s.proxy_addr))
+                    .unwrap()
+                    .basic_auth(user, pw),
+            )
+            .pool_max_idle_per_host(1)
+            .build()
+            .unwrap()
+    };
+    let b = client("team_b", "pw-b");
+    for i in 0..20 {
+        let r = b
+            .get(up.url(&format!("/in/{i}")))
+            .header("x-endpoint-id", "b_tls")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let times: Vec<Instant> = up.arrivals().iter().map(|a| a.at).collect();
+    assert_eq!(times.len(), 20);
+    assert_no_overdraw(&times, rate, burst);
+    // Inside the tunnel, grants still hold.
+    let r = b
+        .get(up.url("/foreign"))
+        .header("x-endpoint-id", "victim")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    assert_eq!(r.headers()["x-sluice-reason"], "endpoint_not_allowed");
+    // Wrong credentials on the CONNECT: no tunnel at all.
+    let wrong = client("team_b", "nope").get(up.url("/x")).send().await;
+    assert!(wrong.is_err(), "a tunnel opened with a wrong password");
+    // team_b removed: its open tunnel refuses the next request.
+    write(&htpasswd(dir.path(), &[("alice", "wonder")]));
+    sluice::app::reload(&s.app, &path).unwrap();
+    let r = b
+        .get(up.url("/after"))
+        .header("x-endpoint-id", "b_tls")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 407);
+    assert_eq!(up.arrivals().len(), 20);
+    s.stop().await;
+}

@@ -1,0 +1,419 @@
+//! Regression tests for the adversarial review (issue 10): each finding, shown at a real
+//! listener with a real upstream, refused or bounded as the contract says.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Reply, Upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Sends raw bytes to `addr` and returns what comes back until the head ends (or the
+/// connection closes), within 10 s.
+async fn raw(addr: SocketAddr, request: &str) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    read_head(&mut s).await
+}
+
+async fn read_head(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !out.windows(4).any(|w| w == b"\r\n\r\n") {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Err(_) => panic!(
+                "no answer within 10s; got {:?}",
+                String::from_utf8_lossy(&out)
+            ),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn metrics(admin: SocketAddr) -> String {
+    reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Waits (at most 5 s) until `/metrics` contains `needle`.
+async fn wait_for_metric(admin: SocketAddr, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = metrics(admin).await;
+        if m.contains(needle) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never saw {needle:?} in:\n{m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn tokens(admin: SocketAddr, id: &str) -> f64 {
+    let v: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == id)
+        .unwrap_or_else(|| panic!("{id} not in {v}"))["tokens"]
+        .as_f64()
+        .unwrap()
+}
+
+/// Finding 1: giant and malformed host names are a 400 before anything else, and
+/// cannot grow `/metrics`.
+#[tokio::test]
+async fn hosts_that_are_not_names_are_refused_and_never_become_labels() {
+    let up = Upstream::start().await;
+    let s = common::sluice("").await;
+    let port = up.addr.port();
+    let giant = format!("{}.example.com", "a".repeat(60_000));
+    let label64 = format!("{}.example.com", "b".repeat(64));
+    let long_name = vec!["c".repeat(60); 5].join(".");
+    for host in [
+        giant.as_str(),
+        &label64,
+        &long_name,
+        "exa%20mple.com",
+        "a..b",
+    ] {
+        for _ in 0..3 {
+            let head = raw(
+                s.proxy_addr,
+                &format!(
+                    "GET http://{host}:{port}/ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                ),
+            )
+            .await;
+            assert!(
+                head.starts_with("HTTP/1.1 400"),
+                "{}: {head}",
+                &host[..host.len().min(40)]
+            );
+        }
+    }
+    // 170 giant names made one scrape 245 MB before: now the scrape stays small.
+    for _ in 0..170 {
+        let head = raw(
+            s.proxy_addr,
+            &format!("GET http://{giant}/ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        )
+        .await;
+        assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+    }
+    let m = metrics(s.admin_addr).await;
+    assert!(m.len() < 64 * 1024, "/metrics is {} bytes", m.len());
+    assert!(!m.contains("aaaaaaaaaa") && !m.contains("bbbbbbbbbb"));
+    assert_eq!(up.count(), 0, "nothing may reach the upstream");
+    s.stop().await;
+}
+
+/// Finding 1: hosts refused by the destination policy never get a label of their own,
+/// however many distinct names a sender sprays.
+#[tokio::test]
+async fn refused_destinations_do_not_become_labels() {
+    let s = common::sluice("[security]\nallowed_hosts = [\"allowed.test\"]").await;
+    let c = common::client(s.proxy_addr);
+    for i in 0..300 {
+        let r = c
+            .get(format!("http://spray-{i}.{}.test/", "d".repeat(60)))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403);
+        assert_eq!(r.headers()["x-sluice-reason"], "destination_denied");
+    }
+    let m = metrics(s.admin_addr).await;
+    assert!(!m.contains("spray-"), "a refused host became a label");
+    assert!(
+        m.contains("sluice_requests_total{endpoint=\"_other\",outcome=\"destination_denied\"} 300"),
+        "refusals are still counted:\n{m}"
+    );
+    s.stop().await;
+}
+
+/// Finding 1: `API.example.com.` is the same host as `api.example.com` for rules.
+#[tokio::test]
+async fn a_trailing_dot_or_capitals_cannot_escape_a_host_rule() {
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[[endpoints]]\nid = \"local\"\nrate = 0.001\nburst = 1.0\nmax_wait = \"0\"\nhosts = [\"localhost\"]\n",
+    )
+    .await;
+    let port = up.addr.port();
+    let first = raw(
+        s.proxy_addr,
+        &format!("GET http://localhost:{port}/1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+    )
+    .await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    for host in ["localhost.", "LOCALHOST", "LocalHost."] {
+        let head = raw(
+            s.proxy_addr,
+            &format!("GET http://{host}:{port}/2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+        )
+        .await;
+        assert!(head.starts_with("HTTP/1.1 503"), "{host}: {head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("x-sluice-reason: rate_limited")
+        );
+    }
+    assert_eq!(up.count(), 1);
+    s.stop().await;
+}
+
+/// Finding 2: the upstream's `Host` is the target's authority, never the sender's
+/// header; two `Host` headers are a 400.
+#[tokio::test]
+async fn the_host_header_comes_from_the_target() {
+    let up = Upstream::start().await;
+    let s = common::sluice("").await;
+    let head = raw(
+        s.proxy_addr,
+        &format!(
+            "GET {} HTTP/1.1\r\nHost: internal.admin.local\r\nConnection: close\r\n\r\n",
+            up.url("/vhost")
+        ),
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let a = up.arrivals();
+    assert_eq!(a.len(), 1);
+    assert_eq!(a[0].headers["host"], up.addr.to_string().as_str());
+    assert_eq!(a[0].headers.get_all("host").iter().count(), 1);
+
+    let dup = raw(
+        s.proxy_addr,
+        &format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\nHost: internal.admin.local\r\nConnection: close\r\n\r\n",
+            up.url("/dup"),
+            up.addr
+        ),
+    )
+    .await;
+    assert!(dup.starts_with("HTTP/1.1 400"), "{dup}");
+    assert_eq!(
+        up.count(),
+        1,
+        "a request with two Host headers was forwarded"
+    );
+    s.stop().await;
+}
+
+/// Finding 3: a request whose resolved address the policy refuses spends no token
+/// (plain HTTP: refunded; CONNECT: resolved before admission).
+#[tokio::test]
+async fn a_refused_address_spends_nothing() {
+    let up = Upstream::start().await;
+    let mut cfg =
+        common::config("[[endpoints]]\nid = \"ep\"\nrate = 0.001\nburst = 3.0\nmax_wait = \"0\"\n");
+    cfg.security.allow_private_destinations = false;
+    let s = sluice::app::start(cfg).await.unwrap();
+    let c = common::client(s.proxy_addr);
+    let port = up.addr.port();
+    for _ in 0..5 {
+        // "localhost" passes the name check and resolves to loopback: refused on address.
+        let r = c
+            .get(format!("http://localhost:{port}/"))
+            .header("x-endpoint-id", "ep")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403);
+        assert_eq!(r.headers()["x-sluice-reason"], "destination_denied");
+        let head = raw(
+            s.proxy_addr,
+            &format!("CONNECT localhost:{port} HTTP/1.1\r\nHost: localhost:{port}\r\nX-Endpoint-Id: ep\r\n\r\n"),
+        )
+        .await;
+        assert!(head.starts_with("HTTP/1.1 403"), "{head}");
+    }
+    // The refund is asynchronous to nothing: it completed before the 403 was written.
+    let left = tokens(s.admin_addr, "ep").await;
+    assert!(
+        left > 2.99,
+        "tokens spent on refused requests: {left} left of 3"
+    );
+    assert_eq!(up.count(), 0);
+    s.stop().await;
+}
+
+/// Finding 4: a receiver cannot forge sluice's refusal headers.
+#[tokio::test]
+async fn upstream_sluice_headers_are_removed() {
+    let up = Upstream::with(Arc::new(|_| {
+        Reply::status(503)
+            .header("x-sluice-reason", "rate_limited")
+            .header("x-sluice-anything", "forged")
+            .header("retry-after", "1")
+    }))
+    .await;
+    let s = common::sluice("[defaults.adaptive]\nenabled = false\n").await;
+    let r = common::client(s.proxy_addr)
+        .get(up.url("/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(
+        r.headers().get("x-sluice-reason").is_none(),
+        "{:?}",
+        r.headers()
+    );
+    assert!(r.headers().get("x-sluice-anything").is_none());
+    assert_eq!(r.headers()["retry-after"], "1");
+    s.stop().await;
+}
+
+/// Finding 5: an open tunnel holds its place under `max_connections` and counts in
+/// `sluice_connections_open`; an idle tunnel is closed after `tunnel_idle_timeout`.
+#[tokio::test]
+async fn tunnels_count_against_max_connections_and_close_when_idle() {
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[proxy]\nmax_connections = 2\ntunnel_idle_timeout = \"1s\"\n[defaults]\nrate = 1000.0\n",
+    )
+    .await;
+    let connect = format!("CONNECT {0} HTTP/1.1\r\nHost: {0}\r\n\r\n", up.addr);
+    let mut tunnels = Vec::new();
+    for _ in 0..2 {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        t.write_all(connect.as_bytes()).await.unwrap();
+        let head = read_head(&mut t).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        tunnels.push(t);
+    }
+    wait_for_metric(s.admin_addr, "sluice_connections_open 2").await;
+    // A third sender waits: both places are held by tunnels.
+    let mut third = TcpStream::connect(s.proxy_addr).await.unwrap();
+    third
+        .write_all(format!("GET {} HTTP/1.1\r\nHost: x\r\n\r\n", up.url("/third")).as_bytes())
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let early = tokio::time::timeout(Duration::from_millis(300), third.read(&mut buf)).await;
+    assert!(
+        early.is_err(),
+        "a third connection was served at max_connections = 2"
+    );
+    // Idle tunnels end after tunnel_idle_timeout: the sender sees the close…
+    let started = Instant::now();
+    for t in &mut tunnels {
+        let n = tokio::time::timeout(Duration::from_secs(10), t.read(&mut buf))
+            .await
+            .expect("idle tunnel closed within the timeout")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // …and the waiting sender is served.
+    let head = read_head(&mut third).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    s.stop().await;
+}
+
+/// Finding 5: a sender that opens an intercepted tunnel and never starts TLS is cut off
+/// after `tls.handshake_timeout`.
+#[tokio::test]
+async fn a_silent_intercepted_tunnel_hits_the_handshake_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = sluice::mitm::generate_ca(&dir.path().join("ca")).unwrap();
+    let s = common::sluice(&format!(
+        "[tls]\nintercept = true\nhandshake_timeout = \"500ms\"\nca_cert = \"{}\"\nca_key = \"{}\"\n",
+        files.cert.display(),
+        dir.path().join("ca/ca.key").display()
+    ))
+    .await;
+    let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    t.write_all(b"CONNECT example.test:443 HTTP/1.1\r\nHost: example.test:443\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut t).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let started = Instant::now();
+    let mut buf = [0u8; 16];
+    let n = tokio::time::timeout(Duration::from_secs(10), t.read(&mut buf))
+        .await
+        .expect("closed after the handshake timeout")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    wait_for_metric(s.admin_addr, "sluice_connections_open 0").await;
+    s.stop().await;
+}
+
+/// Finding 6: hundreds of idle sockets on the admin listener do not starve probes.
+#[tokio::test]
+async fn admin_probes_are_answered_past_hundreds_of_idle_sockets() {
+    let s = common::sluice("").await;
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        idle.push(TcpStream::connect(s.admin_addr).await.unwrap());
+    }
+    let started = Instant::now();
+    let head = raw(
+        s.admin_addr,
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // And the idle ones are let go.
+    let mut buf = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_secs(15), idle[0].read(&mut buf))
+        .await
+        .expect("idle admin socket closed")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    s.stop().await;
+}
+
+/// Finding 7: after a reload that tightens the destination policy, a kept-alive
+/// upstream connection cannot carry a request to a now-refused address.
+#[tokio::test]
+async fn reload_drops_pooled_connections_to_refused_addresses() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let text = |private: bool| {
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[security]\nallow_private_destinations = {private}\n"
+        )
+    };
+    std::fs::write(&path, text(true)).unwrap();
+    let s = sluice::app::start(sluice::config::Config::load(&path).unwrap())
+        .await
+        .unwrap();
+    let c = common::client(s.proxy_addr);
+    let url = format!("http://localhost:{}/", up.addr.port());
+    for _ in 0..3 {
+        assert_eq!(c.get(&url).send().await.unwrap().status(), 200);
+    }
+    std::fs::write(&path, text(false)).unwrap();
+    sluice::app::reload(&s.app, &path).unwrap();
+    for _ in 0..3 {
+        let r = c.get(&url).send().await.unwrap();
+        assert_eq!(r.status(), 403, "a pooled connection carried the request");
+    }
+    assert_eq!(up.count(), 3);
+    s.stop().await;
+}
