@@ -69,7 +69,7 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     ));
     let store: Arc<dyn BucketStore> = match config.store.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
-        Backend::Redis | Backend::RedisCluster => {
+        Backend::Redis | Backend::RedisCluster | Backend::RedisSentinel => {
             let primary = match config.store.on_error {
                 // Fail closed: a dead store would refuse every request, so refuse to start.
                 OnError::Deny => RedisStore::connect(&config.store, metrics.store.clone())

@@ -67,6 +67,9 @@ pub enum Backend {
     Redis,
     /// A Redis Cluster; `urls` are seed nodes.
     RedisCluster,
+    /// A Redis master found through Redis Sentinel; `urls` are the sentinels and
+    /// `sentinel_master` names the master.
+    RedisSentinel,
 }
 
 /// What to do when the shared store fails.
@@ -221,6 +224,8 @@ pub struct StoreConfig {
     pub on_error: OnError,
     /// TLS material for `rediss://` URLs.
     pub tls: StoreTls,
+    /// `sentinel_master`: the master's name at the sentinels (`redis-sentinel` only).
+    pub sentinel_master: Option<String>,
 }
 
 /// `[store] tls_*`: files for TLS to Redis (`rediss://` URLs). Read at start and by
@@ -252,6 +257,7 @@ impl Default for StoreConfig {
             timeout: Duration::from_millis(100),
             on_error: OnError::Local,
             tls: StoreTls::default(),
+            sentinel_master: None,
         }
     }
 }
@@ -397,6 +403,7 @@ impl Config {
             other => {
                 let name = match other {
                     Backend::RedisCluster => "redis-cluster",
+                    Backend::RedisSentinel => "redis-sentinel",
                     _ => "redis",
                 };
                 let urls: Vec<String> = self.store.urls.iter().map(|u| redact(u)).collect();
@@ -877,6 +884,7 @@ impl Reader<'_> {
                 "tls_ca_file",
                 "tls_cert_file",
                 "tls_key_file",
+                "sentinel_master",
             ],
         );
         let backend = self.enumerated(
@@ -888,6 +896,7 @@ impl Reader<'_> {
                 ("memory", Backend::Memory),
                 ("redis", Backend::Redis),
                 ("redis-cluster", Backend::RedisCluster),
+                ("redis-sentinel", Backend::RedisSentinel),
             ],
         );
         let listed = self.strings(t, p, "urls");
@@ -924,8 +933,10 @@ impl Reader<'_> {
             self.issue(0, "store.timeout", "must be greater than 0".into());
         }
         let tls = self.store_tls(t, &urls);
+        let sentinel_master = self.sentinel_master(t, backend, &tls);
         StoreConfig {
             tls,
+            sentinel_master,
             backend,
             urls,
             key_prefix: self
@@ -943,6 +954,51 @@ impl Reader<'_> {
                     ("deny", OnError::Deny),
                 ],
             ),
+        }
+    }
+
+    /// `sentinel_master`: required with `redis-sentinel`, meaningless elsewhere.
+    fn sentinel_master(
+        &mut self,
+        t: &Table<'_>,
+        backend: Backend,
+        tls: &StoreTls,
+    ) -> Option<String> {
+        let key = "store.sentinel_master";
+        let name = self.string(t, "store", "sentinel_master");
+        match (backend, name) {
+            (Backend::RedisSentinel, Some((n, at))) if n.is_empty() => {
+                self.issue(
+                    at,
+                    key,
+                    "must name the master (as in `sentinel monitor NAME ...`)".into(),
+                );
+                None
+            }
+            (Backend::RedisSentinel, Some((n, _))) => {
+                if *tls != StoreTls::default() {
+                    let at = t
+                        .get("tls_ca_file")
+                        .or(t.get("tls_cert_file"))
+                        .map_or(0, |v| v.span().start);
+                    self.issue(at, "store.tls_ca_file", "TLS files are not supported with backend \"redis-sentinel\" yet: use rediss:// with a publicly trusted certificate".into());
+                }
+                Some(n)
+            }
+            (Backend::RedisSentinel, None) => {
+                let at = t.get("backend").map_or(0, |v| v.span().start);
+                self.issue(at, key, "backend \"redis-sentinel\" needs sentinel_master = \"<name>\" (the name the sentinels monitor)".into());
+                None
+            }
+            (_, Some((_, at))) => {
+                self.issue(
+                    at,
+                    key,
+                    "only used with backend = \"redis-sentinel\"".into(),
+                );
+                None
+            }
+            (_, None) => None,
         }
     }
 
@@ -1638,6 +1694,39 @@ mod tests {
         let summary = c.summary();
         assert!(!summary.contains("hunter2"), "{summary}");
         assert!(summary.contains("rediss://:***@h:6380/"), "{summary}");
+    }
+
+    #[test]
+    fn sentinel_backend_needs_a_master_name() {
+        let c = Config::parse(
+            "[store]\nbackend = \"redis-sentinel\"\nurls = [\"redis://s1:26379/\", \"redis://s2:26379/\"]\n\
+             sentinel_master = \"sluice\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.store.backend, Backend::RedisSentinel);
+        assert_eq!(c.store.sentinel_master.as_deref(), Some("sluice"));
+        assert_eq!(c.store.urls.len(), 2);
+        for (text, says) in [
+            (
+                "[store]\nbackend = \"redis-sentinel\"\n",
+                "needs sentinel_master",
+            ),
+            (
+                "[store]\nbackend = \"redis-sentinel\"\nsentinel_master = \"\"\n",
+                "must name",
+            ),
+            (
+                "[store]\nbackend = \"redis\"\nsentinel_master = \"m\"\n",
+                "only used",
+            ),
+        ] {
+            let i = issues(text);
+            assert!(
+                i.iter()
+                    .any(|i| i.key == "store.sentinel_master" && i.message.contains(says)),
+                "{text:?}: {i:?}"
+            );
+        }
     }
 
     #[test]

@@ -6,6 +6,8 @@ mod common;
 #[allow(dead_code)]
 mod redis_support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{Upstream, assert_no_overdraw, client, sustained_rate};
@@ -90,6 +92,175 @@ fn times_of(up: &Upstream, ep: &str) -> Vec<Instant> {
         .filter(|a| a.path.starts_with(&prefix))
         .map(|a| a.at)
         .collect()
+}
+
+/// One sender request and what the sender got.
+struct Sent {
+    path: String,
+    status: u16,
+    reason: String,
+}
+
+/// Saturating senders running until told to stop: `per_replica` senders on each replica,
+/// each sending to `ep` one request after another (at most `cap` requests each), backing
+/// off 100 ms after a refusal.
+struct Saturation {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Sent>>>,
+}
+
+impl Saturation {
+    fn start(
+        rs: &[sluice::app::Running],
+        up: &Upstream,
+        ep: &str,
+        per_replica: usize,
+        cap: usize,
+    ) -> Saturation {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for i in 0..rs.len() * per_replica {
+            let c = client(rs[i % rs.len()].proxy_addr);
+            let (ep, base, stop) = (ep.to_owned(), up.url(&format!("/{ep}/{i}")), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut sent = Vec::new();
+                while !stop.load(Ordering::Relaxed) && sent.len() < cap {
+                    let url = format!("{base}/{}", sent.len());
+                    let r = c
+                        .get(&url)
+                        .header("x-endpoint-id", &ep)
+                        .send()
+                        .await
+                        .unwrap();
+                    let reason = r
+                        .headers()
+                        .get("x-sluice-reason")
+                        .map(|v| v.to_str().unwrap_or_default().to_owned())
+                        .unwrap_or_default();
+                    let path = url.split_once("127.0.0.1").unwrap().1;
+                    let path = path[path.find('/').unwrap()..].to_owned();
+                    let refused = r.status() == 503;
+                    sent.push(Sent {
+                        path,
+                        status: r.status().as_u16(),
+                        reason,
+                    });
+                    if refused {
+                        // A sender backs off a little before requeueing.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+                sent
+            }));
+        }
+        Saturation { stop, tasks }
+    }
+
+    async fn finish(self) -> Vec<Sent> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        for t in self.tasks {
+            all.extend(t.await.unwrap());
+        }
+        all
+    }
+}
+
+/// Nothing lost or doubled: every request was forwarded once (200) or refused by sluice
+/// (503 with a reason) and never arrived. Returns the number refused.
+fn assert_exactly_once(sent: &[Sent], up: &Upstream) -> usize {
+    let mut arrived = std::collections::HashMap::new();
+    for a in up.arrivals() {
+        *arrived.entry(a.path).or_insert(0usize) += 1;
+    }
+    let mut refused = 0;
+    for s in sent {
+        let n = arrived.get(&s.path).copied().unwrap_or(0);
+        match s.status {
+            200 => assert_eq!(n, 1, "{} forwarded {n} times", s.path),
+            503 => {
+                assert!(!s.reason.is_empty(), "{}: a 503 without a reason", s.path);
+                assert_eq!(n, 0, "{} refused ({}) but arrived", s.path, s.reason);
+                refused += 1;
+            }
+            other => panic!("{}: unexpected status {other}", s.path),
+        }
+    }
+    refused
+}
+
+/// Waits (without blocking the runtime) until `ok` holds; panics after `limit`.
+async fn eventually(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Instant {
+    let deadline = Instant::now() + limit;
+    loop {
+        if ok() {
+            return Instant::now();
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls every replica's `/readyz` every 50 ms until stopped; returns, per replica, the
+/// total time it reported `"store":"degraded"`.
+struct DegradedClock {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Duration>>,
+}
+
+impl DegradedClock {
+    fn start(rs: &[sluice::app::Running]) -> DegradedClock {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = rs
+            .iter()
+            .map(|r| {
+                let (url, stop) = (format!("http://{}/readyz", r.admin_addr), stop.clone());
+                tokio::spawn(async move {
+                    let mut total = Duration::ZERO;
+                    let mut last = Instant::now();
+                    for _ in 0..2_000 {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let v: serde_json::Value =
+                            reqwest::get(&url).await.unwrap().json().await.unwrap();
+                        let now = Instant::now();
+                        if v["store"] == "degraded" {
+                            total += now - last;
+                        }
+                        last = now;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    total
+                })
+            })
+            .collect();
+        DegradedClock { stop, tasks }
+    }
+
+    async fn finish(self) -> Vec<Duration> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut v = Vec::new();
+        for t in self.tasks {
+            v.push(t.await.unwrap());
+        }
+        v
+    }
+}
+
+async fn all_ready(rs: &[sluice::app::Running]) -> bool {
+    for r in rs {
+        let v: serde_json::Value = reqwest::get(format!("http://{}/readyz", r.admin_addr))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["store"] != "ok" {
+            return false;
+        }
+    }
+    true
 }
 
 const POLICY: &str = "[defaults]\nrate = 40.0\nburst = 8.0\nmax_wait = \"30s\"\n";
@@ -412,4 +583,91 @@ async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_bac
     let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
     assert_eq!(ready["store"], "ok", "{ready}");
     s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_under_load_is_followed_without_a_restart() {
+    let mut set = redis_support::SentinelSet::start("sluice");
+    let urls: Vec<String> = set
+        .sentinel_urls()
+        .iter()
+        .map(|u| format!("\"{u}\""))
+        .collect();
+    let store = format!(
+        "[store]\nbackend = \"redis-sentinel\"\nurls = [{}]\nsentinel_master = \"{}\"\n\
+         timeout = \"200ms\"\non_error = \"local\"\n",
+        urls.join(", "),
+        set.name
+    );
+    let rs = replicas(
+        &store,
+        "[defaults]\nrate = 20.0\nburst = 4.0\nmax_wait = \"500ms\"\n",
+        3,
+    )
+    .await;
+    assert!(all_ready(&rs).await, "on the master from the start");
+    let up = Upstream::start().await;
+    let load = Saturation::start(&rs, &up, "fo", 6, 1_000);
+    let clock = DegradedClock::start(&rs);
+    eventually("load under way", Duration::from_secs(10), || {
+        up.count() >= 30
+    })
+    .await;
+    let killed = Instant::now();
+    set.master.kill(); // SIGKILL, by its handle
+    let promoted = eventually(
+        "the sentinels to promote the replica",
+        Duration::from_secs(30),
+        || set.replica_promoted(),
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !all_ready(&rs).await {
+        assert!(
+            Instant::now() < deadline,
+            "sluice never followed the new master"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let followed = Instant::now();
+    // Keep the load on a little longer, on the new master.
+    let seen = up.count();
+    eventually("load on the new master", Duration::from_secs(10), || {
+        up.count() >= seen + 30
+    })
+    .await;
+    let sent = load.finish().await;
+    let degraded = clock.finish().await;
+    let refused = assert_exactly_once(&sent, &up);
+    // Deciding in the promoted master: a fresh endpoint's bucket appears there.
+    let c = client(rs[0].proxy_addr);
+    until_back_on_redis(&c, &up, "fo_new", &set.replica, Duration::from_secs(5)).await;
+    let before: Vec<Instant> = times_of(&up, "fo")
+        .into_iter()
+        .filter(|t| *t < killed)
+        .collect();
+    assert_no_overdraw(&before, 20.0, 4.0);
+    let reasons: std::collections::BTreeMap<&str, usize> = sent
+        .iter()
+        .filter(|s| s.status == 503)
+        .fold(Default::default(), |mut m, s| {
+            *m.entry(s.reason.as_str()).or_default() += 1;
+            m
+        });
+    eprintln!(
+        "sentinel failover: {} requests, {} forwarded once, {refused} refused {reasons:?}, \
+         0 lost, 0 doubled; promoted {:.2}s after the kill, all replicas back {:.2}s after \
+         the kill; on the fallback per replica: {:?}",
+        sent.len(),
+        sent.len() - refused,
+        (promoted - killed).as_secs_f64(),
+        (followed - killed).as_secs_f64(),
+        degraded
+            .iter()
+            .map(|d| format!("{:.2}s", d.as_secs_f64()))
+            .collect::<Vec<_>>(),
+    );
+    for r in rs {
+        r.stop().await;
+    }
 }

@@ -18,6 +18,7 @@ struct Subject {
     store: Arc<dyn BucketStore>,
     single: Option<redis_support::RedisServer>,
     cluster: Option<redis_support::RedisCluster>,
+    sentinel: Option<redis_support::SentinelSet>,
 }
 
 fn store_config(backend: Backend, urls: Vec<String>) -> StoreConfig {
@@ -36,6 +37,7 @@ async fn memory() -> Subject {
         store: Arc::new(MemoryStore::new()),
         single: None,
         cluster: None,
+        sentinel: None,
     }
 }
 
@@ -51,6 +53,7 @@ async fn redis() -> Subject {
         store: Arc::new(store),
         single: Some(server),
         cluster: None,
+        sentinel: None,
     }
 }
 
@@ -66,6 +69,26 @@ async fn cluster() -> Subject {
         store: Arc::new(store),
         single: None,
         cluster: Some(c),
+        sentinel: None,
+    }
+}
+
+async fn sentinel() -> Subject {
+    let set = redis_support::SentinelSet::start("behaviour");
+    let store = RedisStore::connect(
+        &StoreConfig {
+            sentinel_master: Some(set.name.clone()),
+            ..store_config(Backend::RedisSentinel, set.sentinel_urls())
+        },
+        StoreStats::default(),
+    )
+    .await
+    .unwrap();
+    Subject {
+        store: Arc::new(store),
+        single: None,
+        cluster: None,
+        sentinel: Some(set),
     }
 }
 
@@ -276,6 +299,7 @@ macro_rules! every_store {
         mod on_memory { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(memory().await).await } )* }
         mod on_redis { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(redis().await).await } )* }
         mod on_cluster { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(cluster().await).await } )* }
+        mod on_sentinel { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(sentinel().await).await } )* }
     };
 }
 
@@ -341,6 +365,27 @@ async fn cluster_keys_use_the_endpoint_hash_tag_and_spread_over_masters() {
     assert!(
         matches!(
             s.store.acquire("ep_0", ask).await.unwrap(),
+            Outcome::Granted { .. }
+        ),
+        "NOSCRIPT recovered"
+    );
+}
+
+#[tokio::test]
+async fn sentinel_decides_on_the_master_and_scripts_reload() {
+    let s = sentinel().await;
+    let set = s.sentinel.as_ref().unwrap();
+    let p = policy(10.0, 5.0, 0);
+    let ask = Ask::new(&p, 0.0, None);
+    s.store.acquire("sent", ask).await.unwrap();
+    assert_eq!(
+        set.master.cli(&["EXISTS", "sluice:{sent}"]).as_deref(),
+        Some("1")
+    );
+    set.master.cli(&["SCRIPT", "FLUSH"]).unwrap();
+    assert!(
+        matches!(
+            s.store.acquire("sent", ask).await.unwrap(),
             Outcome::Granted { .. }
         ),
         "NOSCRIPT recovered"

@@ -11,6 +11,7 @@ pub mod bucket;
 pub mod fallback;
 pub mod memory;
 pub mod redis;
+mod sentinel;
 
 use std::future::Future;
 use std::pin::Pin;

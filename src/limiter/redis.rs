@@ -13,6 +13,7 @@
 //! in [`classify`].
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
@@ -25,6 +26,7 @@ use redis::{
 };
 
 use super::bucket::{Ask, Outcome, View};
+use super::sentinel::SentinelConn;
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
 use crate::config::{Adaptive, Backend, StoreConfig, StoreTls, redact};
 
@@ -159,6 +161,7 @@ fn pem_block(der: &[u8]) -> Vec<u8> {
 enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(Arc<SentinelConn>),
 }
 
 /// The scripts, hashed once.
@@ -190,6 +193,8 @@ fn classify(e: RedisError, timeout: Duration) -> StoreError {
         || e.is_unrecoverable_error()
     {
         StoreError::Unreachable(e.to_string())
+    } else if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) {
+        StoreError::Unreachable(format!("a replica answered, not the master: {e}"))
     } else if e.is_cluster_error() || e.kind() == redis::ErrorKind::ClusterConnectionNotFound {
         StoreError::Unreachable(format!("cluster: {e}"))
     } else {
@@ -262,6 +267,20 @@ impl RedisStore {
                 };
                 Conn::Cluster(conn)
             }
+            Backend::RedisSentinel => {
+                let name = cfg.sentinel_master.as_deref().unwrap_or_default();
+                let conn = SentinelConn::new(
+                    &cfg.urls,
+                    name,
+                    manager_config(cfg.timeout, connect_timeout),
+                    connect_timeout,
+                )
+                .map_err(|e| {
+                    let urls: Vec<String> = cfg.urls.iter().map(|u| redact(u)).collect();
+                    StoreError::Protocol(format!("bad sentinel URLs {}: {e}", urls.join(", ")))
+                })?;
+                Conn::Sentinel(Arc::new(conn))
+            }
             Backend::Redis | Backend::Memory => {
                 let url = cfg.urls.first().cloned().unwrap_or_default();
                 let client = match certs {
@@ -271,14 +290,7 @@ impl RedisStore {
                 .map_err(|e| {
                     StoreError::Protocol(format!("bad Redis URL {}: {e}", redact(&url)))
                 })?;
-                // Few, short reconnect attempts per failure: the store timeout bounds each
-                // call anyway, and the next call triggers the next reconnect.
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(connect_timeout))
-                    .set_response_timeout(Some(cfg.timeout))
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(10))
-                    .set_max_delay(Duration::from_millis(250));
+                let config = manager_config(cfg.timeout, connect_timeout);
                 let lazy = ConnectionManager::new_lazy_with_config(client, config)
                     .map_err(|e| classify(e, cfg.timeout))?;
                 Conn::Single(lazy)
@@ -315,6 +327,9 @@ impl RedisStore {
             match conn {
                 Conn::Single(mut c) => inv.invoke_async(&mut c).await,
                 Conn::Cluster(mut c) => inv.invoke_async(&mut c).await,
+                Conn::Sentinel(s) => {
+                    on_master(&s, |mut c| async move { inv.invoke_async(&mut c).await }).await
+                }
             }
         })
         .await
@@ -347,6 +362,32 @@ impl RedisStore {
         inv.arg(ask.rate).arg(ask.burst).arg(ask.recovery_us);
         inv
     }
+}
+
+/// Few, short reconnect attempts per failure: the store timeout bounds each call anyway,
+/// and the next call triggers the next reconnect.
+fn manager_config(timeout: Duration, connect_timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(connect_timeout))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(1)
+        .set_min_delay(Duration::from_millis(10))
+        .set_max_delay(Duration::from_millis(250))
+}
+
+/// Runs `call` on the sentinel's current master; a failure that may mean a failover
+/// starts a new lookup of the master.
+async fn on_master<T, F, Fut>(s: &Arc<SentinelConn>, call: F) -> Result<T, RedisError>
+where
+    F: FnOnce(ConnectionManager) -> Fut,
+    Fut: Future<Output = Result<T, RedisError>>,
+{
+    let (conn, addr) = s.conn().await?;
+    let r = call(conn).await;
+    if let Err(e) = &r {
+        s.failed(&addr, e);
+    }
+    r
 }
 
 fn micros(d: Duration) -> f64 {
@@ -461,6 +502,13 @@ impl BucketStore for RedisStore {
                 match conn {
                     Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
                     Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
+                    Conn::Sentinel(s) => {
+                        on_master(
+                            &s,
+                            |mut c| async move { cmd.query_async::<Value>(&mut c).await },
+                        )
+                        .await
+                    }
                 }
             })
             .await

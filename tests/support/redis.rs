@@ -127,6 +127,11 @@ pub struct Options {
     pub tls: Option<(Arc<RedisTls>, &'static str)>,
     /// `--requirepass`.
     pub password: Option<String>,
+    /// `--replicaof 127.0.0.1 <port>`.
+    pub replica_of: Option<u16>,
+    /// A sentinel (`--sentinel`) monitoring (master name, master port) with quorum 2,
+    /// `down-after-milliseconds` 1000 and `failover-timeout` 3000.
+    pub sentinel_of: Option<(String, u16)>,
 }
 
 impl Options {
@@ -142,6 +147,22 @@ impl Options {
     pub fn password(password: &str) -> Options {
         Options {
             password: Some(password.to_owned()),
+            ..Options::default()
+        }
+    }
+
+    /// A replica of `master`.
+    pub fn replica_of(master: &RedisServer) -> Options {
+        Options {
+            replica_of: Some(master.port),
+            ..Options::default()
+        }
+    }
+
+    /// A sentinel watching `master` under the name `name`.
+    pub fn sentinel_of(name: &str, master: &RedisServer) -> Options {
+        Options {
+            sentinel_of: Some((name.to_owned(), master.port)),
             ..Options::default()
         }
     }
@@ -171,6 +192,9 @@ impl Options {
         }
         if let Some(p) = &self.password {
             v.extend(["--requirepass".into(), p.into()]);
+        }
+        if let Some(master) = self.replica_of {
+            v.extend(["--replicaof", "127.0.0.1", &master.to_string()].map(OsString::from));
         }
         v
     }
@@ -259,6 +283,21 @@ impl RedisServer {
     /// when it exited (port taken).
     fn launch(&mut self) -> bool {
         let mut cmd = Command::new("redis-server");
+        if let Some((name, master)) = &self.opts.sentinel_of {
+            // Sentinels rewrite their config file: each gets its own, in its own dir.
+            let conf = self.dir.path().join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "sentinel monitor {name} 127.0.0.1 {master} 2\n\
+                     sentinel down-after-milliseconds {name} 1000\n\
+                     sentinel failover-timeout {name} 3000\n\
+                     sentinel parallel-syncs {name} 1\n"
+                ),
+            )
+            .expect("write sentinel.conf");
+            cmd.arg(conf).arg("--sentinel");
+        }
         cmd.args(self.opts.server_args(self.port, self.cluster))
             .args(["--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -476,5 +515,64 @@ impl RedisCluster {
             }
         }
         panic!("no node serves slot {slot}");
+    }
+}
+
+/// A master, one replica and three sentinels (quorum 2) on free ports; dropped, all are
+/// killed.
+pub struct SentinelSet {
+    /// The master at start.
+    pub master: RedisServer,
+    /// Its replica (promoted when the master dies).
+    pub replica: RedisServer,
+    /// The sentinels.
+    pub sentinels: Vec<RedisServer>,
+    /// The name the sentinels monitor.
+    pub name: String,
+}
+
+impl SentinelSet {
+    /// Starts everything and waits until the replica is in sync and every sentinel knows
+    /// the replica and the two other sentinels.
+    pub fn start(name: &str) -> SentinelSet {
+        let master = RedisServer::start();
+        let replica = RedisServer::start_with(Options::replica_of(&master));
+        wait_until("the replica in sync", Duration::from_secs(20), || {
+            replica
+                .cli(&["INFO", "replication"])
+                .is_some_and(|i| i.contains("master_link_status:up"))
+        });
+        let sentinels: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::start_with(Options::sentinel_of(name, &master)))
+            .collect();
+        for s in &sentinels {
+            wait_until(
+                "sentinels to know each other",
+                Duration::from_secs(30),
+                || {
+                    s.cli(&["INFO", "sentinel"]).is_some_and(|i| {
+                        i.contains("status=ok") && i.contains("slaves=1,sentinels=3")
+                    })
+                },
+            );
+        }
+        SentinelSet {
+            master,
+            replica,
+            sentinels,
+            name: name.to_owned(),
+        }
+    }
+
+    /// `redis://127.0.0.1:PORT/` of every sentinel.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(RedisServer::url).collect()
+    }
+
+    /// Whether the (former) replica now says it is the master.
+    pub fn replica_promoted(&self) -> bool {
+        self.replica
+            .cli(&["ROLE"])
+            .is_some_and(|r| r.lines().next() == Some("master"))
     }
 }
