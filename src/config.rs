@@ -226,6 +226,9 @@ pub struct StoreConfig {
     pub tls: StoreTls,
     /// `sentinel_master`: the master's name at the sentinels (`redis-sentinel` only).
     pub sentinel_master: Option<String>,
+    /// `fallback_min_replicas`: during an outage the local fallback enforces
+    /// `rate / N` per replica, N = the replicas last seen alive, at least this many.
+    pub fallback_min_replicas: usize,
 }
 
 /// `[store] tls_*`: files for TLS to Redis (`rediss://` URLs). Read at start and by
@@ -258,6 +261,7 @@ impl Default for StoreConfig {
             on_error: OnError::Local,
             tls: StoreTls::default(),
             sentinel_master: None,
+            fallback_min_replicas: 1,
         }
     }
 }
@@ -885,6 +889,7 @@ impl Reader<'_> {
                 "tls_cert_file",
                 "tls_key_file",
                 "sentinel_master",
+                "fallback_min_replicas",
             ],
         );
         let backend = self.enumerated(
@@ -937,6 +942,7 @@ impl Reader<'_> {
         StoreConfig {
             tls,
             sentinel_master,
+            fallback_min_replicas: self.count(t, p, "fallback_min_replicas", 1),
             backend,
             urls,
             key_prefix: self
@@ -1552,6 +1558,10 @@ mod tests {
             ),
             ("[store]\nurls = [\"http://x/\"]", "store.urls"),
             ("[store]\non_error = \"panic\"", "store.on_error"),
+            (
+                "[store]\nfallback_min_replicas = 0",
+                "store.fallback_min_replicas",
+            ),
             (
                 "[proxy]\nendpoint_header = \"bad header\"",
                 "proxy.endpoint_header",

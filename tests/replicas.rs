@@ -671,3 +671,68 @@ async fn a_sentinel_failover_under_load_is_followed_without_a_restart() {
         r.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_under_load_each_replica_falls_back_to_its_share() {
+    let mut redis = redis_support::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\non_error = \"local\"\n",
+        redis.url()
+    );
+    let (rate, burst) = (20.0, 4.0);
+    let rs = replicas(
+        &store,
+        "[defaults]\nrate = 20.0\nburst = 4.0\nmax_wait = \"1s\"\n",
+        3,
+    )
+    .await;
+    // Every replica has learned that there are three of them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut counts = Vec::new();
+        for r in &rs {
+            let v: serde_json::Value = reqwest::get(format!("http://{}/readyz", r.admin_addr))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            counts.push(v["replicas"].as_u64());
+        }
+        if counts.iter().all(|c| *c == Some(3)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "replica counts {counts:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let up = Upstream::start().await;
+    let load = Saturation::start(&rs, &up, "share", 4, 1_000);
+    eventually("load under way", Duration::from_secs(10), || {
+        up.count() >= 30
+    })
+    .await;
+    let seen = up.count();
+    let killed = Instant::now();
+    redis.kill();
+    // Three seconds' worth of the limit during the outage (one second if it were 3×).
+    eventually("load during the outage", Duration::from_secs(15), || {
+        up.count() >= seen + 60
+    })
+    .await;
+    let outage = killed.elapsed();
+    let sent = load.finish().await;
+    assert_exactly_once(&sent, &up);
+    let times = times_of(&up, "share");
+    let during = times.iter().filter(|t| **t >= killed).count();
+    eprintln!(
+        "3 replicas, Redis dead: {during} forwarded in {:.2}s = {:.1}/s (limit {rate}/s)",
+        outage.as_secs_f64(),
+        during as f64 / outage.as_secs_f64()
+    );
+    // Shared bucket before, local shares after: one local bucket's slack per replica.
+    let slack_per_replica = (burst / 3.0_f64).max(1.0);
+    assert_no_overdraw(&times, rate, burst + 3.0 * slack_per_replica);
+    for r in rs {
+        r.stop().await;
+    }
+}

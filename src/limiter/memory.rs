@@ -147,6 +147,11 @@ impl MemoryStore {
             .map(|e| bucket::view(&e.state, &ask, floor, now))
     }
 
+    /// Counts a request paced elsewhere (see [`bucket::charge`]).
+    pub fn charge_now(&self, endpoint: &str, ask: Ask) {
+        self.with_bucket(endpoint, &ask, |s, now| bucket::charge(s, &ask, now));
+    }
+
     /// Release without the future wrapper.
     pub fn release_now(&self, endpoint: &str, ask: Ask, generation: u64) {
         self.with_bucket(endpoint, &ask, |s, now| {

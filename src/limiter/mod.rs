@@ -78,6 +78,11 @@ pub trait BucketStore: Send + Sync {
     fn health(&self) -> StoreHealth {
         StoreHealth::Ok
     }
+    /// How many replicas share the limits, as the fallback wrapper last learned it
+    /// (`None` for stores that are not shared).
+    fn replicas(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Why a request may not leave.

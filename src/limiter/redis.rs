@@ -47,6 +47,8 @@ const RELEASE_LUA: &str = bucket_script!("release.lua");
 const FEEDBACK_LUA: &str = bucket_script!("feedback.lua");
 /// `lua/bucket.lua` + `lua/view.lua`.
 const VIEW_LUA: &str = bucket_script!("view.lua");
+/// `lua/replicas.lua` (stand-alone: no bucket state).
+const REPLICAS_LUA: &str = include_str!("../../lua/replicas.lua");
 
 /// Connections are allowed at least this long even with a tighter call timeout: a TCP
 /// handshake plus HELLO must fit, or a reconnect could never succeed.
@@ -170,6 +172,7 @@ struct Scripts {
     release: Script,
     feedback: Script,
     view: Script,
+    replicas: Script,
 }
 
 /// Buckets shared by every replica through Redis.
@@ -303,6 +306,7 @@ impl RedisStore {
                 release: Script::new(RELEASE_LUA),
                 feedback: Script::new(FEEDBACK_LUA),
                 view: Script::new(VIEW_LUA),
+                replicas: Script::new(REPLICAS_LUA),
             },
             prefix: cfg.key_prefix.clone(),
             timeout: cfg.timeout,
@@ -318,6 +322,19 @@ impl RedisStore {
         k.push_str(endpoint);
         k.push('}');
         k
+    }
+
+    /// The sorted set of replica heartbeats: `<prefix>{_replicas}:heartbeats` (never an
+    /// endpoint's key: those end with `}`).
+    pub fn replicas_key(&self) -> String {
+        format!("{}{{_replicas}}:heartbeats", self.prefix)
+    }
+
+    /// Registers replica `id` as alive for `ttl` and returns how many replicas are.
+    pub async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<usize, StoreError> {
+        let mut inv = self.scripts.replicas.key(self.replicas_key());
+        inv.arg(id).arg(ttl.as_millis() as u64);
+        self.run::<usize>(inv).await
     }
 
     /// Runs one script invocation, bounded by the timeout, recording latency and errors.
