@@ -23,7 +23,7 @@ UP=$(free_port); target/release/examples/upstream "127.0.0.1:$UP" 2>/dev/null & 
 BF=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BF" 2>/dev/null & PIDS+=($!); wait_port "$BF"
 RP=$(free_port); redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$RP"
 
-start_sluice() { # $1 = store section; sets SLUICE_PORT (no subshell: PIDS and the trap stay here)
+start_sluice() { # $1 = store section, $2 = extra [security] keys; sets SLUICE_PORT (no subshell: PIDS and the trap stay here)
   local p a; p=$(free_port); a=$(free_port)
   cat > "$TMP/s$p.toml" <<TOML
 [proxy]
@@ -35,6 +35,7 @@ rate = 1000000000.0
 burst = 1000000000.0
 [security]
 allow_private_destinations = true
+${2:-}
 TOML
   RUST_LOG=warn target/release/sluice run --config "$TMP/s$p.toml" & PIDS+=($!)
   wait_port "$p"; SLUICE_PORT=$p
@@ -47,11 +48,19 @@ backend = \"redis\"
 urls = [\"redis://127.0.0.1:$RP/\"]
 timeout = \"1s\""
 RED=$SLUICE_PORT
+# Proxy authentication on (bcrypt cost 10, as in production): kept-alive senders pay
+# bcrypt once, then hit the credentials cache.
+echo "bench-password" | target/release/sluice passwd bench > "$TMP/users.htpasswd"
+start_sluice '[store]
+backend = "memory"' "auth_users_file = \"$TMP/users.htpasswd\""
+AUTH=$SLUICE_PORT
 
 cat > "$TMP/proxy.lua" <<LUA
 wrk.path = "http://127.0.0.1:$UP/"
 wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
+cp "$TMP/proxy.lua" "$TMP/auth.lua"
+echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
 run() { # $1 label, $2 target port, $3 extra args
   wrk -t2 -c"$CONNS" -d2s --latency $3 "http://127.0.0.1:$2/" >/dev/null 2>&1 # warm-up
   wrk -t2 -c"$CONNS" -d"$DURATION" --latency $3 "http://127.0.0.1:$2/" > "$TMP/$1.txt"
@@ -70,10 +79,11 @@ for _ in $(seq "$ROUNDS"); do
   ALL[bare-hyper-forwarder]+="$(run bare-hyper-forwarder "$BF" "-s $TMP/proxy.lua")"$'\n'
   ALL[sluice-memory]+="$(run sluice-memory "$MEM" "-s $TMP/proxy.lua")"$'\n'
   ALL[sluice-redis]+="$(run sluice-redis "$RED" "-s $TMP/proxy.lua")"$'\n'
+  ALL[sluice-memory-auth]+="$(run sluice-memory-auth "$AUTH" "-s $TMP/auth.lua")"$'\n'
 done
 median() { sort -t'|' -k2 -g | awk '{a[NR]=$0} END {print a[int((NR+1)/2)]}'; }
 ROWS=()
-for name in direct bare-hyper-forwarder sluice-memory sluice-redis; do
+for name in direct bare-hyper-forwarder sluice-memory sluice-redis sluice-memory-auth; do
   ROWS+=("$(printf '%s' "${ALL[$name]}" | grep . | median)")
 done
 BASE=$(echo "${ROWS[0]}" | cut -d'|' -f2)

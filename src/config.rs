@@ -1228,72 +1228,86 @@ impl Reader<'_> {
         };
         let mut out: Vec<EndpointRule> = Vec::new();
         for (i, item) in items.iter().enumerate() {
-            let path = format!("endpoints[{i}]");
-            let DeValue::Table(t) = item.get_ref() else {
-                self.type_issue(item, &path, "a table", item.get_ref().type_str());
-                continue;
-            };
-            self.known_keys(
-                t,
-                &path,
-                &[
-                    "id",
-                    "rate",
-                    "burst",
-                    "max_wait",
-                    "hosts",
-                    "path_prefix",
-                    "adaptive",
-                    "mode",
-                ],
-            );
-            let id = match self.string(t, &path, "id") {
-                Some((id, at)) => {
-                    if let Err(e) = check_endpoint_id(&id) {
-                        self.issue(at, &join(&path, "id"), e);
-                    } else if out.iter().any(|r| *r.id == id) {
-                        self.issue(
-                            at,
-                            &join(&path, "id"),
-                            format!("duplicate endpoint id \"{id}\""),
-                        );
-                    }
-                    id
-                }
-                None => {
-                    self.issue(
-                        item.span().start,
-                        &join(&path, "id"),
-                        "every [[endpoints]] entry needs an id".into(),
-                    );
-                    continue;
-                }
-            };
-            let policy = self.policy(t, &path, defaults);
-            let hosts = self
-                .strings(t, &path, "hosts")
-                .into_iter()
-                .map(|(h, _)| {
-                    let h = h.to_ascii_lowercase();
-                    h.strip_suffix('.').map(str::to_owned).unwrap_or(h)
-                })
-                .collect();
-            let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
-                if !p.starts_with('/') {
-                    self.issue(at, &join(&path, "path_prefix"), "must start with /".into());
-                }
-                p
-            });
-            let mode = self.mode(t, &path, default_mode);
-            out.push(EndpointRule {
-                id: id.into(),
-                policy: Arc::new(policy),
-                hosts,
-                path_prefix,
-                mode,
-            });
+            if let Some(rule) = self.endpoint(i, item, &out, defaults, default_mode) {
+                out.push(rule);
+            }
         }
         out
+    }
+
+    /// One `[[endpoints]]` entry; `seen` are the entries before it (for duplicates).
+    fn endpoint(
+        &mut self,
+        i: usize,
+        item: &Value<'_>,
+        seen: &[EndpointRule],
+        defaults: &Policy,
+        default_mode: Mode,
+    ) -> Option<EndpointRule> {
+        let path = format!("endpoints[{i}]");
+        let DeValue::Table(t) = item.get_ref() else {
+            self.type_issue(item, &path, "a table", item.get_ref().type_str());
+            return None;
+        };
+        self.known_keys(
+            t,
+            &path,
+            &[
+                "id",
+                "rate",
+                "burst",
+                "max_wait",
+                "hosts",
+                "path_prefix",
+                "adaptive",
+                "mode",
+            ],
+        );
+        let id = match self.string(t, &path, "id") {
+            Some((id, at)) => {
+                if let Err(e) = check_endpoint_id(&id) {
+                    self.issue(at, &join(&path, "id"), e);
+                } else if seen.iter().any(|r| *r.id == id) {
+                    self.issue(
+                        at,
+                        &join(&path, "id"),
+                        format!("duplicate endpoint id \"{id}\""),
+                    );
+                }
+                id
+            }
+            None => {
+                self.issue(
+                    item.span().start,
+                    &join(&path, "id"),
+                    "every [[endpoints]] entry needs an id".into(),
+                );
+                return None;
+            }
+        };
+        let policy = self.policy(t, &path, defaults);
+        let hosts = self
+            .strings(t, &path, "hosts")
+            .into_iter()
+            .map(|(h, _)| {
+                let h = h.to_ascii_lowercase();
+                h.strip_suffix('.').map(str::to_owned).unwrap_or(h)
+            })
+            .collect();
+        let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
+            if !p.starts_with('/') {
+                self.issue(at, &join(&path, "path_prefix"), "must start with /".into());
+            }
+            p
+        });
+        let mode = self.mode(t, &path, default_mode);
+        Some(EndpointRule {
+            id: id.into(),
+            policy: Arc::new(policy),
+            hosts,
+            path_prefix,
+            mode,
+        })
     }
 
     fn tls(&mut self, t: &Table<'_>) -> TlsConfig {

@@ -58,6 +58,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print an htpasswd line (`user:bcrypt-hash`) for security.auth_users_file; the
+    /// password is read from the first line of standard input.
+    Passwd {
+        /// The proxy user name.
+        user: String,
+        /// bcrypt cost (work factor), 4–31.
+        #[arg(long, default_value_t = 10)]
+        cost: u32,
+    },
 }
 
 #[derive(Subcommand)]
@@ -80,6 +89,7 @@ fn main() -> ExitCode {
             command: CaCommand::Init { dir },
         } => ca_init(&dir),
         Command::Status { admin, json } => status(&admin, json),
+        Command::Passwd { user, cost } => passwd(&user, cost),
     };
     match result {
         Ok(code) => code,
@@ -228,6 +238,25 @@ fn reload(app: &sluice::core::App, path: &Path) {
         }
         Err(e) => tracing::error!(error = %e, "reload refused: keeping the running config"),
     }
+}
+
+fn passwd(user: &str, cost: u32) -> anyhow::Result<ExitCode> {
+    if user.is_empty() || user.contains(['+', ':']) || !user.bytes().all(|b| b.is_ascii_graphic()) {
+        eprintln!("user name must be visible ASCII without '+' or ':'");
+        return Ok(ExitCode::from(1));
+    }
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .context("reading the password from standard input")?;
+    let password = line.trim_end_matches(['\r', '\n']);
+    if password.is_empty() {
+        eprintln!("no password on standard input (e.g. `echo \"$PW\" | sluice passwd {user}`)");
+        return Ok(ExitCode::from(1));
+    }
+    let hash = bcrypt::hash(password, cost).context("hashing the password")?;
+    println!("{user}:{hash}");
+    Ok(ExitCode::SUCCESS)
 }
 
 fn status(admin: &str, json: bool) -> anyhow::Result<ExitCode> {

@@ -108,6 +108,13 @@ impl Metrics {
             other: EndpointLabel("_other".into()),
             registry: Registry::default(),
         };
+        m.register(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// Registers every instrument under the `sluice_` prefix.
+    fn register(&self, registry: &mut Registry) {
+        let m = self;
         registry.register(
             "requests",
             "Requests by endpoint and outcome",
@@ -169,7 +176,6 @@ impl Metrics {
             "1 while the on_error fallback is in force",
             m.store.degraded.clone(),
         );
-        Metrics { registry, ..m }
     }
 
     /// The label for an endpoint: its ID while under the cap, else `_other`.

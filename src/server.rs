@@ -43,20 +43,44 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) {
     let cfg = app.runtime.load_full().config.clone();
-    let limit = Arc::new(Semaphore::new(cfg.proxy.max_connections));
     let stop = app.lifecycle.signal();
-    let proxy_timeouts = Timeouts {
+    let accept_proxy = accept_proxy(&app, proxy, stop.clone());
+    let accept_admin = accept_admin(&app, admin, stop);
+    let accepting = async { tokio::join!(accept_proxy, accept_admin) };
+    tokio::select! {
+        // Accept loops end only when the shutdown signal fires elsewhere.
+        _ = accepting => {}
+        // Our caller asked us to stop.
+        _ = shutdown => {}
+    }
+    tracing::info!(
+        grace_ms = cfg.proxy.shutdown_grace.as_millis() as u64,
+        "shutting down: draining connections"
+    );
+    if app.lifecycle.shutdown(cfg.proxy.shutdown_grace).await {
+        tracing::info!("all connections drained");
+    } else {
+        tracing::warn!("grace period over: closing remaining connections");
+    }
+}
+
+/// The proxy listener: `proxy.max_connections` senders at once (tunnels included),
+/// each served until idle for `proxy.idle_timeout`.
+async fn accept_proxy(app: &Arc<App>, listener: TcpListener, stop: watch::Receiver<bool>) {
+    let cfg = app.runtime.load_full().config.clone();
+    let limit = Arc::new(Semaphore::new(cfg.proxy.max_connections));
+    let timeouts = Timeouts {
         header_read: HEADER_READ_TIMEOUT,
         idle: cfg.proxy.idle_timeout,
     };
     let open = app.metrics.connections.clone();
-    let accept_proxy = accept_loop(
-        &app,
-        proxy,
+    accept_loop(
+        app,
+        listener,
         limit,
         open,
-        stop.clone(),
-        |app, stream, slot| {
+        stop,
+        move |app, stream, slot| {
             let peer = stream
                 .peer_addr()
                 .unwrap_or_else(|_| ([0, 0, 0, 0], 0).into());
@@ -74,16 +98,21 @@ pub async fn run(
                 TokioIo::new(stream),
                 svc,
                 Version::HTTP_11,
-                proxy_timeouts,
+                timeouts,
                 signal,
             )
         },
-    );
-    let admin_limit = Arc::new(Semaphore::new(ADMIN_MAX_CONNECTIONS));
-    let accept_admin = accept_loop(
-        &app,
-        admin,
-        admin_limit,
+    )
+    .await
+}
+
+/// The admin listener: its own cap and short timeouts, so probes are always answered.
+async fn accept_admin(app: &Arc<App>, listener: TcpListener, stop: watch::Receiver<bool>) {
+    let limit = Arc::new(Semaphore::new(ADMIN_MAX_CONNECTIONS));
+    accept_loop(
+        app,
+        listener,
+        limit,
         Gauge::default(),
         stop,
         |app, stream, slot| {
@@ -93,6 +122,7 @@ pub async fn run(
                 async move { Ok::<_, Infallible>(crate::admin::handle(a, req).await) }
             });
             async move {
+                // The admin connection holds its place until it ends.
                 let _slot = slot;
                 serve(
                     TokioIo::new(stream),
@@ -104,23 +134,8 @@ pub async fn run(
                 .await
             }
         },
-    );
-    let accepting = async { tokio::join!(accept_proxy, accept_admin) };
-    tokio::select! {
-        // Accept loops end only when the shutdown signal fires elsewhere.
-        _ = accepting => {}
-        // Our caller asked us to stop.
-        _ = shutdown => {}
-    }
-    tracing::info!(
-        grace_ms = cfg.proxy.shutdown_grace.as_millis() as u64,
-        "shutting down: draining connections"
-    );
-    if app.lifecycle.shutdown(cfg.proxy.shutdown_grace).await {
-        tracing::info!("all connections drained");
-    } else {
-        tracing::warn!("grace period over: closing remaining connections");
-    }
+    )
+    .await
 }
 
 /// Accepts connections while a place under `limit` is free (at the cap, new ones wait

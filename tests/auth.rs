@@ -406,3 +406,27 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
     assert_eq!(up.arrivals().len(), 20);
     s.stop().await;
 }
+
+#[test]
+fn passwd_prints_a_line_the_users_file_accepts() {
+    use std::io::Write;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["passwd", "carol", "--cost", "4"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"c4rol-pw\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let line = String::from_utf8(out.stdout).unwrap();
+    let (user, hash) = line.trim().split_once(':').unwrap();
+    assert_eq!(user, "carol");
+    assert!(bcrypt::verify("c4rol-pw", hash).unwrap());
+    assert!(sluice::auth::Users::parse(&line, &[]).is_ok());
+}
