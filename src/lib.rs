@@ -16,7 +16,8 @@
 //! - [`endpoint`]: endpoint resolution (header, proxy user, host/path rules, defaults).
 //! - [`destination`]: destination policy (allowed hosts, private-address refusal).
 //! - [`limiter`]: the [`limiter::Limiter`] over the [`limiter::BucketStore`] seam
-//!   (memory, Redis, Redis Cluster, fallback); the bucket math lives in [`limiter::bucket`].
+//!   (memory, Redis, Redis Cluster, Redis Sentinel, fallback); the bucket math lives in
+//!   [`limiter::bucket`].
 //! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.
 //! - [`forward`]: upstream client (pooled, rustls), hop-by-hop hygiene, CONNECT tunnels.
 //! - [`mitm`]: CA, leaf minting with a bounded cache, TLS termination of CONNECT.

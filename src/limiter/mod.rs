@@ -1,5 +1,6 @@
 //! Admission: the [`Limiter`] decides when a request may leave, over the
-//! [`BucketStore`] seam (memory, Redis, Redis Cluster, with a fallback wrapper).
+//! [`BucketStore`] seam (memory, Redis, Redis Cluster, Redis Sentinel, with a fallback
+//! wrapper that also knows how many replicas share the limits).
 //!
 //! One store call decides: a request either gets a reservation with its exact start
 //! time, or a refusal with the exact time until a token. A reserved request sleeps
