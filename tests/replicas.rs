@@ -736,3 +736,67 @@ async fn redis_killed_under_load_each_replica_falls_back_to_its_share() {
         r.stop().await;
     }
 }
+
+/// Acquire calls sluice made, from a MONITOR log: (reservations, confirmations). An
+/// acquire is `EVALSHA sha 1 key rate burst recovery budget held` (9 words); a
+/// confirmation carries a held generation, a reservation `""`.
+fn acquires(monitor: &str) -> (usize, usize) {
+    let mut calls = (0, 0);
+    for line in monitor.lines().filter(|l| !l.contains("lua]")) {
+        let Some(cmd) = line.split_once("] ").map(|(_, c)| c) else {
+            continue;
+        };
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        if words.first() == Some(&"\"EVALSHA\"") && words.len() == 9 {
+            if words[8] == "\"\"" {
+                calls.0 += 1;
+            } else {
+                calls.1 += 1;
+            }
+        }
+    }
+    calls
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturated_waiters_cost_one_store_call_per_grant() {
+    let redis = redis_support::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
+        redis.url()
+    );
+    let rs = replicas(&store, POLICY, 3).await;
+    eventually(
+        "every replica subscribed to cooldowns",
+        Duration::from_secs(10),
+        || {
+            redis
+                .cli(&["PUBSUB", "NUMSUB", "sluice:cooldowns"])
+                .is_some_and(|r| r.lines().nth(1) == Some("3"))
+        },
+    )
+    .await;
+    let up = Upstream::start().await;
+    // Scripts loaded first (a fresh Redis answers the first concurrent calls NOSCRIPT).
+    load(&rs, &up, &["warm"], 3, 1).await;
+    let monitor = redis.monitor();
+    // 3 replicas × 50 waiters, one request each, all queued at once.
+    let sent = load(&rs, &up, &["calls"], 150, 1).await;
+    let (reserve, confirm) = acquires(&monitor.stop());
+    let per_grant = (reserve + confirm) as f64 / sent as f64;
+    eprintln!(
+        "3 replicas × 50 waiters: {reserve} reservations + {confirm} confirmations for {sent} \
+         grants = {per_grant:.2} acquire calls per grant"
+    );
+    let times = times_of(&up, "calls");
+    assert_eq!(times.len(), sent);
+    assert_no_overdraw(&times, 40.0, 8.0);
+    assert_eq!(reserve, sent, "one reservation per request");
+    assert_eq!(
+        confirm, 0,
+        "no confirmation while no cooldown was announced"
+    );
+    for r in rs {
+        r.stop().await;
+    }
+}

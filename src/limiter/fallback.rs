@@ -341,6 +341,11 @@ impl BucketStore for Resilient {
         Some(self.peers.count())
     }
 
+    /// While degraded, always confirm (the local store answers at once anyway).
+    fn needs_confirm(&self, endpoint: &str, since: tokio::time::Instant) -> bool {
+        self.degraded.load(Ordering::Acquire) || self.primary.needs_confirm(endpoint, since)
+    }
+
     fn health(&self) -> StoreHealth {
         if self.degraded.load(Ordering::Acquire) {
             StoreHealth::Degraded

@@ -5,10 +5,14 @@
 //! One store call decides: a request either gets a reservation with its exact start
 //! time, or a refusal with the exact time until a token. A reserved request sleeps
 //! until its start (no polling); if its wait was non-zero it confirms once on waking, so
-//! a cooldown that began meanwhile (on any replica) still holds it back. A request
-//! whose sender hangs up while waiting gives its reservation back.
+//! a cooldown that began meanwhile (on any replica) still holds it back — unless the
+//! store can tell no cooldown began ([`BucketStore::needs_confirm`]: a single Redis
+//! announces cooldowns on pub/sub, see `cooldowns`), which makes a saturated endpoint
+//! cost one store call per grant. A request whose sender hangs up while waiting gives
+//! its reservation back.
 
 pub mod bucket;
+mod cooldowns;
 pub mod fallback;
 pub mod memory;
 pub mod redis;
@@ -79,6 +83,12 @@ pub trait BucketStore: Send + Sync {
     fn health(&self) -> StoreHealth {
         StoreHealth::Ok
     }
+    /// Whether a reservation made (sent) at `since` must be confirmed on waking: true
+    /// unless the store knows no cooldown of `endpoint` can have started since.
+    fn needs_confirm(&self, endpoint: &str, since: Instant) -> bool {
+        let _ = (endpoint, since);
+        true
+    }
     /// How many replicas share the limits, as the fallback wrapper last learned it
     /// (`None` for stores that are not shared).
     fn replicas(&self) -> Option<usize> {
@@ -147,6 +157,7 @@ impl Limiter {
         loop {
             let budget = policy.max_wait.saturating_sub(started.elapsed());
             let ask = Ask::new(policy, micros(budget), held);
+            let asked = Instant::now();
             let outcome = self
                 .store
                 .acquire(endpoint, ask)
@@ -183,7 +194,14 @@ impl Limiter {
                     };
                     tokio::time::sleep(from_micros(wait_us)).await;
                     guard.disarm();
-                    // Re-check on waking: a cooldown started meanwhile voids the reservation.
+                    // Re-check on waking — a cooldown started meanwhile voids the
+                    // reservation — unless the store heard of none since we asked.
+                    if !self.store.needs_confirm(endpoint, asked) {
+                        return Ok(Grant {
+                            waited: started.elapsed(),
+                            generation,
+                        });
+                    }
                     held = Some(generation);
                 }
             }

@@ -26,6 +26,7 @@ use redis::{
 };
 
 use super::bucket::{Ask, Outcome, View};
+use super::cooldowns::{CooldownWatch, follow};
 use super::sentinel::SentinelConn;
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
 use crate::config::{Adaptive, Backend, StoreConfig, StoreTls, redact};
@@ -182,6 +183,10 @@ pub struct RedisStore {
     prefix: String,
     timeout: Duration,
     stats: StoreStats,
+    /// `<prefix>cooldowns`: where `feedback.lua` announces cooldowns.
+    channel: String,
+    /// Cooldown notices heard (single Redis only; elsewhere waiters always confirm).
+    watch: Option<Arc<CooldownWatch>>,
 }
 
 /// Decides once whether a Redis error means the store is unreachable (transient: a
@@ -231,6 +236,8 @@ impl RedisStore {
     ) -> Result<RedisStore, StoreError> {
         let connect_timeout = cfg.timeout.max(MIN_CONNECT_TIMEOUT);
         let certs = tls_certificates(&cfg.tls).map_err(|e| StoreError::Protocol(e.to_string()))?;
+        let channel = format!("{}cooldowns", cfg.key_prefix);
+        let mut watch = None;
         let conn = match cfg.backend {
             Backend::RedisCluster => {
                 let seeds = || {
@@ -293,6 +300,9 @@ impl RedisStore {
                 .map_err(|e| {
                     StoreError::Protocol(format!("bad Redis URL {}: {e}", redact(&url)))
                 })?;
+                let w = Arc::new(CooldownWatch::default());
+                tokio::spawn(follow(client.clone(), channel.clone(), Arc::downgrade(&w)));
+                watch = Some(w);
                 let config = manager_config(cfg.timeout, connect_timeout);
                 let lazy = ConnectionManager::new_lazy_with_config(client, config)
                     .map_err(|e| classify(e, cfg.timeout))?;
@@ -311,6 +321,8 @@ impl RedisStore {
             prefix: cfg.key_prefix.clone(),
             timeout: cfg.timeout,
             stats,
+            channel,
+            watch,
         })
     }
 
@@ -478,7 +490,8 @@ impl BucketStore for RedisStore {
                 .arg(adaptive.decrease)
                 .arg(micros(adaptive.default_cooldown))
                 .arg(micros(pause))
-                .arg(u8::from(throttled));
+                .arg(u8::from(throttled))
+                .arg(&self.channel);
             self.run::<Value>(inv).await.map(drop)
         })
     }
@@ -509,6 +522,12 @@ impl BucketStore for RedisStore {
                 floor_for_us: f[5],
             }))
         })
+    }
+
+    fn needs_confirm(&self, endpoint: &str, since: tokio::time::Instant) -> bool {
+        self.watch
+            .as_ref()
+            .is_none_or(|w| !w.quiet_since(&self.key(endpoint), since))
     }
 
     fn ping(&self) -> StoreFuture<'_, ()> {

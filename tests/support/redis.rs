@@ -367,6 +367,32 @@ impl RedisServer {
         redis_cli(self.port, &self.opts, args)
     }
 
+    /// Starts `redis-cli MONITOR` on this server (a child of ours, killed by
+    /// [`Monitor::stop`] or on drop) and waits until it is attached.
+    pub fn monitor(&self) -> Monitor {
+        let file = tempfile::NamedTempFile::new().expect("temp file");
+        let out = file.reopen().expect("reopen temp file");
+        let child = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(self.opts.cli_args())
+            .arg("MONITOR")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-cli MONITOR");
+        let m = Monitor {
+            child: Some(child),
+            file,
+        };
+        // Attached once a marker command shows up in its output.
+        wait_until("MONITOR attached", Duration::from_secs(10), || {
+            self.cli(&["ECHO", "monitor-attached"]);
+            m.text().contains("monitor-attached")
+        });
+        m
+    }
+
     /// SIGKILLs the server (through the child handle) and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -574,5 +600,36 @@ impl SentinelSet {
         self.replica
             .cli(&["ROLE"])
             .is_some_and(|r| r.lines().next() == Some("master"))
+    }
+}
+
+/// A running `redis-cli MONITOR`, its output in a temp file.
+pub struct Monitor {
+    child: Option<Child>,
+    file: tempfile::NamedTempFile,
+}
+
+impl Monitor {
+    fn text(&self) -> String {
+        std::fs::read_to_string(self.file.path()).unwrap_or_default()
+    }
+
+    /// Stops it (by its handle) and returns every command line it saw.
+    pub fn stop(mut self) -> String {
+        self.kill();
+        self.text()
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
