@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Whole-process HTTP benchmark, side by side in one run:
-#   direct to a local upstream | through a bare hyper forwarder (examples/bare_forward.rs:
-#   the proxy hop alone, no limiting) | through sluice (memory store) | through sluice (Redis store)
-# The limit is set far above the load so it never binds: this measures sluice's overhead.
+#   direct to a local upstream | HAProxy 2.6 (nbthread 1, forwarding by the request
+#   target: set-dst url_ip / url_port) | a bare hyper forwarder (examples/bare_forward.rs:
+#   the proxy hop alone, no limiting) | sluice (memory store) | sluice (Redis store) |
+#   sluice (memory store, proxy authentication on)
+# The limit is set far above the load so it never binds: this measures forwarding cost.
+# Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DURATION=${DURATION:-10s}
-CONNS=${CONNS:-64}
-command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
-command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+DURATION=${DURATION:-8s}
+CONNS=${CONNS:-32}
+THREADS=${THREADS:-1}
+install() { local s=""; [ "$(id -u)" -eq 0 ] || s=sudo; $s apt-get update -qq && $s apt-get install -y -qq "$@"; }
+command -v wrk >/dev/null || install wrk
+command -v redis-server >/dev/null || install redis-server
+command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || install haproxy
+HAPROXY=$(command -v haproxy || echo /usr/sbin/haproxy)
 cargo build --release --quiet --bin sluice --example upstream --example bare_forward
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -18,42 +25,66 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 TMP=$(mktemp -d)
+declare -A PID_OF PORT_OF SCRIPT_OF
 
 UP=$(free_port); target/release/examples/upstream "127.0.0.1:$UP" 2>/dev/null & PIDS+=($!); wait_port "$UP"
+PORT_OF[direct]=$UP
 BF=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BF" 2>/dev/null & PIDS+=($!); wait_port "$BF"
+PORT_OF[bare-hyper-forwarder]=$BF; PID_OF[bare-hyper-forwarder]=$!
 RP=$(free_port); redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$RP"
 
-start_sluice() { # $1 = store section, $2 = extra [security] keys; sets SLUICE_PORT (no subshell: PIDS and the trap stay here)
+HP=$(free_port)
+cat > "$TMP/haproxy.cfg" <<CFG
+global
+  nbthread 1
+  maxconn 4096
+defaults
+  mode http
+  option http-keep-alive
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+frontend proxy
+  bind 127.0.0.1:$HP
+  default_backend dynamic
+backend dynamic
+  http-request set-dst url_ip
+  http-request set-dst-port url_port
+  server dyn 0.0.0.0:0
+CFG
+"$HAPROXY" -q -f "$TMP/haproxy.cfg" & PIDS+=($!); wait_port "$HP"
+PORT_OF[haproxy]=$HP; PID_OF[haproxy]=$!
+
+start_sluice() { # $1 name, $2 store section, $3 extra [security] keys (no subshell: PIDS and the trap stay here)
   local p a; p=$(free_port); a=$(free_port)
-  cat > "$TMP/s$p.toml" <<TOML
+  cat > "$TMP/$1.toml" <<TOML
 [proxy]
 listen = "127.0.0.1:$p"
 admin_listen = "127.0.0.1:$a"
-$1
+$2
 [defaults]
 rate = 1000000000.0
 burst = 1000000000.0
+[log]
+decisions = false
 [security]
 allow_private_destinations = true
-${2:-}
+${3:-}
 TOML
-  RUST_LOG=warn target/release/sluice run --config "$TMP/s$p.toml" & PIDS+=($!)
-  wait_port "$p"; SLUICE_PORT=$p
+  target/release/sluice run --config "$TMP/$1.toml" 2>/dev/null & PIDS+=($!)
+  wait_port "$p"; PORT_OF[$1]=$p; PID_OF[$1]=$!
 }
-start_sluice '[store]
+start_sluice sluice-memory '[store]
 backend = "memory"'
-MEM=$SLUICE_PORT
-start_sluice "[store]
+start_sluice sluice-redis "[store]
 backend = \"redis\"
 urls = [\"redis://127.0.0.1:$RP/\"]
 timeout = \"1s\""
-RED=$SLUICE_PORT
 # Proxy authentication on (bcrypt cost 10, as in production): kept-alive senders pay
 # bcrypt once, then hit the credentials cache.
 echo "bench-password" | target/release/sluice passwd bench > "$TMP/users.htpasswd"
-start_sluice '[store]
+start_sluice sluice-memory-auth '[store]
 backend = "memory"' "auth_users_file = \"$TMP/users.htpasswd\""
-AUTH=$SLUICE_PORT
 
 cat > "$TMP/proxy.lua" <<LUA
 wrk.path = "http://127.0.0.1:$UP/"
@@ -61,50 +92,59 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-run() { # $1 label, $2 target port, $3 extra args
-  wrk -t2 -c"$CONNS" -d2s --latency $3 "http://127.0.0.1:$2/" >/dev/null 2>&1 # warm-up
-  wrk -t2 -c"$CONNS" -d"$DURATION" --latency $3 "http://127.0.0.1:$2/" > "$TMP/$1.txt"
-  local rps p50 p99
+for s in haproxy bare-hyper-forwarder sluice-memory sluice-redis; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
+SCRIPT_OF[direct]=""
+
+cpu_ticks() { [ -n "${1:-}" ] && awk '{print $14+$15}' "/proc/$1/stat" || echo 0; }
+run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request"
+  local port=${PORT_OF[$1]} pid=${PID_OF[$1]:-} args=${SCRIPT_OF[$1]}
+  wrk -t"$THREADS" -c"$CONNS" -d2s $args "http://127.0.0.1:$port/" >/dev/null 2>&1 # warm-up
+  local before after; before=$(cpu_ticks "$pid")
+  wrk -t"$THREADS" -c"$CONNS" -d"$DURATION" --latency $args "http://127.0.0.1:$port/" > "$TMP/$1.txt"
+  after=$(cpu_ticks "$pid")
+  local rps p50 p99 n cpu
   rps=$(awk '/Requests\/sec/ {print $2}' "$TMP/$1.txt")
   p50=$(awk '$1=="50%" {print $2}' "$TMP/$1.txt")
   p99=$(awk '$1=="99%" {print $2}' "$TMP/$1.txt")
-  echo "$1|$rps|$p50|$p99"
+  n=$(awk '/requests in/ {print $1}' "$TMP/$1.txt")
+  cpu=$(python3 -c "import os; t=os.sysconf('SC_CLK_TCK'); print('-' if not '$pid' else f'{($after-$before)/t*1e6/$n:.1f}')")
+  echo "$1|$rps|$p50|$p99|$cpu"
 }
-# Interleaved rounds (A B C D, A B C D, ...): background noise on a shared machine hits
-# every scenario alike; each scenario reports its median round.
+# Interleaved rounds with the order rotated each round: background noise on a shared
+# machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
+NAMES=(direct haproxy bare-hyper-forwarder sluice-memory sluice-redis sluice-memory-auth)
 declare -A ALL
-for _ in $(seq "$ROUNDS"); do
-  ALL[direct]+="$(run direct "$UP" "")"$'\n'
-  ALL[bare-hyper-forwarder]+="$(run bare-hyper-forwarder "$BF" "-s $TMP/proxy.lua")"$'\n'
-  ALL[sluice-memory]+="$(run sluice-memory "$MEM" "-s $TMP/proxy.lua")"$'\n'
-  ALL[sluice-redis]+="$(run sluice-redis "$RED" "-s $TMP/proxy.lua")"$'\n'
-  ALL[sluice-memory-auth]+="$(run sluice-memory-auth "$AUTH" "-s $TMP/auth.lua")"$'\n'
+for r in $(seq 0 $((ROUNDS - 1))); do
+  for i in "${!NAMES[@]}"; do
+    name=${NAMES[$(((i + r) % ${#NAMES[@]}))]}
+    ALL[$name]+="$(run "$name")"$'\n'
+  done
 done
 median() { sort -t'|' -k2 -g | awk '{a[NR]=$0} END {print a[int((NR+1)/2)]}'; }
-ROWS=()
-for name in direct bare-hyper-forwarder sluice-memory sluice-redis sluice-memory-auth; do
-  ROWS+=("$(printf '%s' "${ALL[$name]}" | grep . | median)")
-done
-BASE=$(echo "${ROWS[0]}" | cut -d'|' -f2)
-BARE=$(echo "${ROWS[1]}" | cut -d'|' -f2)
-MEMRPS=$(echo "${ROWS[2]}" | cut -d'|' -f2)
-TABLE="| scenario | req/s | p50 | p99 | req/s vs direct | vs bare forwarder | vs sluice-memory |
-|---|---|---|---|---|---|---|"
-for r in "${ROWS[@]}"; do
-  IFS='|' read -r name rps p50 p99 <<<"$r"
-  TABLE+=$'\n'"| $name | $rps | $p50 | $p99 | $(python3 -c "print(f'{$rps/$BASE:.2f}')") | $(python3 -c "print(f'{$rps/$BARE:.2f}')") | $(python3 -c "print(f'{$rps/$MEMRPS:.2f}')") |"
+declare -A ROW
+for name in "${NAMES[@]}"; do ROW[$name]="$(printf '%s' "${ALL[$name]}" | grep . | median)"; done
+field() { echo "${ROW[$1]}" | cut -d'|' -f"$2"; }
+ratio() { python3 -c "a,b='$1','$2'; print('-' if '-' in (a,b) else f'{float(a)/float(b):.2f}')"; }
+TABLE="| scenario | req/s | p50 | p99 | proxy CPU µs/req | req/s vs HAProxy | CPU/req vs HAProxy | vs sluice-memory |
+|---|---|---|---|---|---|---|---|"
+for name in "${NAMES[@]}"; do
+  IFS='|' read -r n rps p50 p99 cpu <<<"${ROW[$name]}"
+  TABLE+=$'\n'"| $n | $rps | $p50 | $p99 | $cpu | $(ratio "$rps" "$(field haproxy 2)") | $(ratio "$cpu" "$(field haproxy 5)") | $(ratio "$rps" "$(field sluice-memory 2)") |"
 done
 echo "$TABLE"
 if [ "${1:-}" = "--write" ]; then
-  python3 - "$TABLE" "$(nproc)" "$DURATION" "$CONNS" "$ROUNDS" <<'PY'
+  python3 - "$TABLE" "$(nproc)" "$DURATION" "$CONNS" "$ROUNDS" "$THREADS" <<'PY'
 import sys, re, datetime
-table, cpus, dur, conns, rounds = sys.argv[1:]
+table, cpus, dur, conns, rounds, threads = sys.argv[1:]
 path = "docs/BENCHMARKS.md"
 doc = open(path).read()
 block = (f"<!-- http:begin -->\nMeasured {datetime.date.today()} on this {cpus}-core machine "
-         f"(load generator, upstream, sluice and Redis share the cores): "
-         f"`wrk -t2 -c{conns} -d{dur} --latency`, 2 s warm-up, {rounds} interleaved rounds, median round shown.\n\n{table}\n<!-- http:end -->")
+         f"(load generator, upstream, proxy and Redis share the cores): "
+         f"`wrk -t{threads} -c{conns} -d{dur} --latency`, 2 s warm-up, {rounds} interleaved rounds "
+         f"(order rotated), median round shown. CPU µs/req is the proxy process's own "
+         f"utime+stime over the measured run divided by its requests.\n\n{table}\n<!-- http:end -->")
 doc = re.sub(r"<!-- http:begin -->.*<!-- http:end -->", lambda m: block, doc, flags=re.S)
 open(path, "w").write(doc)
 PY

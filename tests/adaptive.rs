@@ -6,19 +6,17 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
 
 use common::{Reply, Upstream, client};
 
 /// One or more sluice replicas sharing a store.
 struct Fleet {
     replicas: Vec<sluice::app::Running>,
-    _redis: Option<redis_support::RedisServer>,
+    _redis: Option<common::redis::RedisServer>,
 }
-
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
 
 impl Fleet {
     async fn memory(extra: &str) -> Fleet {
@@ -29,7 +27,7 @@ impl Fleet {
     }
 
     async fn redis(extra: &str, n: usize) -> Fleet {
-        let server = redis_support::RedisServer::start();
+        let server = common::redis::RedisServer::start();
         let store = format!(
             "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
             server.url()
@@ -222,6 +220,8 @@ async fn endless_429s_stop_at_the_floor(fleet: Fleet) {
 async fn recovery_reaches_the_configured_rate(fleet: Fleet) {
     let up = Upstream::with(throttle_once("1".into())).await;
     let c = fleet.client(0);
+    // Before the 429 is sent, so before sluice hears it.
+    let t429 = Instant::now();
     assert_eq!(
         c.get(up.url("/trigger"))
             .header("x-endpoint-id", "rec")
@@ -233,10 +233,18 @@ async fn recovery_reaches_the_configured_rate(fleet: Fleet) {
     );
     let ep = fleet.endpoint("rec").await;
     assert!((ep["rate"].as_f64().unwrap() - 5.0).abs() < 0.1, "{ep}");
-    // Cooldown 1 s + recovery 2 s.
-    tokio::time::sleep(Duration::from_millis(3100)).await;
-    let ep = fleet.endpoint("rec").await;
-    assert_eq!(ep["rate"].as_f64().unwrap(), 10.0, "{ep}");
+    // Cooldown 1 s + recovery 2 s: back at the configured rate, and not before.
+    common::wait_for(
+        "the configured rate again",
+        Duration::from_secs(6),
+        || async { fleet.endpoint("rec").await["rate"].as_f64() == Some(10.0) },
+    )
+    .await;
+    assert!(
+        t429.elapsed() >= Duration::from_secs(3),
+        "recovered after {:?}, the climb takes 3 s",
+        t429.elapsed()
+    );
     // Measured at the upstream: saturate for a while after the burst.
     let t0 = Instant::now();
     let mut tasks = Vec::new();
@@ -322,10 +330,12 @@ const RECOVER: &str = "[defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"10s\"\
 
 macro_rules! both_stores {
     ($($name:ident => |$fleet:ident| $body:expr, with $cfg:expr;)*) => {
+        /// In virtual time: sluice, upstream and clients share one paused runtime over
+        /// loopback sockets, so cooldowns and climbs take no wall time.
         mod memory {
             use super::*;
             $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                #[tokio::test(start_paused = true)]
                 async fn $name() {
                     let $fleet = Fleet::memory($cfg).await;
                     $body.await

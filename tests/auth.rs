@@ -5,10 +5,17 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use base64::Engine;
 use common::{Upstream, assert_no_overdraw};
+
+use common::process::RunWithin;
+
+/// Longest any child process (curl, the sluice binary) may run before the test fails.
+const CHILD_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Cost 4: the minimum bcrypt accepts, so tests stay fast (production files use 10+).
 fn htpasswd(dir: &Path, users: &[(&str, &str)]) -> PathBuf {
@@ -310,8 +317,7 @@ fn check_names_bad_lines_of_the_users_file() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["check", "--config"])
         .arg(&cfg)
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("line 2"), "{err}");
@@ -409,20 +415,12 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
 
 #[test]
 fn passwd_prints_a_line_the_users_file_accepts() {
-    use std::io::Write;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["passwd", "carol", "--cost", "4"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"c4rol-pw\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = common::process::output_with_stdin(
+        std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["passwd", "carol", "--cost", "4"]),
+        Some(b"c4rol-pw\n"),
+        CHILD_DEADLINE,
+    );
     assert!(out.status.success());
     let line = String::from_utf8(out.stdout).unwrap();
     let (user, hash) = line.trim().split_once(':').unwrap();

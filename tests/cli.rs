@@ -1,6 +1,14 @@
 //! The `sluice` binary: `check` on good and bad files, `run` on a taken port, `ca init`.
 
+mod common;
+
 use std::process::Command;
+use std::time::Duration;
+
+use common::process::RunWithin;
+
+/// Longest any child process (curl, the sluice binary) may run before the test fails.
+const CHILD_DEADLINE: Duration = Duration::from_secs(30);
 
 fn sluice() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sluice"))
@@ -19,8 +27,7 @@ fn every_shipped_config_passes_check() {
                 let out = sluice()
                     .args(["check", "--config"])
                     .arg(&path)
-                    .output()
-                    .unwrap();
+                    .run_within(CHILD_DEADLINE);
                 assert!(
                     out.status.success(),
                     "{} fails check: {}",
@@ -47,8 +54,7 @@ fn check_names_every_bad_key_with_line_and_column() {
     let out = sluice()
         .args(["check", "--config"])
         .arg(&path)
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("2:8: defaults.rate"), "{err}");
@@ -61,8 +67,7 @@ fn check_names_every_bad_key_with_line_and_column() {
 fn check_on_a_missing_file_exits_1() {
     let out = sluice()
         .args(["check", "--config", "/nonexistent/sluice.toml"])
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/sluice.toml"));
 }
@@ -81,8 +86,7 @@ fn run_exits_2_naming_a_taken_port() {
     let out = sluice()
         .args(["run", "--config"])
         .arg(&path)
-        .output()
-        .unwrap();
+        .run_within(CHILD_DEADLINE);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&addr.to_string()), "{err}");

@@ -5,7 +5,9 @@ mod common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::{Reply, Upstream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -47,15 +49,12 @@ async fn metrics(admin: SocketAddr) -> String {
 
 /// Waits (at most 5 s) until `/metrics` contains `needle`.
 async fn wait_for_metric(admin: SocketAddr, needle: &str) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let m = metrics(admin).await;
-        if m.contains(needle) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "never saw {needle:?} in:\n{m}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::wait_for(
+        &format!("{needle:?} in /metrics"),
+        Duration::from_secs(5),
+        || async { metrics(admin).await.contains(needle) },
+    )
+    .await;
 }
 
 async fn tokens(admin: SocketAddr, id: &str) -> f64 {

@@ -3,16 +3,16 @@
 //! signals and logs matter.
 
 mod common;
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
 
 use std::io::Read;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use tokio::time::Instant;
+
+use common::process::{ChildGuard, output_within};
 use common::{Reply, Upstream, assert_no_overdraw, client, sustained_rate};
 
 async fn scrape(admin: std::net::SocketAddr) -> prometheus_parse::Scrape {
@@ -53,19 +53,15 @@ async fn every_spec_metric_is_exported_with_its_type_and_labels() {
         .await
         .unwrap();
     // Gauges are refreshed by the observer once a second.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let scrape = loop {
-        let sc = scrape(s.admin_addr).await;
-        if sc
+    common::wait_for("the observer's gauges", Duration::from_secs(5), || async {
+        scrape(s.admin_addr)
+            .await
             .samples
             .iter()
             .any(|x| x.metric == "sluice_endpoint_rate")
-            || Instant::now() > deadline
-        {
-            break sc;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
+    let scrape = scrape(s.admin_addr).await;
     let has = |name: &str, labels: &[&str]| {
         scrape
             .samples
@@ -171,19 +167,34 @@ async fn ten_thousand_endpoint_ids_cannot_blow_up_metrics() {
         .filter(|x| x.metric == "sluice_requests_total")
         .filter_map(|x| x.labels.get("endpoint").map(str::to_owned))
         .collect();
-    assert!(
-        endpoints.len() <= 51,
+    // The cap is used, not just respected: 50 ids by name, the rest folded into `_other`.
+    assert_eq!(
+        endpoints.len(),
+        51,
         "{} endpoint label values",
         endpoints.len()
     );
     assert!(endpoints.contains("_other"));
+    // And folding loses no request: the counts add up to what was sent.
+    let counted: f64 = sc
+        .samples
+        .iter()
+        .filter(|x| x.metric == "sluice_requests_total")
+        .map(|x| match x.value {
+            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+            ref other => panic!("sluice_requests_total is {other:?}"),
+        })
+        .sum();
+    assert_eq!(counted, 10_000.0);
     s.stop().await;
 }
 
 /// The sluice binary with a config file, its stderr collected.
 struct Proc {
-    child: Child,
+    child: ChildGuard,
     log: Arc<Mutex<String>>,
+    /// The stderr reader: done once the process closed its stderr.
+    reader: std::thread::JoinHandle<()>,
     admin: std::net::SocketAddr,
 }
 
@@ -225,20 +236,21 @@ impl Proc {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(args)
-            .args(["run", "--config"])
-            .arg(path)
-            .env("RUST_LOG", "debug")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = ChildGuard::spawn(
+            Command::new(env!("CARGO_BIN_EXE_sluice"))
+                .args(args)
+                .args(["run", "--config"])
+                .arg(path)
+                .env("RUST_LOG", "debug")
+                .envs(env.iter().copied())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped()),
+        );
         let log = Arc::new(Mutex::new(String::new()));
-        let mut stderr = child.stderr.take().unwrap();
+        let mut stderr = child.child().stderr.take().unwrap();
         let sink = Arc::clone(&log);
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok(n) = stderr.read(&mut buf) {
                 if n == 0 {
@@ -249,29 +261,31 @@ impl Proc {
                     .push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         });
-        let p = Proc { child, log, admin };
+        let p = Proc {
+            child,
+            log,
+            reader,
+            admin,
+        };
         p.wait_log("sluice listening", Duration::from_secs(10))
             .await;
         p
     }
 
     async fn wait_log(&self, needle: &str, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        while !self.log.lock().unwrap().contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "no {needle:?} in log:\n{}",
-                self.log.lock().unwrap()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("{needle:?} in the log");
+        common::wait_for(&what, limit, || async {
+            self.log.lock().unwrap().contains(needle)
+        })
+        .await;
     }
 
     fn signal(&self, sig: &str) {
-        Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .unwrap();
+        let out = output_within(
+            Command::new("kill").args([sig, &self.child.id().to_string()]),
+            Duration::from_secs(5),
+        );
+        assert!(out.status.success(), "kill {sig} failed: {out:?}");
     }
 
     async fn endpoints(&self) -> serde_json::Value {
@@ -283,11 +297,13 @@ impl Proc {
             .unwrap()
     }
 
+    /// SIGTERM, a clean exit within the grace period, and the whole log.
     fn stop(mut self) -> String {
         self.signal("-TERM");
-        let status = self.child.wait().unwrap();
+        let status = self.child.wait_within(Duration::from_secs(10));
         assert!(status.success(), "sluice exited with {status}");
-        std::thread::sleep(Duration::from_millis(50));
+        // The process is gone, so its stderr is closed: the reader ends with all of it.
+        self.reader.join().expect("log reader");
         self.log.lock().unwrap().clone()
     }
 }
@@ -334,7 +350,11 @@ async fn reload_changes_limits_under_load_and_refuses_bad_files() {
             n
         }));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Under load before the reload: the senders are past the burst.
+    common::wait_for("load at the old limit", Duration::from_secs(5), || async {
+        up.count() >= 6
+    })
+    .await;
     std::fs::write(&path, Proc::config(proxy, admin, &endpoint(50.0))).unwrap();
     p.signal("-HUP");
     p.wait_log("config reloaded", Duration::from_secs(5)).await;
@@ -397,7 +417,7 @@ async fn status_prints_every_endpoint_and_json_round_trips() {
         if json {
             cmd.arg("--json");
         }
-        cmd.output().unwrap()
+        output_within(&mut cmd, Duration::from_secs(10))
     };
     let table = tokio::task::spawn_blocking(move || (run(false), run(true)))
         .await
@@ -435,8 +455,7 @@ async fn status_prints_every_endpoint_and_json_round_trips() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_never_show_the_redis_password_or_proxy_credentials() {
     let secret = "hunter2-secret";
-    let mut redis =
-        redis_support::RedisServer::start_with(redis_support::Options::password(secret));
+    let mut redis = common::redis::RedisServer::start_with_password(secret);
     let port = redis.port();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
@@ -565,7 +584,21 @@ async fn an_endpoint_stuck_at_its_floor_is_logged_once_as_a_warning() {
             .await
             .unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Let the observer (one look a second) see it at the floor again, twice over.
+    let seen = ep["at_floor_secs"].as_f64().unwrap();
+    common::wait_for(
+        "two more observer periods at the floor",
+        Duration::from_secs(5),
+        || async {
+            let eps = p.endpoints().await;
+            eps.as_array().unwrap().iter().any(|e| {
+                e["id"] == "stuck"
+                    && e["at_floor"] == true
+                    && e["at_floor_secs"].as_f64().is_some_and(|s| s >= seen + 2.0)
+            })
+        },
+    )
+    .await;
     let log = p.stop();
     assert_eq!(log.matches(needle).count(), 1, "warning repeated:\n{log}");
     assert!(log.contains("WARN"), "not a warning:\n{log}");

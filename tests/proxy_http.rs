@@ -5,13 +5,16 @@ mod common;
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::{Reply, Upstream, assert_no_overdraw, client, sluice, sustained_rate};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Virtual time: pacing over real loopback sockets, with no wall-clock wait.
+#[tokio::test(start_paused = true)]
 async fn sixteen_senders_never_overdraw_and_use_the_rate() {
     let up = Upstream::start().await;
     let (rate, burst) = (100.0, 10.0);
@@ -58,11 +61,30 @@ async fn sixteen_senders_never_overdraw_and_use_the_rate() {
     s.stop().await;
 }
 
-#[tokio::test]
+// Virtual time: pacing over real loopback sockets, with no wall-clock wait.
+#[tokio::test(start_paused = true)]
 async fn waiting_requests_are_served_in_arrival_order() {
-    let up = Upstream::start().await;
+    // The first answer says the quota is spent for 1 s: a pause without a decrease, which
+    // also stops refill, so each waiter's reservation shows as exactly one token less.
+    let up = Upstream::with(Arc::new(|a| {
+        if a.path == "/quota" {
+            Reply::ok()
+                .header("x-ratelimit-remaining", "0")
+                .header("x-ratelimit-reset", "1")
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await;
     let s = sluice("[defaults]\nrate = 20.0\nburst = 1.0\nmax_wait = \"10s\"\n").await;
     let c = client(s.proxy_addr);
+    let r = c
+        .get(up.url("/quota"))
+        .header("x-endpoint-id", "fifo")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
     let mut tasks = Vec::new();
     for i in 0..12 {
         let (c, url) = (c.clone(), up.url(&format!("/seq/{i}")));
@@ -74,19 +96,25 @@ async fn waiting_requests_are_served_in_arrival_order() {
                 .unwrap()
                 .status()
         }));
-        // Space the senders so their arrival order at sluice is the index order.
-        tokio::time::sleep(Duration::from_millis(15)).await;
+        // The next sender starts only once this one holds its reservation.
+        common::wait_for_tokens_below(s.admin_addr, "fifo", -(i as f64)).await;
     }
     for t in tasks {
         assert_eq!(t.await.unwrap(), 200);
     }
-    let order: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
+    let order: Vec<String> = up
+        .arrivals()
+        .iter()
+        .map(|a| a.path.clone())
+        .filter(|p| p.starts_with("/seq/"))
+        .collect();
     let expected: Vec<String> = (0..12).map(|i| format!("/seq/{i}")).collect();
     assert_eq!(order, expected);
     s.stop().await;
 }
 
-#[tokio::test]
+// Virtual time: pacing over real loopback sockets, with no wall-clock wait.
+#[tokio::test(start_paused = true)]
 async fn refusal_is_503_with_retry_after_and_consumes_nothing() {
     let up = Upstream::start().await;
     let s = sluice("[defaults]\nrate = 2.0\nburst = 1.0\nmax_wait = \"0s\"\n").await;
@@ -98,6 +126,7 @@ async fn refusal_is_503_with_retry_after_and_consumes_nothing() {
         .await
         .unwrap();
     assert_eq!(first.status(), 200);
+    let mut last_retry_ms = 0;
     for _ in 0..5 {
         let r = c
             .get(up.url("/refused"))
@@ -118,9 +147,11 @@ async fn refusal_is_503_with_retry_after_and_consumes_nothing() {
         assert_eq!(body["endpoint"], "r");
         let ms = body["retry_after_ms"].as_u64().unwrap();
         assert!(ms > 0 && ms <= 500, "{ms}");
+        last_retry_ms = ms;
     }
-    // The refusals took nothing: one token is back after 1/rate.
-    tokio::time::sleep(Duration::from_millis(550)).await;
+    // The refusals took nothing: one token is back when the last refusal said it would.
+    // (Waiting out Retry-After is what a sender is told to do, not a readiness guess.)
+    tokio::time::sleep(Duration::from_millis(last_retry_ms)).await;
     let again = c
         .get(up.url("/b"))
         .header("x-endpoint-id", "r")
@@ -153,7 +184,8 @@ async fn saturating_one_endpoint_adds_no_wait_to_another() {
                 .map(|r| r.status())
         }));
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Hogs are queued inside sluice (at least ten reservations beyond the burst).
+    common::wait_for_tokens_below(s.admin_addr, "busy", -9.0).await;
     for i in 0..5 {
         let started = Instant::now();
         let r = c
@@ -212,11 +244,7 @@ async fn hop_by_hop_and_proxy_headers_never_reach_the_upstream() {
 }
 
 async fn raw(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let _ = s.write_all(bytes).await;
-    let mut out = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
-    String::from_utf8_lossy(&out).into_owned()
+    common::raw_exchange(addr, bytes).await
 }
 
 #[tokio::test]
@@ -278,6 +306,8 @@ async fn connect_tunnels_are_paced_once_per_connect() {
             .contains("x-sluice-reason: rate_limited")
     );
     assert_eq!(up.count(), 2);
+    // Close the tunnel: shutdown would otherwise wait its grace period for it.
+    drop(t);
     s.stop().await;
 }
 
@@ -382,13 +412,16 @@ async fn shutdown_lets_waiting_requests_finish() {
     let up = Upstream::start().await;
     let s = sluice("[defaults]\nrate = 2.0\nburst = 1.0\nmax_wait = \"5s\"\n").await;
     let c = client(s.proxy_addr);
-    assert_eq!(c.get(up.url("/1")).send().await.unwrap().status(), 200);
-    let (c2, url) = (c.clone(), up.url("/2"));
-    let waiting = tokio::spawn(async move { c2.get(&url).send().await.map(|r| r.status()) });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let get = |c: &reqwest::Client, path: &str| {
+        c.get(up.url(path)).header("x-endpoint-id", "shut").send()
+    };
+    assert_eq!(get(&c, "/1").await.unwrap().status(), 200);
+    let waiting = tokio::spawn(get(&c, "/2"));
+    // The second request holds a reservation (the balance went below 0) before shutdown.
+    common::wait_for_tokens_below(s.admin_addr, "shut", 0.0).await;
     s.stop().await;
     assert_eq!(
-        waiting.await.unwrap().unwrap(),
+        waiting.await.unwrap().unwrap().status(),
         200,
         "the waiting request was served before exit"
     );

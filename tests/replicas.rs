@@ -2,13 +2,12 @@
 //! when the store dies, stalls or comes back empty.
 
 mod common;
-#[path = "support/redis.rs"]
-#[allow(dead_code)]
-mod redis_support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::{Upstream, assert_no_overdraw, client, sustained_rate};
 
@@ -61,7 +60,7 @@ async fn until_back_on_redis(
     c: &reqwest::Client,
     up: &Upstream,
     ep: &str,
-    node: &redis_support::RedisServer,
+    node: &common::redis::RedisServer,
     limit: Duration,
 ) {
     let key = format!("sluice:{{{ep}}}");
@@ -189,18 +188,6 @@ fn assert_exactly_once(sent: &[Sent], up: &Upstream) -> usize {
     refused
 }
 
-/// Waits (without blocking the runtime) until `ok` holds; panics after `limit`.
-async fn eventually(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Instant {
-    let deadline = Instant::now() + limit;
-    loop {
-        if ok() {
-            return Instant::now();
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Polls every replica's `/readyz` every 50 ms until stopped; returns, per replica, the
 /// total time it reported `"store":"degraded"`.
 struct DegradedClock {
@@ -289,7 +276,7 @@ async fn three_replicas_share_one_redis(store: &str) {
 }
 
 /// 3 replicas on a 3-master cluster (`urls` quoted, `extra` more `[store]` keys).
-async fn three_replicas_share_a_cluster(cluster: &redis_support::RedisCluster, extra: &str) {
+async fn three_replicas_share_a_cluster(cluster: &common::redis::RedisCluster, extra: &str) {
     let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
     let store = format!(
         "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\n{extra}",
@@ -326,7 +313,7 @@ async fn three_replicas_share_a_cluster(cluster: &redis_support::RedisCluster, e
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_one_redis_never_overdraw() {
-    let redis = redis_support::RedisServer::start();
+    let redis = common::redis::RedisServer::start();
     three_replicas_share_one_redis(&format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
         redis.url()
@@ -336,15 +323,15 @@ async fn three_replicas_on_one_redis_never_overdraw() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_a_redis_cluster_never_overdraw() {
-    let cluster = redis_support::RedisCluster::start();
+    let cluster = common::redis::RedisCluster::start();
     three_replicas_share_a_cluster(&cluster, "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_over_mutual_tls_to_one_redis_never_overdraw() {
-    let tls = redis_support::RedisTls::generate();
+    let tls = common::redis::RedisTls::generate();
     // The server demands a client certificate signed by the test CA.
-    let redis = redis_support::RedisServer::start_with(redis_support::Options::tls(&tls, "yes"));
+    let redis = common::redis::RedisServer::start_with(common::redis::Options::tls(&tls, "yes"));
     assert!(redis.url().starts_with("rediss://"));
     three_replicas_share_one_redis(&format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n{}",
@@ -356,16 +343,16 @@ async fn three_replicas_over_mutual_tls_to_one_redis_never_overdraw() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_a_tls_redis_cluster_never_overdraw() {
-    let tls = redis_support::RedisTls::generate();
+    let tls = common::redis::RedisTls::generate();
     // Bus and replication over TLS too; sluice trusts the CA and shows no certificate.
     let cluster =
-        redis_support::RedisCluster::start_with(redis_support::Options::tls(&tls, "optional"));
+        common::redis::RedisCluster::start_with(common::redis::Options::tls(&tls, "optional"));
     three_replicas_share_a_cluster(&cluster, &tls.store_keys(false)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty() {
-    let mut redis = redis_support::RedisServer::start();
+    let mut redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\non_error = \"local\"\n",
         redis.url()
@@ -394,16 +381,42 @@ async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty
             statuses
         })
     };
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Paced on Redis first: past the burst, some requests have arrived.
+    common::wait_for(
+        "arrivals paced on Redis",
+        Duration::from_secs(5),
+        || async { times_of(&up, "out").len() >= 8 },
+    )
+    .await;
     redis.kill();
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let degraded: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
-    assert_eq!(degraded["store"], "degraded");
+    let killed = Instant::now();
+    common::wait_for("readyz to say degraded", Duration::from_secs(5), || async {
+        let r: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+        r["store"] == "degraded"
+    })
+    .await;
+    // Served locally while Redis is dead: more requests arrive during the outage.
+    let before = times_of(&up, "out").len();
+    common::wait_for(
+        "arrivals during the outage",
+        Duration::from_secs(5),
+        || async { times_of(&up, "out").len() >= before + 4 },
+    )
+    .await;
+    let restarted = Instant::now();
     redis.restart(); // same port, empty: no keys, no scripts
     let statuses = sender.await.unwrap();
     assert!(
-        statuses.iter().all(|s| *s == 200),
+        !statuses.is_empty() && statuses.iter().all(|s| *s == 200),
         "a sender saw {statuses:?}"
+    );
+    let during = times_of(&up, "out")
+        .iter()
+        .filter(|t| **t > killed && **t < restarted)
+        .count();
+    assert!(
+        during >= 4,
+        "only {during} requests were served during the outage"
     );
     // Pacing continued locally: the whole run stayed within the bound.
     let times = times_of(&up, "out");
@@ -419,14 +432,23 @@ async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty
         .text()
         .await
         .unwrap();
-    assert!(metrics.contains("sluice_store_errors_total"), "{metrics}");
+    // The counter is exported from start-up; the outage must have counted errors.
+    let errors: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("sluice_store_errors_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sluice_store_errors_total sample:\n{metrics}"));
+    assert!(
+        errors >= 1.0,
+        "no store error counted during the outage:\n{metrics}"
+    );
     s.stop().await;
 }
 
 async fn stalled_redis(
     on_error: &str,
-) -> (redis_support::RedisServer, sluice::app::Running, Upstream) {
-    let redis = redis_support::RedisServer::start();
+) -> (common::redis::RedisServer, sluice::app::Running, Upstream) {
+    let redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"150ms\"\non_error = \"{on_error}\"\n",
         redis.url()
@@ -494,7 +516,7 @@ async fn a_stalled_redis_with_allow_forwards_unlimited() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_deny() {
-    let mut redis = redis_support::RedisServer::start();
+    let mut redis = common::redis::RedisServer::start();
     redis.kill();
     let store = |on_error: &str| {
         format!(
@@ -539,7 +561,7 @@ async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_d
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_back() {
-    let mut cluster = redis_support::RedisCluster::start();
+    let mut cluster = common::redis::RedisCluster::start();
     let seeds = cluster
         .urls()
         .iter()
@@ -573,7 +595,7 @@ async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_bac
         n.revive();
     }
     for n in &cluster.nodes {
-        redis_support::wait_until("cluster_state:ok", Duration::from_secs(20), || {
+        common::redis::wait_until("cluster_state:ok", Duration::from_secs(20), || {
             n.cli(&["CLUSTER", "INFO"])
                 .is_some_and(|i| i.contains("cluster_state:ok"))
         });
@@ -587,7 +609,7 @@ async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_bac
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_failover_under_load_is_followed_without_a_restart() {
-    let mut set = redis_support::SentinelSet::start("sluice");
+    let mut set = common::redis::SentinelSet::start("sluice");
     let urls: Vec<String> = set
         .sentinel_urls()
         .iter()
@@ -609,31 +631,31 @@ async fn a_sentinel_failover_under_load_is_followed_without_a_restart() {
     let up = Upstream::start().await;
     let load = Saturation::start(&rs, &up, "fo", 6, 1_000);
     let clock = DegradedClock::start(&rs);
-    eventually("load under way", Duration::from_secs(10), || {
-        up.count() >= 30
+    common::wait_for("load under way", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= 30)
     })
     .await;
     let killed = Instant::now();
     set.master.kill(); // SIGKILL, by its handle
-    let promoted = eventually(
+    common::wait_for(
         "the sentinels to promote the replica",
         Duration::from_secs(30),
-        || set.replica_promoted(),
+        || std::future::ready(set.replica_promoted()),
     )
     .await;
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !all_ready(&rs).await {
-        assert!(
-            Instant::now() < deadline,
-            "sluice never followed the new master"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let promoted = Instant::now();
+    let all = &rs;
+    common::wait_for(
+        "every sluice replica on the new master",
+        Duration::from_secs(15),
+        move || all_ready(all),
+    )
+    .await;
     let followed = Instant::now();
     // Keep the load on a little longer, on the new master.
     let seen = up.count();
-    eventually("load on the new master", Duration::from_secs(10), || {
-        up.count() >= seen + 30
+    common::wait_for("load on the new master", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= seen + 30)
     })
     .await;
     let sent = load.finish().await;
@@ -674,7 +696,7 @@ async fn a_sentinel_failover_under_load_is_followed_without_a_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_under_load_each_replica_falls_back_to_its_share() {
-    let mut redis = redis_support::RedisServer::start();
+    let mut redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\non_error = \"local\"\n",
         redis.url()
@@ -707,16 +729,16 @@ async fn redis_killed_under_load_each_replica_falls_back_to_its_share() {
     }
     let up = Upstream::start().await;
     let load = Saturation::start(&rs, &up, "share", 4, 1_000);
-    eventually("load under way", Duration::from_secs(10), || {
-        up.count() >= 30
+    common::wait_for("load under way", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= 30)
     })
     .await;
     let seen = up.count();
     let killed = Instant::now();
     redis.kill();
     // Three seconds' worth of the limit during the outage (one second if it were 3×).
-    eventually("load during the outage", Duration::from_secs(15), || {
-        up.count() >= seen + 60
+    common::wait_for("load during the outage", Duration::from_secs(15), || {
+        std::future::ready(up.count() >= seen + 60)
     })
     .await;
     let outage = killed.elapsed();
@@ -760,19 +782,21 @@ fn acquires(monitor: &str) -> (usize, usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn saturated_waiters_cost_one_store_call_per_grant() {
-    let redis = redis_support::RedisServer::start();
+    let redis = common::redis::RedisServer::start();
     let store = format!(
         "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
         redis.url()
     );
     let rs = replicas(&store, POLICY, 3).await;
-    eventually(
+    common::wait_for(
         "every replica subscribed to cooldowns",
         Duration::from_secs(10),
         || {
-            redis
-                .cli(&["PUBSUB", "NUMSUB", "sluice:cooldowns"])
-                .is_some_and(|r| r.lines().nth(1) == Some("3"))
+            std::future::ready(
+                redis
+                    .cli(&["PUBSUB", "NUMSUB", "sluice:cooldowns"])
+                    .is_some_and(|r| r.lines().nth(1) == Some("3")),
+            )
         },
     )
     .await;

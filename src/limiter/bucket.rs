@@ -3,7 +3,8 @@
 //! The memory store runs these functions under a lock; `lua/acquire.lua` and
 //! `lua/feedback.lua` are line-for-line ports of them, and the shared behaviour suite
 //! holds both to the same results. Times are microseconds on the store's own clock
-//! (monotonic in memory, Redis `TIME` in Redis), as `f64`.
+//! (tokio's monotonic clock in memory, which tests can pause; Redis `TIME` in Redis), as
+//! `f64`.
 //!
 //! The model is a reservation bucket: `tokens` is the balance at time `ts`, and may go
 //! negative, each missing token being a reservation that starts `1/rate` later than the

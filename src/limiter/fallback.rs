@@ -20,13 +20,16 @@
 //! `store.fallback_min_replicas`. A request holding a shared reservation that leaves
 //! during the outage is charged to the local bucket, so the reservations the shared
 //! bucket handed out before the outage are not granted a second time locally.
+//!
+//! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
 use super::memory::MemoryStore;

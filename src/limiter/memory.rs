@@ -1,5 +1,10 @@
 //! The in-process bucket store: the [`bucket`](super::bucket) math under sharded locks,
-//! on a monotonic clock.
+//! on tokio's monotonic clock.
+//!
+//! The clock is [`tokio::time::Instant`], the one the limiter sleeps on: under
+//! `tokio::time::pause()` the buckets refill only as virtual time advances, so bucket,
+//! cooldown and recovery behaviour can be tested deterministically. Outside a paused
+//! runtime it reads the same monotonic clock as `std::time::Instant`.
 //!
 //! Idle buckets (full again, no cooldown, no decrease to remember) are evicted by an
 //! amortised sweep, the analogue of the Redis key expiry, so a sender spraying endpoint
@@ -9,7 +14,9 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::bucket::{self, Ask, BucketState, Outcome, View};
 use super::{BucketStore, StoreError, StoreFuture};
@@ -202,8 +209,8 @@ mod tests {
     use super::*;
     use crate::config::Policy;
 
-    #[test]
-    fn idle_buckets_are_evicted() {
+    #[tokio::test(start_paused = true)]
+    async fn idle_buckets_are_evicted() {
         let store = MemoryStore::new();
         let p = Policy {
             rate: 1000.0,
@@ -215,7 +222,9 @@ mod tests {
         for i in 0..5000 {
             store.acquire_now(&format!("spray-{i}"), ask);
         }
-        std::thread::sleep(Duration::from_millis(5));
+        assert!(!store.is_empty(), "buckets one token short are kept");
+        // One token at 1000/s refills in 1 ms: after that every bucket is idle again.
+        tokio::time::advance(Duration::from_millis(1)).await;
         store.sweep_all();
         assert_eq!(store.len(), 0);
     }

@@ -10,6 +10,10 @@
 //! announces cooldowns on pub/sub, see `cooldowns`), which makes a saturated endpoint
 //! cost one store call per grant. A request whose sender hangs up while waiting gives
 //! its reservation back.
+//!
+//! In-process time is tokio's ([`tokio::time::Instant`]) throughout: the limiter's
+//! sleeps, the memory store's buckets and the fallback's probe interval read one clock,
+//! so under `tokio::time::pause()` all of them move only with virtual time.
 
 pub mod bucket;
 mod cooldowns;
@@ -319,6 +323,7 @@ impl Default for StoreStats {
 mod tests {
     use super::*;
     use crate::config::{MAX_RATE, MIN_RATE};
+    use crate::limiter::memory::MemoryStore;
     use proptest::prelude::*;
 
     proptest! {
@@ -374,5 +379,23 @@ mod tests {
         assert_eq!(from_micros(-5.0), Duration::ZERO);
         assert!(from_micros(f64::INFINITY) > Duration::from_secs(86_400 * 365));
         assert!(from_micros(1e300) > Duration::from_secs(86_400 * 365));
+    }
+
+    /// Sleeps and bucket refill share tokio's clock: in virtual time the waits are exact.
+    #[tokio::test(start_paused = true)]
+    async fn waits_are_exact_in_virtual_time() {
+        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
+        let policy = Policy {
+            rate: 4.0,
+            burst: 1.0,
+            max_wait: Duration::from_secs(10),
+            adaptive: None,
+        };
+        let mut waits = Vec::new();
+        for _ in 0..3 {
+            waits.push(limiter.admit("v", &policy).await.map(|g| g.waited));
+        }
+        let quarter = Duration::from_millis(250);
+        assert_eq!(waits, [Ok(Duration::ZERO), Ok(quarter), Ok(quarter)]);
     }
 }

@@ -10,11 +10,12 @@
 //! flushed Redis) loads the script and retries once ([`Script::invoke_async`]; in a
 //! cluster `SCRIPT LOAD` goes to every node). Every call is bounded by `store.timeout`,
 //! latency and failures are recorded in [`StoreStats`], and errors are classified once,
-//! in [`classify`].
+//! in [`classify`]. Bucket times come from Redis `TIME` (the server clock, shared by
+//! every replica); only the call latency is measured on tokio's clock here.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use base64::Engine;
 
@@ -24,6 +25,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{
     ClientTlsConfig, FromRedisValue, RedisError, Script, ScriptInvocation, TlsCertificates, Value,
 };
+use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
 use super::cooldowns::{CooldownWatch, follow};

@@ -1,11 +1,16 @@
-//! Shared test fixtures: a real upstream HTTP server on 127.0.0.1:0 that records
-//! arrival times, a sluice started through the library, and property checks.
+//! Shared test support, one module for every test file (`mod common;`): a real upstream
+//! HTTP server on 127.0.0.1:0 that records arrival times, a sluice started through the
+//! library, property checks, waiting for a condition with a deadline ([`wait_for`]),
+//! private Redis servers ([`redis`]), HTTPS upstreams ([`tls`]) and child processes that
+//! die with the test ([`process`]).
 #![allow(dead_code)]
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
@@ -16,7 +21,29 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
+pub mod process;
+pub mod redis;
 pub mod tls;
+
+/// Polls the async condition `ok` every 20 ms until it holds; panics after `deadline`,
+/// naming `what`. The way to wait for a state change (never a fixed sleep).
+pub async fn wait_for<F, Fut>(what: &str, deadline: Duration, mut ok: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + deadline;
+    loop {
+        if ok().await {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
 
 /// One request as the upstream saw it.
 #[derive(Debug, Clone)]
@@ -228,4 +255,66 @@ pub fn sustained_rate(times: &[Instant], burst: usize) -> f64 {
     assert!(n > burst + 1, "too few arrivals: {n}");
     let span = (t[n - 1] - t[0]).as_secs_f64();
     (n - burst) as f64 / span
+}
+
+/// The token balance `/endpoints` reports for `id` (`None` while sluice holds no bucket).
+pub async fn tokens(admin: SocketAddr, id: &str) -> Option<f64> {
+    let all: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    all.as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == id)
+        .and_then(|e| e["tokens"].as_f64())
+}
+
+/// Waits until `id`'s balance is below `bound`. Refill only ever raises a balance, so a
+/// balance below `burst - n + 1` proves at least `n` tokens are taken or reserved: the way
+/// to know requests are waiting inside sluice without sleeping.
+pub async fn wait_for_tokens_below(admin: SocketAddr, id: &str, bound: f64) {
+    wait_for(
+        &format!("{id}'s balance below {bound}"),
+        Duration::from_secs(5),
+        || async { tokens(admin, id).await.is_some_and(|t| t < bound) },
+    )
+    .await;
+}
+
+/// Sends raw bytes to `addr` and returns one whole response: the head, then as many body
+/// bytes as its `Content-Length` says (or up to the close). Reading to the end of the
+/// connection instead would wait for the keep-alive timeout on every answer.
+pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // The server may answer and close before reading everything (e.g. a 431).
+    let _ = s.write_all(bytes).await;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let complete = |out: &[u8]| {
+        let Some(end) = out.windows(4).position(|w| w == b"\r\n\r\n") else {
+            return false;
+        };
+        let head = String::from_utf8_lossy(&out[..end]).to_ascii_lowercase();
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        length.is_some_and(|n| out.len() >= end + 4 + n)
+    };
+    let read = async {
+        while !complete(&out) {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("a whole response within 10 s");
+    String::from_utf8_lossy(&out).into_owned()
 }

@@ -1,24 +1,24 @@
 //! Private Redis servers for tests: a single node or a 3-master cluster, each on free
 //! ports with its own temp directory, signalled and killed only through their own child
-//! handles (never the Redis that may already listen on 6379).
+//! handles (never the Redis that may already listen on 6379). Each server is held by a
+//! [`ChildGuard`]: it dies with the test, panicking or not.
 //!
-//! Include from a test file with:
-//! ```ignore
-//! #[path = "support/redis.rs"]
-//! #[allow(dead_code)]
-//! mod redis_support;
-//! ```
+//! Use from a test file as `common::redis::RedisServer` (with `mod common;`).
 //! Needs `redis-server` and `redis-cli` on PATH (`.ci/run` installs them), both built
 //! with TLS for the `rediss://` tests (Debian's are).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::process::ChildGuard;
+
 /// How long a server may take to answer PING after spawning.
 const START_DEADLINE: Duration = Duration::from_secs(10);
+/// Longest a redis-cli call may take.
+const CLI_DEADLINE: Duration = Duration::from_secs(10);
 /// Attempts at finding a free port before giving up (another process may take the port
 /// between our probe bind and redis-server's bind).
 const PORT_ATTEMPTS: usize = 8;
@@ -212,20 +212,18 @@ impl Options {
 }
 
 fn redis_cli(port: u16, opts: &Options, args: &[&str]) -> Option<String> {
-    let out = Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(opts.cli_args())
-        .args(args)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(opts.cli_args());
+    // Bounded: a stopped (SIGSTOP) server would otherwise hang the test forever.
+    let out = super::process::output_within(cmd.args(args), CLI_DEADLINE);
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-/// Polls `ok` every 20 ms until it holds, panicking after `deadline`.
+/// Polls `ok` every 20 ms until it holds, panicking after `deadline` (blocking; for
+/// async conditions use [`super::wait_for`]).
 pub fn wait_until(what: &str, deadline: Duration, mut ok: impl FnMut() -> bool) {
     let end = Instant::now() + deadline;
     loop {
@@ -242,7 +240,7 @@ pub fn wait_until(what: &str, deadline: Duration, mut ok: impl FnMut() -> bool) 
 
 /// One redis-server child process.
 pub struct RedisServer {
-    child: Option<Child>,
+    child: Option<ChildGuard>,
     port: u16,
     dir: tempfile::TempDir,
     cluster: bool,
@@ -255,7 +253,12 @@ impl RedisServer {
         RedisServer::spawn(false, Options::default())
     }
 
-    /// Starts a single node with `opts` (TLS, password) and waits until it answers.
+    /// Starts a single node that requires `password` (`--requirepass`).
+    pub fn start_with_password(password: &str) -> RedisServer {
+        RedisServer::spawn(false, Options::password(password))
+    }
+
+    /// Starts a single node with `opts` (TLS, password, replica, sentinel).
     pub fn start_with(opts: Options) -> RedisServer {
         RedisServer::spawn(false, opts)
     }
@@ -312,7 +315,7 @@ impl RedisServer {
                 .arg(self.dir.path().join("nodes.conf"));
         }
         let mut child = match cmd.spawn() {
-            Ok(c) => c,
+            Ok(c) => ChildGuard::from(c),
             Err(e) => panic!(
                 "cannot run redis-server ({e}): install it (e.g. `apt-get install redis-server`; \
                  .ci/run does) so the Redis tests can start their own servers"
@@ -321,7 +324,7 @@ impl RedisServer {
         let pid = child.id().to_string();
         let end = Instant::now() + START_DEADLINE;
         loop {
-            if let Ok(Some(_)) = child.try_wait() {
+            if let Ok(Some(_)) = child.child().try_wait() {
                 return false;
             }
             // Make sure the server answering is ours, not one that holds the port.
@@ -334,22 +337,25 @@ impl RedisServer {
                 return true;
             }
             if Instant::now() >= end {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 panic!("redis-server on port {} never answered", self.port);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
-    /// `redis://127.0.0.1:PORT/` (`rediss://` with TLS, no password in it).
+    /// `redis://127.0.0.1:PORT/` (`rediss://` with TLS), with the password when there is
+    /// one.
     pub fn url(&self) -> String {
         let scheme = if self.opts.tls.is_some() {
             "rediss"
         } else {
             "redis"
         };
-        format!("{scheme}://127.0.0.1:{}/", self.port)
+        match &self.opts.password {
+            Some(p) => format!("{scheme}://:{p}@127.0.0.1:{}/", self.port),
+            None => format!("{scheme}://127.0.0.1:{}/", self.port),
+        }
     }
 
     /// The port.
@@ -359,7 +365,7 @@ impl RedisServer {
 
     /// The child's pid, while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.child.as_ref().map(ChildGuard::id)
     }
 
     /// Runs a redis-cli command against this server; `None` when it fails.
@@ -372,15 +378,15 @@ impl RedisServer {
     pub fn monitor(&self) -> Monitor {
         let file = tempfile::NamedTempFile::new().expect("temp file");
         let out = file.reopen().expect("reopen temp file");
-        let child = Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(self.opts.cli_args())
-            .arg("MONITOR")
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-cli MONITOR");
+        let child = ChildGuard::spawn(
+            Command::new("redis-cli")
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+                .args(self.opts.cli_args())
+                .arg("MONITOR")
+                .stdin(Stdio::null())
+                .stdout(out)
+                .stderr(Stdio::null()),
+        );
         let m = Monitor {
             child: Some(child),
             file,
@@ -396,8 +402,7 @@ impl RedisServer {
     /// SIGKILLs the server (through the child handle) and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            c.kill();
         }
     }
 
@@ -422,7 +427,10 @@ impl RedisServer {
     /// Sends `sig` to our child only (by its pid).
     fn signal(&self, sig: &str) {
         if let Some(pid) = self.pid() {
-            let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
+            let _ = Command::new("kill")
+                .args([sig, &pid.to_string()])
+                .stdin(Stdio::null())
+                .status();
         }
     }
 
@@ -478,17 +486,15 @@ impl RedisCluster {
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        let out = Command::new("redis-cli")
-            .args(opts.cli_args())
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-            .expect("redis-cli not found: install redis-server (it ships redis-cli)");
+        let out = super::process::output_within(
+            Command::new("redis-cli")
+                .args(opts.cli_args())
+                .arg("--cluster")
+                .arg("create")
+                .args(&addrs)
+                .args(["--cluster-replicas", "0", "--cluster-yes"]),
+            Duration::from_secs(30),
+        );
         assert!(
             out.status.success(),
             "cluster create failed: {}",
@@ -605,7 +611,7 @@ impl SentinelSet {
 
 /// A running `redis-cli MONITOR`, its output in a temp file.
 pub struct Monitor {
-    child: Option<Child>,
+    child: Option<ChildGuard>,
     file: tempfile::NamedTempFile,
 }
 
@@ -622,14 +628,7 @@ impl Monitor {
 
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            c.kill();
         }
-    }
-}
-
-impl Drop for Monitor {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
