@@ -13,7 +13,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice::config::{Adaptive, Backend, Config, OnError, Policy, StoreConfig};
+use sluice::config::{
+    Adaptive, Backend, ClientCert, Config, OnError, Policy, StoreConfig, StoreTls,
+};
 use sluice::limiter::memory::MemoryStore;
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, Limiter, Outcome, StoreFuture, StoreStats, View};
@@ -573,4 +575,38 @@ async fn sentinel_decides_on_the_master_and_scripts_reload() {
         ),
         "NOSCRIPT recovered"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_verifies_the_server_and_presents_the_client_certificate() {
+    let tls = common::redis::RedisTls::generate();
+    let stranger = common::redis::RedisTls::generate();
+    let server = common::redis::RedisServer::start_with(common::redis::Options::tls(&tls, "yes"));
+    let connect = |ca: &std::path::Path, mutual: bool| {
+        let cfg = StoreConfig {
+            tls: StoreTls {
+                ca_file: Some(ca.to_owned()),
+                client: mutual.then(|| ClientCert {
+                    cert_file: tls.client_cert.clone(),
+                    key_file: tls.client_key.clone(),
+                }),
+            },
+            ..store_config(Backend::Redis, vec![server.url()])
+        };
+        async move { RedisStore::connect(&cfg, StoreStats::default()).await }
+    };
+    assert!(
+        connect(&tls.ca, false).await.is_err(),
+        "the server demands a client certificate"
+    );
+    assert!(
+        connect(&stranger.ca, true).await.is_err(),
+        "a server certificate from an untrusted CA is refused"
+    );
+    let store = connect(&tls.ca, true).await.unwrap();
+    let p = policy(10.0, 5.0, 0);
+    assert!(matches!(
+        store.acquire("tls", Ask::new(&p, 0.0, None)).await.unwrap(),
+        Outcome::Granted { .. }
+    ));
 }
