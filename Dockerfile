@@ -7,6 +7,11 @@ COPY Cargo.toml Cargo.lock ./
 RUN mkdir -p src examples && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
  && for e in upstream bare_forward store_bench tls_bench; do echo 'fn main() {}' > examples/$e.rs; done \
  && cargo build --release --locked --bin sluice && rm -rf src examples
+# build.rs stamps the commit (no .git in the build context: pass
+# --build-arg SLUICE_GIT_COMMIT=$(git rev-parse --short HEAD)) and the build date.
+ARG SLUICE_GIT_COMMIT=unknown
+ARG SOURCE_DATE_EPOCH
+COPY build.rs ./
 COPY src ./src
 COPY lua ./lua
 COPY examples ./examples

@@ -55,12 +55,13 @@ CFG
 "$HAPROXY" -q -f "$TMP/haproxy.cfg" & PIDS+=($!); wait_port "$HP"
 PORT_OF[haproxy]=$HP; PID_OF[haproxy]=$!
 
-start_sluice() { # $1 name, $2 store section, $3 extra [security] keys (no subshell: PIDS and the trap stay here)
+start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers (no subshell: PIDS and the trap stay here)
   local p a; p=$(free_port); a=$(free_port)
   cat > "$TMP/$1.toml" <<TOML
 [proxy]
 listen = "127.0.0.1:$p"
 admin_listen = "127.0.0.1:$a"
+workers = ${4:-0}
 $2
 [defaults]
 rate = 1000000000.0
@@ -76,6 +77,8 @@ TOML
 }
 start_sluice sluice-memory '[store]
 backend = "memory"'
+start_sluice sluice-memory-1thread '[store]
+backend = "memory"' "" 1
 start_sluice sluice-redis "[store]
 backend = \"redis\"
 urls = [\"redis://127.0.0.1:$RP/\"]
@@ -92,7 +95,7 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy bare-hyper-forwarder sluice-memory sluice-redis; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+for s in haproxy bare-hyper-forwarder sluice-memory sluice-memory-1thread sluice-redis; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -114,7 +117,7 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request"
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy bare-hyper-forwarder sluice-memory sluice-redis sluice-memory-auth)
+NAMES=(direct haproxy bare-hyper-forwarder sluice-memory sluice-memory-1thread sluice-redis sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do

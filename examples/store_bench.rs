@@ -33,6 +33,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         burst: 1e9,
         max_wait: Duration::ZERO,
         adaptive: None,
+        ..Policy::default()
     };
     let ask = Ask::new(&policy, 0.0, None);
     store.acquire("warmup", ask).await?;

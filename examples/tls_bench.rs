@@ -105,10 +105,10 @@ async fn main() -> Result<(), BoxError> {
         .and_then(|s| s.parse().ok())
         .unwrap_or(5);
     let dir = tempfile_dir()?;
-    let sluice_ca = sluice::mitm::generate_ca(&dir.join("sluice-ca"))?;
-    let up_ca = sluice::mitm::generate_ca(&dir.join("up-ca"))?;
-    let up = sluice::mitm::Interceptor::new(
-        sluice::mitm::CertAuthority::load(&up_ca.cert, &up_ca.key)?,
+    let sluice_ca = sluice::tls::generate_ca(&dir.join("sluice-ca"))?;
+    let up_ca = sluice::tls::generate_ca(&dir.join("up-ca"))?;
+    let up = sluice::tls::Interceptor::new(
+        sluice::tls::CertAuthority::load(&up_ca.cert, &up_ca.key)?,
         4,
         Duration::from_secs(3600),
     );

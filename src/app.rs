@@ -21,8 +21,8 @@ use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::RedisStore;
 use crate::limiter::{BucketStore, Limiter, StoreError};
 use crate::metrics::Metrics;
-use crate::mitm::{CertAuthority, Interceptor, MitmError};
-use crate::upstream_tls::UpstreamTlsError;
+use crate::tls::UpstreamTlsError;
+use crate::tls::{CertAuthority, Interceptor, MitmError};
 
 /// How often the observer refreshes gauges and looks for state changes.
 const OBSERVE_EVERY: Duration = Duration::from_secs(1);
@@ -111,7 +111,7 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     let policy = Arc::new(ArcSwap::from_pointee(DestinationPolicy::new(
         &config.security,
     )));
-    let tls = crate::upstream_tls::client_config(&config.tls.upstream_roots)?;
+    let tls = crate::tls::upstream::client_config(&config.tls.upstream_roots)?;
     let forwarder = Forwarder::new(tls, config.proxy.upstream_timeout, policy);
     let interceptor = if config.tls.intercept {
         let ca = CertAuthority::load(&config.tls.ca_cert, &config.tls.ca_key)?;
@@ -239,6 +239,30 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
                 || new.store.tls != cfg.store.tls,
         ),
         ("tls.intercept", new.tls.intercept != cfg.tls.intercept),
+        (
+            "tls.ca_cert / tls.ca_key / tls.upstream_roots / tls.leaf_cache_size",
+            new.tls.ca_cert != cfg.tls.ca_cert
+                || new.tls.ca_key != cfg.tls.ca_key
+                || new.tls.upstream_roots != cfg.tls.upstream_roots
+                || new.tls.leaf_cache_size != cfg.tls.leaf_cache_size,
+        ),
+        (
+            "proxy.max_connections",
+            new.proxy.max_connections != cfg.proxy.max_connections,
+        ),
+        ("proxy.workers", new.proxy.workers != cfg.proxy.workers),
+        (
+            "proxy.idle_timeout",
+            new.proxy.idle_timeout != cfg.proxy.idle_timeout,
+        ),
+        (
+            "proxy.upstream_timeout",
+            new.proxy.upstream_timeout != cfg.proxy.upstream_timeout,
+        ),
+        (
+            "proxy.metrics_max_endpoints",
+            new.proxy.metrics_max_endpoints != cfg.proxy.metrics_max_endpoints,
+        ),
     ] {
         if changed {
             tracing::warn!(

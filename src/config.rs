@@ -48,9 +48,29 @@ pub enum ConfigError {
         /// Every problem found, in file order.
         issues: Vec<ConfigIssue>,
     },
+    /// Files the config names are missing or unreadable ([`Config::check_files`]).
+    #[error("{path}: {} file(s) cannot be read:\n{}", issues.len(), render(issues))]
+    Files {
+        /// The config file.
+        path: PathBuf,
+        /// One per unreadable file, naming its key.
+        issues: Vec<FileIssue>,
+    },
 }
 
-fn render(issues: &[ConfigIssue]) -> String {
+/// A file named by the config that cannot be opened and read.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: cannot read {}: {source}", path.display())]
+pub struct FileIssue {
+    /// Dotted key naming the file, e.g. `tls.ca_key` or `tls.upstream_roots[1]`.
+    pub key: String,
+    /// The path tried (after [`Config::resolve_paths`]).
+    pub path: PathBuf,
+    /// Why it cannot be read.
+    pub source: std::io::Error,
+}
+
+fn render(issues: &[impl std::fmt::Display]) -> String {
     issues
         .iter()
         .map(|i| format!("  {i}"))
@@ -153,7 +173,36 @@ pub struct Policy {
     pub max_wait: Duration,
     /// Reaction to 429s; `None` when disabled.
     pub adaptive: Option<Adaptive>,
+    /// Requests allowed in flight at once (`max_in_flight`), across replicas; `None`
+    /// is unlimited (and costs nothing).
+    pub max_in_flight: Option<u32>,
+    /// Life of an in-flight slot's lease without renewal (`lease_ttl`): the slots of a
+    /// replica that died return within this.
+    pub lease_ttl: Duration,
+    /// Weights of senders (`shares`); `None`: no fair queue, plain arrival order.
+    pub shares: Option<Arc<Shares>>,
 }
+
+/// `shares = { svix = 3, batch = 1 }`: the weight of each named sender on an endpoint.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Shares {
+    weights: std::collections::HashMap<String, f64>,
+}
+
+impl Shares {
+    /// Weights by sender name.
+    pub fn new(weights: std::collections::HashMap<String, f64>) -> Shares {
+        Shares { weights }
+    }
+
+    /// The weight of `sender`; unlisted senders weigh 1.
+    pub fn weight(&self, sender: &str) -> f64 {
+        self.weights.get(sender).copied().unwrap_or(1.0)
+    }
+}
+
+/// Default `lease_ttl`.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
 
 impl Default for Policy {
     fn default() -> Self {
@@ -162,6 +211,9 @@ impl Default for Policy {
             burst: 20.0,
             max_wait: Duration::from_secs(5),
             adaptive: Some(Adaptive::default()),
+            max_in_flight: None,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            shares: None,
         }
     }
 }
@@ -200,6 +252,9 @@ pub struct ProxyConfig {
     pub max_connections: usize,
     /// Distinct `endpoint` label values in metrics before the rest become `_other`.
     pub metrics_max_endpoints: usize,
+    /// Threads serving requests: 0 = one per core; 1 = a single-threaded runtime (no
+    /// cross-thread wake-ups: the least CPU per request on small machines).
+    pub workers: usize,
     /// A sender connection (also HTTP inside an intercepted tunnel) with no bytes either
     /// way and no request in flight for this long is closed.
     pub idle_timeout: Duration,
@@ -357,16 +412,86 @@ pub struct Config {
 }
 
 impl Config {
-    /// Reads and validates a file.
+    /// Reads and validates a file; relative paths in it are resolved against the file's
+    /// folder ([`Config::resolve_paths`]). Does not open those files: see
+    /// [`Config::check_files`].
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Config::parse(&text).map_err(|issues| ConfigError::Invalid {
+        let mut config = Config::parse(&text).map_err(|issues| ConfigError::Invalid {
             path: path.to_owned(),
             issues,
-        })
+        })?;
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
+        config.resolve_paths(folder.unwrap_or(Path::new(".")));
+        Ok(config)
+    }
+
+    /// Every file path the config names: its dotted key, the path, and whether this
+    /// config will open it (the CA only with `tls.intercept`). A new path key is one line
+    /// here; [`Config::resolve_paths`] and [`Config::check_files`] both follow this list.
+    fn paths_mut(&mut self) -> Vec<(String, &mut PathBuf, bool)> {
+        let intercept = self.tls.intercept;
+        let mut paths = vec![
+            ("tls.ca_cert".to_owned(), &mut self.tls.ca_cert, intercept),
+            ("tls.ca_key".to_owned(), &mut self.tls.ca_key, intercept),
+        ];
+        for (i, p) in self.tls.upstream_roots.iter_mut().enumerate() {
+            paths.push((format!("tls.upstream_roots[{i}]"), p, true));
+        }
+        if let Some(p) = &mut self.proxy.admin_token_file {
+            paths.push(("proxy.admin_token_file".to_owned(), p, true));
+        }
+        if let Some(p) = &mut self.security.auth_users_file {
+            paths.push(("security.auth_users_file".to_owned(), p, true));
+        }
+        let shared = self.store.backend != Backend::Memory;
+        if let Some(p) = &mut self.store.tls.ca_file {
+            paths.push(("store.tls_ca_file".to_owned(), p, shared));
+        }
+        if let Some(c) = &mut self.store.tls.client {
+            paths.push(("store.tls_cert_file".to_owned(), &mut c.cert_file, shared));
+            paths.push(("store.tls_key_file".to_owned(), &mut c.key_file, shared));
+        }
+        paths
+    }
+
+    /// Makes every relative path absolute-or-CWD-relative by joining it to `base_dir`,
+    /// the folder of the config file, so a config means the same files wherever sluice
+    /// is started from.
+    pub fn resolve_paths(&mut self, base_dir: &Path) {
+        for (_, path, _) in self.paths_mut() {
+            if path.is_relative() {
+                *path = base_dir.join(&*path);
+            }
+        }
+    }
+
+    /// Opens and reads from every file this config will use; one [`FileIssue`] (naming
+    /// the key) per missing or unreadable one. `sluice check` and `sluice run` call it
+    /// before binding anything.
+    pub fn check_files(&self) -> Result<(), Vec<FileIssue>> {
+        // paths_mut needs `&mut`; a copy keeps this a read-only check.
+        let mut copy = self.clone();
+        let issues: Vec<FileIssue> = copy
+            .paths_mut()
+            .into_iter()
+            .filter(|(_, _, used)| *used)
+            .filter_map(|(key, path, _)| {
+                readable(path).err().map(|source| FileIssue {
+                    key,
+                    path: path.clone(),
+                    source,
+                })
+            })
+            .collect();
+        if issues.is_empty() {
+            Ok(())
+        } else {
+            Err(issues)
+        }
     }
 
     /// Validates TOML text, returning every issue found. `${NAME}` in string values is
@@ -477,6 +602,14 @@ pub fn expand_env(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Strin
 pub const MIN_RATE: f64 = 1e-6;
 /// The largest rate and burst a config may ask for.
 pub const MAX_RATE: f64 = 1e9;
+
+/// Opens `path` and reads a byte: a directory or a file without read permission fails
+/// here, not at the first request.
+fn readable(path: &Path) -> std::io::Result<()> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    f.read(&mut [0u8; 1]).map(|_| ())
+}
 
 /// Parses `"250ms"`, `"5s"`, `"1.5s"`, `"5m"`, `"1h"`, `"0"`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -786,7 +919,17 @@ impl Reader<'_> {
         self.known_keys(
             defaults_t,
             "defaults",
-            &["rate", "burst", "max_wait", "unknown", "adaptive", "mode"],
+            &[
+                "rate",
+                "burst",
+                "max_wait",
+                "unknown",
+                "adaptive",
+                "mode",
+                "max_in_flight",
+                "lease_ttl",
+                "shares",
+            ],
         );
         let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
         let log_t = self.sub_table(root, "", "log").unwrap_or(&empty);
@@ -834,6 +977,7 @@ impl Reader<'_> {
                 "shutdown_grace",
                 "max_connections",
                 "metrics_max_endpoints",
+                "workers",
                 "idle_timeout",
                 "tunnel_idle_timeout",
                 "admin_token_file",
@@ -863,6 +1007,20 @@ impl Reader<'_> {
             shutdown_grace: self.duration(t, p, "shutdown_grace", Duration::from_secs(10)),
             max_connections: self.count(t, p, "max_connections", 10_000),
             metrics_max_endpoints: self.count(t, p, "metrics_max_endpoints", 500),
+            workers: match self.number(t, p, "workers") {
+                None => 0,
+                Some((n, _)) if n >= 0.0 && n.fract() == 0.0 && n <= 1024.0 => n as usize,
+                Some((n, at)) => {
+                    self.issue(
+                        at,
+                        "proxy.workers",
+                        format!(
+                            "{n} is invalid: must be a whole number from 0 (one per core) to 1024"
+                        ),
+                    );
+                    0
+                }
+            },
             idle_timeout: self.positive(t, p, "idle_timeout", Duration::from_secs(120)),
             tunnel_idle_timeout: self.positive(
                 t,
@@ -1117,12 +1275,45 @@ impl Reader<'_> {
                 );
             }
         }
+        let max_in_flight = match t.get("max_in_flight") {
+            Some(_) => Some(
+                self.count(t, path, "max_in_flight", 1)
+                    .min(u32::MAX as usize) as u32,
+            ),
+            None => base.max_in_flight,
+        };
         Policy {
             rate,
             burst,
             max_wait,
             adaptive,
+            max_in_flight,
+            lease_ttl: self.positive(t, path, "lease_ttl", base.lease_ttl),
+            shares: self.shares(t, path).or_else(|| base.shares.clone()),
         }
+    }
+
+    /// `shares = { name = weight, ... }`: positive weights by sender name.
+    fn shares(&mut self, t: &Table<'_>, path: &str) -> Option<Arc<Shares>> {
+        let v = t.get("shares")?;
+        let key = join(path, "shares");
+        let DeValue::Table(items) = v.get_ref() else {
+            self.type_issue(v, &key, "a table of weights", v.get_ref().type_str());
+            return None;
+        };
+        let mut weights = std::collections::HashMap::new();
+        for (name, _) in items.iter() {
+            let w = self.checked(
+                items,
+                &key,
+                name.get_ref(),
+                1.0,
+                "between 0.001 and 1e6",
+                |n| (0.001..=1e6).contains(&n),
+            );
+            weights.insert(name.get_ref().to_string(), w);
+        }
+        Some(Arc::new(Shares::new(weights)))
     }
 
     fn adaptive(
@@ -1261,6 +1452,9 @@ impl Reader<'_> {
                 "path_prefix",
                 "adaptive",
                 "mode",
+                "max_in_flight",
+                "lease_ttl",
+                "shares",
             ],
         );
         let id = match self.string(t, &path, "id") {
@@ -1650,6 +1844,32 @@ mod tests {
     fn low_rate_endpoint_gets_floor_capped_by_default() {
         let c = Config::parse("[[endpoints]]\nid = \"slow\"\nrate = 0.5\n").unwrap();
         assert_eq!(c.endpoints[0].policy.adaptive.unwrap().floor, 0.5);
+    }
+
+    #[test]
+    fn relative_paths_resolve_against_the_base_dir() {
+        let mut c = Config::parse(
+            "[proxy]\nadmin_token_file = \"token\"\n[tls]\nca_cert = \"/abs/ca.pem\"\n\
+             upstream_roots = [\"roots/a.pem\"]\n",
+        )
+        .unwrap();
+        c.resolve_paths(Path::new("/etc/sluice"));
+        assert_eq!(c.tls.ca_cert, Path::new("/abs/ca.pem"));
+        let mut r = Config::parse(
+            "[store]\nbackend = \"redis\"\nurls = [\"rediss://h/\"]\ntls_ca_file = \"redis/ca.pem\"\n",
+        )
+        .unwrap();
+        r.resolve_paths(Path::new("/etc/sluice"));
+        assert_eq!(
+            r.store.tls.ca_file.as_deref(),
+            Some(Path::new("/etc/sluice/redis/ca.pem"))
+        );
+        assert_eq!(c.tls.ca_key, Path::new("/etc/sluice/ca/ca.key"));
+        assert_eq!(c.tls.upstream_roots, [Path::new("/etc/sluice/roots/a.pem")]);
+        assert_eq!(
+            c.proxy.admin_token_file.as_deref(),
+            Some(Path::new("/etc/sluice/token"))
+        );
     }
 
     #[test]

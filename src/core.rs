@@ -19,7 +19,7 @@ use crate::endpoint::Resolver;
 use crate::forward::Forwarder;
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
-use crate::mitm::Interceptor;
+use crate::tls::Interceptor;
 
 /// What may change on a live reload, swapped as one `Arc`.
 pub struct Runtime {

@@ -21,8 +21,8 @@ pub struct Trace {
     pub user: Option<Arc<str>>,
     /// The resolved endpoint.
     pub endpoint: Option<Arc<str>>,
-    /// `host:port` of the destination.
-    pub destination: Option<String>,
+    /// `host:port` of the destination (the request target's authority: cheap to keep).
+    pub destination: Option<http::uri::Authority>,
     /// Time spent waiting for the token (or, in shadow mode, that would have been).
     pub waited: Duration,
     /// The upstream's status.
@@ -65,7 +65,7 @@ pub fn forwarded(cfg: &LogConfig, sampler: &Sampler, peer: SocketAddr, method: &
         user = t.user.as_deref().unwrap_or("-"),
         %peer,
         method,
-        destination = t.destination.as_deref().unwrap_or("-"),
+        destination = t.destination.as_ref().map_or("-", |a| a.as_str()),
         outcome = t.outcome,
         waited_ms = t.waited.as_millis() as u64,
         status = t.status.unwrap_or(0),
@@ -78,7 +78,7 @@ pub fn forwarded(cfg: &LogConfig, sampler: &Sampler, peer: SocketAddr, method: &
 pub fn refused(peer: SocketAddr, method: &str, t: &Trace, e: &ProxyError) {
     let endpoint = t.endpoint.as_deref().unwrap_or("-");
     let user = t.user.as_deref().unwrap_or("-");
-    let destination = t.destination.as_deref().unwrap_or("-");
+    let destination = t.destination.as_ref().map_or("-", |a| a.as_str());
     let waited_ms = t.waited.as_millis() as u64;
     match e {
         ProxyError::Upstream(_)

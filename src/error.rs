@@ -8,10 +8,12 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderValue, PROXY_AUTHENTICATE, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::{Either, Full};
-use hyper::body::Incoming;
 
-/// The body sluice answers with: the upstream's streamed body, or one of its own.
-pub type Body = Either<Incoming, Full<Bytes>>;
+use crate::limiter::HeldBody;
+
+/// The body sluice answers with: the upstream's streamed body (holding the request's
+/// in-flight slot until it ends), or one of its own.
+pub type Body = Either<HeldBody, Full<Bytes>>;
 
 /// Header carrying the reason of sluice's own refusals.
 pub const REASON_HEADER: &str = "x-sluice-reason";
@@ -67,6 +69,14 @@ pub enum ProxyError {
         /// Time left in the cooldown.
         retry_after: Duration,
     },
+    /// No in-flight slot (`max_in_flight`) within `max_wait`.
+    #[error("endpoint {endpoint} has max_in_flight requests in flight")]
+    ConcurrencyLimited {
+        /// The endpoint ID.
+        endpoint: String,
+        /// Time until the soonest slot lease expires.
+        retry_after: Duration,
+    },
     /// The store failed and `on_error = "deny"`.
     #[error("rate-limit store unavailable for endpoint {endpoint}")]
     StoreUnavailable {
@@ -92,6 +102,7 @@ impl ProxyError {
             ProxyError::DestinationDenied { .. } => "destination_denied",
             ProxyError::RateLimited { .. } => "rate_limited",
             ProxyError::Cooldown { .. } => "cooldown",
+            ProxyError::ConcurrencyLimited { .. } => "concurrency_limited",
             ProxyError::StoreUnavailable { .. } => "store_unavailable",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",
@@ -108,6 +119,7 @@ impl ProxyError {
             | ProxyError::DestinationDenied { .. } => StatusCode::FORBIDDEN,
             ProxyError::RateLimited { .. }
             | ProxyError::Cooldown { .. }
+            | ProxyError::ConcurrencyLimited { .. }
             | ProxyError::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -118,7 +130,8 @@ impl ProxyError {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             ProxyError::RateLimited { retry_after, .. }
-            | ProxyError::Cooldown { retry_after, .. } => Some(*retry_after),
+            | ProxyError::Cooldown { retry_after, .. }
+            | ProxyError::ConcurrencyLimited { retry_after, .. } => Some(*retry_after),
             ProxyError::StoreUnavailable { .. } => Some(Duration::from_secs(1)),
             _ => None,
         }
@@ -128,6 +141,7 @@ impl ProxyError {
         match self {
             ProxyError::RateLimited { endpoint, .. }
             | ProxyError::Cooldown { endpoint, .. }
+            | ProxyError::ConcurrencyLimited { endpoint, .. }
             | ProxyError::StoreUnavailable { endpoint } => Some(endpoint),
             ProxyError::UnknownEndpoint(e) | ProxyError::EndpointNotAllowed { endpoint: e, .. } => {
                 Some(e)

@@ -190,8 +190,8 @@ fn classify(e: &hyper_util::client::legacy::Error) -> ForwardError {
         }
         src = s.source();
     }
-    if crate::upstream_tls::find_rustls(e).is_some() {
-        let reason = crate::upstream_tls::describe_failure(e);
+    if crate::tls::upstream::find_rustls(e).is_some() {
+        let reason = crate::tls::upstream::describe_failure(e);
         tracing::warn!(%reason, "upstream TLS handshake failed");
         return ForwardError::Tls(reason);
     }

@@ -17,15 +17,21 @@
 //! - [`destination`]: destination policy (allowed hosts, private-address refusal).
 //! - [`limiter`]: the [`limiter::Limiter`] over the [`limiter::BucketStore`] seam
 //!   (memory, Redis, Redis Cluster, Redis Sentinel, fallback); the bucket math lives in
-//!   [`limiter::bucket`].
+//!   [`limiter::bucket`],
+//!   in-flight leases in [`limiter::lease`] and [`limiter::slot`], the per-endpoint
+//!   FIFO / weighted fair / priority queue in [`limiter::queue`].
 //! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.
 //! - [`forward`]: upstream client (pooled, rustls), hop-by-hop hygiene, CONNECT tunnels.
-//! - [`mitm`]: CA, leaf minting with a bounded cache, TLS termination of CONNECT.
-//! - [`upstream_tls`]: the rustls client configuration for upstream connections.
+//! - [`tls`]: the interception CA on disk ([`tls::ca`]), per-host leaves and their
+//!   bounded cache ([`tls::leaf`]), TLS termination of intercepted CONNECTs
+//!   ([`tls::intercept`]), and the rustls client configuration for upstream connections
+//!   ([`tls::upstream`]).
 //! - [`metrics`]: Prometheus registry and the instruments sluice exports.
 //! - [`observer`]: periodic endpoint look: gauges and state-change logs.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/endpoints`.
+//! - [`demo`]: `sluice demo-receiver`, a tiny receiver (200 / 429 / slow) for trying sluice offline.
 //! - [`error`]: [`error::ProxyError`] and the one place that turns it into a response.
+//! - [`version`]: version, git commit and build date stamped by `build.rs`.
 #![deny(missing_docs)]
 
 pub mod adapt;
@@ -36,14 +42,15 @@ pub mod config;
 pub mod conn;
 pub mod core;
 pub mod decision;
+pub mod demo;
 pub mod destination;
 pub mod endpoint;
 pub mod error;
 pub mod forward;
 pub mod limiter;
 pub mod metrics;
-pub mod mitm;
 pub mod observer;
 pub mod proxy;
 pub mod server;
-pub mod upstream_tls;
+pub mod tls;
+pub mod version;

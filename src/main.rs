@@ -13,7 +13,7 @@ use sluice::config::{Config, ConfigError};
 #[derive(Parser)]
 #[command(
     name = "sluice",
-    version,
+    version = sluice::version::LONG,
     about = "HTTP forward proxy that keeps the rate limits receivers publish"
 )]
 struct Cli {
@@ -58,6 +58,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the version, git commit and build date (same as --version).
+    Version,
+    /// Run a tiny webhook receiver for trying sluice offline: 200 on any path,
+    /// 429 on /429?retry_after=N, slow on /slow?ms=N; prints one line per request.
+    DemoReceiver {
+        /// Address to listen on (port 0 picks a free port).
+        #[arg(long, default_value = "127.0.0.1:9000")]
+        listen: std::net::SocketAddr,
+    },
     /// Print an htpasswd line (`user:bcrypt-hash`) for security.auth_users_file; the
     /// password is read from the first line of standard input.
     Passwd {
@@ -89,6 +98,11 @@ fn main() -> ExitCode {
             command: CaCommand::Init { dir },
         } => ca_init(&dir),
         Command::Status { admin, json } => status(&admin, json),
+        Command::DemoReceiver { listen } => demo_receiver(listen),
+        Command::Version => {
+            println!("sluice {}", sluice::version::LONG);
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Passwd { user, cost } => passwd(&user, cost),
     };
     match result {
@@ -115,11 +129,29 @@ fn init_logs(format: LogFormat) {
     }
 }
 
+/// Loads a config and opens every file it names; exit 1 naming the key when one fails.
 fn load(path: &Path) -> Result<Config, ExitCode> {
-    Config::load(path).map_err(|e| {
+    let config = Config::load(path).map_err(|e| {
         eprintln!("{e}");
         ExitCode::from(1)
-    })
+    })?;
+    config.check_files().map_err(|issues| {
+        let path = path.to_owned();
+        eprintln!("{}", ConfigError::Files { path, issues });
+        ExitCode::from(1)
+    })?;
+    Ok(config)
+}
+
+/// The TLS files must hold what their keys promise (a CA and its key, PEM roots).
+fn check_tls(c: &Config) -> Result<(), String> {
+    sluice::tls::client_config(&c.tls.upstream_roots)
+        .map_err(|e| format!("tls.upstream_roots: {e}"))?;
+    if c.tls.intercept {
+        sluice::tls::CertAuthority::load(&c.tls.ca_cert, &c.tls.ca_key)
+            .map_err(|e| format!("tls.ca_cert / tls.ca_key: {e}"))?;
+    }
+    Ok(())
 }
 
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
@@ -131,6 +163,10 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::from(1));
             }
             let summary = c.summary();
+            if let Err(e) = check_tls(&c) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
             // The files it names (users, admin token) must be usable too.
             if let Err(e) = sluice::core::Runtime::load(std::sync::Arc::new(c)) {
                 eprintln!("{}: {e}", path.display());
@@ -144,7 +180,7 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
 }
 
 fn ca_init(dir: &Path) -> anyhow::Result<ExitCode> {
-    match sluice::mitm::generate_ca(dir) {
+    match sluice::tls::generate_ca(dir) {
         Ok(files) => {
             println!(
                 "wrote {} and {} (mode 0600)",
@@ -178,10 +214,19 @@ fn run(path: &Path) -> anyhow::Result<ExitCode> {
         Ok(c) => c,
         Err(code) => return Ok(code),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let rt = match config.proxy.workers {
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        0 => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
+    }
+    .context("starting the async runtime")?;
     rt.block_on(serve(path.to_owned(), config))
 }
 
@@ -238,6 +283,30 @@ fn reload(app: &sluice::core::App, path: &Path) {
         }
         Err(e) => tracing::error!(error = %e, "reload refused: keeping the running config"),
     }
+}
+
+fn demo_receiver(listen: std::net::SocketAddr) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let (listener, addr) = match sluice::demo::bind(listen).await {
+            Ok(bound) => bound,
+            Err(e) => {
+                eprintln!("error: cannot listen on {listen}: {e}");
+                return Ok(ExitCode::from(2));
+            }
+        };
+        println!("demo receiver listening on http://{addr}");
+        println!("  /  200   /429?retry_after=N  429 + Retry-After   /slow?ms=N  200 after N ms");
+        let ctrl_c = async {
+            // Without a handler Ctrl-C still ends the process; either way we stop.
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        sluice::demo::serve(listener, ctrl_c, |r| println!("{r}")).await;
+        Ok(ExitCode::SUCCESS)
+    })
 }
 
 fn passwd(user: &str, cost: u32) -> anyhow::Result<ExitCode> {

@@ -52,6 +52,15 @@ pub struct CodeLabels {
     pub code: u16,
 }
 
+/// `{version, commit}` of `sluice_build_info`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct BuildLabels {
+    /// The crate version.
+    pub version: &'static str,
+    /// The short git commit (or `unknown`).
+    pub commit: &'static str,
+}
+
 fn wait_histogram() -> Histogram {
     // 1 ms .. ~65 s.
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
@@ -80,8 +89,14 @@ pub struct Metrics {
     pub tunnels: Family<EndpointLabels, Counter>,
     /// `sluice_connections_open`.
     pub connections: Gauge,
+    /// `sluice_in_flight{endpoint}`: slots (`max_in_flight`) this replica holds.
+    pub in_flight: Family<EndpointLabels, Gauge>,
+    /// `sluice_slot_wait_seconds{endpoint}`: time requests waited for an in-flight slot.
+    pub slot_wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
     /// Store instruments.
     pub store: StoreStats,
+    /// `sluice_build_info{version,commit}`: always 1.
+    pub build_info: Family<BuildLabels, Gauge>,
     labelled: RwLock<HashSet<Arc<str>>>,
     max_labels: usize,
     other: EndpointLabel,
@@ -102,12 +117,21 @@ impl Metrics {
             cooldown: Family::default(),
             tunnels: Family::default(),
             connections: Gauge::default(),
+            in_flight: Family::default(),
+            slot_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             store: StoreStats::default(),
+            build_info: Family::default(),
             labelled: RwLock::new(configured.cloned().collect()),
             max_labels,
             other: EndpointLabel("_other".into()),
             registry: Registry::default(),
         };
+        m.build_info
+            .get_or_create(&BuildLabels {
+                version: crate::version::VERSION,
+                commit: crate::version::COMMIT,
+            })
+            .set(1);
         m.register(&mut registry);
         Metrics { registry, ..m }
     }
@@ -165,6 +189,16 @@ impl Metrics {
             "Open sender connections",
             m.connections.clone(),
         );
+        registry.register(
+            "in_flight",
+            "Requests holding an in-flight slot (max_in_flight) on this replica",
+            m.in_flight.clone(),
+        );
+        registry.register(
+            "slot_wait_seconds",
+            "Time requests waited for an in-flight slot",
+            m.slot_wait.clone(),
+        );
         registry.register("store_errors", "Failed store calls", m.store.errors.clone());
         registry.register(
             "store_seconds",
@@ -175,6 +209,11 @@ impl Metrics {
             "store_degraded",
             "1 while the on_error fallback is in force",
             m.store.degraded.clone(),
+        );
+        registry.register(
+            "build_info",
+            "The running build: version and git commit; always 1",
+            m.build_info.clone(),
         );
     }
 
@@ -262,5 +301,17 @@ mod tests {
             .filter(|l| l.starts_with("sluice_requests_total{"))
             .count();
         assert!(series <= 11, "{series} series");
+    }
+
+    #[test]
+    fn build_info_names_version_and_commit() {
+        let m = Metrics::new(10, std::iter::empty());
+        let text = m.render();
+        let want = format!(
+            "sluice_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+            crate::version::VERSION,
+            crate::version::COMMIT
+        );
+        assert!(text.contains(&want), "{text}");
     }
 }

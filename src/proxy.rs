@@ -13,13 +13,13 @@
 //! for 429 feedback. Nothing is spent before step 6, and a token whose request never
 //! left (the resolved address was refused) is refunded.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::SystemTime;
 
 use http::header::HOST;
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
@@ -34,8 +34,15 @@ use crate::destination::normalise_host;
 use crate::endpoint::{Resolved, proxy_user};
 use crate::error::{Body, ProxyError};
 use crate::forward::{ForwardError, strip_hop_by_hop, strip_sluice_headers};
-use crate::limiter::{Ask, Grant, Refusal, Shadow};
+use crate::limiter::{Ask, Grant, HeldBody, Place, Refusal, Shadow, Slot};
 use crate::metrics::{CodeLabels, EndpointLabel, EndpointLabels};
+
+/// Names the sender for fair shares when proxy authentication does not (removed before
+/// forwarding).
+pub const SENDER_HEADER: HeaderName = HeaderName::from_static("x-sluice-sender");
+/// `high`, `normal` (default) or `low`: the order of waiting requests (removed before
+/// forwarding).
+pub const PRIORITY_HEADER: HeaderName = HeaderName::from_static("x-sluice-priority");
 
 /// HTTP/1.1 request heads inside intercepted tunnels must arrive within this.
 const TUNNEL_HEADER_READ: std::time::Duration = std::time::Duration::from_secs(30);
@@ -92,6 +99,8 @@ struct Asking<'a> {
     /// Resolve and check the addresses now (tunnels connect to exactly these); plain
     /// requests are checked by name here and by address when the pool connects.
     resolve_dns: bool,
+    /// The sender's address (the fair-share sender of last resort).
+    peer: IpAddr,
 }
 
 /// A request admitted to leave.
@@ -103,6 +112,8 @@ struct Admitted {
     outcome: &'static str,
     /// For tunnels: the resolved addresses that passed the destination policy.
     addrs: Vec<SocketAddr>,
+    /// The in-flight slot (`max_in_flight`), held until the response body ends.
+    slot: Option<Slot>,
 }
 
 /// A refusal, with the label it is counted under (when the endpoint is known).
@@ -157,6 +168,7 @@ async fn admission(
         target,
         path,
         resolve_dns,
+        peer,
     } = ask;
     let ep = rt
         .resolver
@@ -189,15 +201,22 @@ async fn admission(
         Vec::new()
     };
     let label = app.metrics.label(&ep.id);
-    let (grant, outcome) = match ep.mode {
+    let (grant, outcome, slot) = match ep.mode {
         Mode::Enforce => {
-            let grant = admit(app, &ep).await.map_err(|error| Refused {
-                label: Some(label.clone()),
-                error,
-            })?;
-            (grant, "forwarded")
+            let place = Turn::of(&ep, headers, who, peer);
+            let (grant, slot) =
+                enforce(app, &ep, &label, place)
+                    .await
+                    .map_err(|error| Refused {
+                        label: Some(label.clone()),
+                        error,
+                    })?;
+            (grant, "forwarded", slot)
         }
-        Mode::Shadow => shadow(app, &ep).await,
+        Mode::Shadow => {
+            let (grant, outcome) = shadow(app, &ep).await;
+            (grant, outcome, None)
+        }
     };
     trace.waited = grant.waited;
     let wait = match ep.mode {
@@ -214,7 +233,73 @@ async fn admission(
         grant,
         outcome,
         addrs,
+        slot,
     })
+}
+
+/// A request's place in its endpoint's queue: its priority class and, for endpoints
+/// with `shares`, its sender (the authenticated user, else `X-Sluice-Sender`, else the
+/// client address) and that sender's weight. Computed only for queued endpoints.
+struct Turn {
+    class: u8,
+    sender: Option<(Arc<str>, f64)>,
+}
+
+impl Turn {
+    fn of(ep: &Resolved, headers: &HeaderMap, who: &Who, peer: IpAddr) -> Option<Turn> {
+        if ep.policy.max_in_flight.is_none() && ep.policy.shares.is_none() {
+            return None;
+        }
+        let class = match headers.get(&PRIORITY_HEADER).map(|v| v.as_bytes()) {
+            Some(b"high") => 0,
+            Some(b"low") => 2,
+            _ => 1,
+        };
+        let sender = ep.policy.shares.as_ref().map(|shares| {
+            let name: Arc<str> = match (&who.identity, headers.get(&SENDER_HEADER)) {
+                (Some(id), _) => Arc::clone(&id.user),
+                (None, Some(v)) => String::from_utf8_lossy(v.as_bytes()).into(),
+                (None, None) => peer.to_string().into(),
+            };
+            let weight = shares.weight(&name);
+            (name, weight)
+        });
+        Some(Turn { class, sender })
+    }
+}
+
+/// Enforced admission: straight to the store, or through the endpoint's queue (for
+/// `max_in_flight` and `shares`), recording the slot metrics.
+async fn enforce(
+    app: &App,
+    ep: &Resolved,
+    label: &EndpointLabel,
+    turn: Option<Turn>,
+) -> Result<(Grant, Option<Slot>), ProxyError> {
+    let Some(turn) = turn else {
+        return admit(app, ep).await.map(|g| (g, None));
+    };
+    let place = Place {
+        class: turn.class,
+        sender: turn.sender.as_ref().map(|(n, w)| (n, *w)),
+    };
+    let labels = EndpointLabels {
+        endpoint: label.clone(),
+    };
+    let admitted = app
+        .limiter
+        .admit_queued(&ep.id, &ep.policy, place)
+        .await
+        .map_err(|r| refusal(ep, r))?;
+    let mut slot = admitted.slot;
+    if let Some(s) = &mut slot {
+        s.track(app.metrics.in_flight.get_or_create(&labels).clone());
+        app.metrics
+            .slot_wait
+            .get_or_create(&labels)
+            .observe(admitted.slot_wait.as_secs_f64());
+    }
+    Ok((admitted.grant, slot))
 }
 
 /// A grant that holds no token (a shadow request enforcing would have refused).
@@ -229,6 +314,7 @@ async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
                 Refusal::RateLimited { .. } => "shadow_rate_limited",
                 Refusal::Cooldown { .. } => "shadow_cooldown",
                 Refusal::StoreUnavailable => "shadow_store_unavailable",
+                Refusal::ConcurrencyLimited { .. } => "shadow_concurrency_limited",
             };
             let nothing = Grant {
                 waited: std::time::Duration::ZERO,
@@ -288,7 +374,7 @@ async fn forward_request(
     let (mut parts, body) = req.into_parts();
     let uri = target_uri(&parts.uri, conn.tunnel.as_ref())?;
     let target = Target::new(uri.host().unwrap_or_default(), 0)?;
-    trace.destination = uri.authority().map(|a| a.to_string());
+    trace.destination = uri.authority().cloned();
     if parts.headers.get_all(HOST).iter().count() > 1 {
         return Err(ProxyError::BadRequest("more than one Host header".into()).into());
     }
@@ -300,11 +386,14 @@ async fn forward_request(
         target: &target,
         path: uri.path(),
         resolve_dns: false,
+        peer: conn.peer.ip(),
     };
     let admitted = admission(app, &rt, ask, trace).await?;
 
     strip_hop_by_hop(&mut parts.headers);
     parts.headers.remove(rt.resolver.header());
+    parts.headers.remove(SENDER_HEADER);
+    parts.headers.remove(PRIORITY_HEADER);
     // The upstream's Host comes from the target we checked, never from the sender.
     parts.headers.remove(HOST);
     parts.uri = uri;
@@ -318,7 +407,11 @@ async fn forward_request(
     trace.status = Some(resp.status().as_u16());
     trace.outcome = admitted.outcome;
     let Admitted {
-        ep, label, outcome, ..
+        ep,
+        label,
+        outcome,
+        slot,
+        ..
     } = admitted;
     app.metrics
         .upstream
@@ -334,7 +427,10 @@ async fn forward_request(
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     strip_sluice_headers(&mut parts.headers);
-    Ok(Response::from_parts(parts, Either::Left(body)))
+    Ok(Response::from_parts(
+        parts,
+        Either::Left(HeldBody::new(body, slot)),
+    ))
 }
 
 /// A send that failed after admission: when nothing left (the resolved address was
@@ -377,23 +473,29 @@ fn target_uri(uri: &Uri, tunnel: Option<&Tunnel>) -> Result<Uri, ProxyError> {
 
 /// Waits for the endpoint's token, mapping refusals to [`ProxyError`].
 async fn admit(app: &App, ep: &Resolved) -> Result<Grant, ProxyError> {
-    let endpoint = || ep.id.to_string();
     app.limiter
         .admit(&ep.id, &ep.policy)
         .await
-        .map_err(|r| match r {
-            Refusal::RateLimited { retry_after } => ProxyError::RateLimited {
-                endpoint: endpoint(),
-                retry_after,
-            },
-            Refusal::Cooldown { retry_after } => ProxyError::Cooldown {
-                endpoint: endpoint(),
-                retry_after,
-            },
-            Refusal::StoreUnavailable => ProxyError::StoreUnavailable {
-                endpoint: endpoint(),
-            },
-        })
+        .map_err(|r| refusal(ep, r))
+}
+
+fn refusal(ep: &Resolved, r: Refusal) -> ProxyError {
+    let endpoint = ep.id.to_string();
+    match r {
+        Refusal::RateLimited { retry_after } => ProxyError::RateLimited {
+            endpoint,
+            retry_after,
+        },
+        Refusal::Cooldown { retry_after } => ProxyError::Cooldown {
+            endpoint,
+            retry_after,
+        },
+        Refusal::ConcurrencyLimited { retry_after } => ProxyError::ConcurrencyLimited {
+            endpoint,
+            retry_after,
+        },
+        Refusal::StoreUnavailable => ProxyError::StoreUnavailable { endpoint },
+    }
 }
 
 fn upstream_error(e: ForwardError) -> ProxyError {
@@ -463,7 +565,7 @@ async fn connect(
         .cloned()
         .ok_or_else(|| ProxyError::BadRequest("CONNECT needs host:port".into()))?;
     let target = Target::new(authority.host(), authority.port_u16().unwrap_or(443))?;
-    trace.destination = Some(authority.to_string());
+    trace.destination = Some(authority.clone());
     let rt = app.runtime.load_full();
     let who = identify(&rt, req.headers(), conn).await?;
     trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
@@ -497,6 +599,7 @@ async fn connect(
         target: &target,
         path: "",
         resolve_dns: true,
+        peer: conn.peer.ip(),
     };
     let admitted = admission(app, &rt, ask, trace).await?;
     let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
@@ -504,6 +607,8 @@ async fn connect(
         Err(e) => return Err(after_admission(app, &admitted, e).await),
     };
     let label = admitted.label;
+    // The tunnel holds its in-flight slot (max_in_flight) until it closes.
+    let held = admitted.slot;
     trace.outcome = admitted.outcome;
     app.metrics.outcome(&label, admitted.outcome);
     app.metrics
@@ -515,6 +620,7 @@ async fn connect(
     app.lifecycle.spawn(async move {
         // The tunnel keeps the connection's place under max_connections until it ends.
         let _slot = slot;
+        let _held = held;
         match on_upgrade.await {
             Ok(upgraded) => {
                 if let Err(e) = crate::forward::tunnel(upgraded, upstream, idle).await {
@@ -531,7 +637,7 @@ async fn connect(
 /// is served by [`handle`] like any other.
 struct Intercepted {
     app: Arc<App>,
-    interceptor: Arc<crate::mitm::Interceptor>,
+    interceptor: Arc<crate::tls::Interceptor>,
     peer: SocketAddr,
     slot: Arc<ConnSlot>,
     tunnel: Tunnel,

@@ -331,7 +331,7 @@ fn check_names_bad_lines_of_the_users_file() {
 async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() {
     use common::tls::{TestPki, TlsUpstream};
     let dir = tempfile::tempdir().unwrap();
-    let ca = sluice::mitm::generate_ca(&dir.path().join("ca")).unwrap();
+    let ca = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
     let pki = TestPki::new(&["localhost"]);
     let upstream_ca = pki.write_ca(dir.path());
     let up = TlsUpstream::ok(&pki).await;

@@ -14,32 +14,61 @@ fn sluice() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sluice"))
 }
 
-#[test]
-fn every_shipped_config_passes_check() {
-    let mut checked = 0;
-    for dir in ["config", "deploy"] {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            continue;
-        };
-        for e in entries {
-            let path = e.unwrap().path();
-            if path.extension().is_some_and(|x| x == "toml") {
-                let out = sluice()
-                    .args(["check", "--config"])
-                    .arg(&path)
-                    .run_within(CHILD_DEADLINE);
-                assert!(
-                    out.status.success(),
-                    "{} fails check: {}",
-                    path.display(),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                assert!(String::from_utf8_lossy(&out.stdout).contains("ok:"));
-                checked += 1;
-            }
+/// Every `*.toml` under `dir`, recursively, sorted.
+fn tomls(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries {
+        let path = e.unwrap().path();
+        if path.is_dir() {
+            out.extend(tomls(&path));
+        } else if path.extension().is_some_and(|x| x == "toml") {
+            out.push(path);
         }
     }
-    assert!(checked >= 1, "no config files found");
+    out.sort();
+    out
+}
+
+#[test]
+fn every_shipped_config_passes_check() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let files: Vec<_> = ["config", "deploy"]
+        .iter()
+        .flat_map(|d| tomls(&root.join(d)))
+        .collect();
+    for path in &files {
+        let out = sluice()
+            .args(["check", "--config"])
+            .arg(path)
+            .run_within(CHILD_DEADLINE);
+        assert!(
+            out.status.success(),
+            "{} fails check: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains("ok:"));
+    }
+    let names: Vec<String> = files
+        .iter()
+        .map(|p| p.strip_prefix(root).unwrap().display().to_string())
+        .collect();
+    for want in [
+        "config/sluice.example.toml",
+        "config/demo.toml",
+        "config/recipes/svix.toml",
+        "config/recipes/convoy.toml",
+        "config/recipes/outpost.toml",
+        "config/recipes/worker-pool.toml",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} not checked: {names:?}"
+        );
+    }
 }
 
 #[test]
@@ -193,4 +222,137 @@ fn check_expands_environment_variables_and_never_prints_them() {
         err.contains("3:9: store.urls") && err.contains("SLUICE_TEST_PW"),
         "{err}"
     );
+}
+
+#[test]
+fn version_prints_version_commit_and_build_date() {
+    let long = sluice().arg("--version").run_within(CHILD_DEADLINE);
+    let sub = sluice().arg("version").run_within(CHILD_DEADLINE);
+    assert!(long.status.success() && sub.status.success());
+    let text = String::from_utf8_lossy(&long.stdout).trim().to_owned();
+    assert_eq!(text, String::from_utf8_lossy(&sub.stdout).trim());
+    // sluice 0.1.0 (commit abc1234, built 2025-01-01T00:00:00Z)
+    let rest = text
+        .strip_prefix(&format!("sluice {} (commit ", env!("CARGO_PKG_VERSION")))
+        .unwrap_or_else(|| panic!("{text}"));
+    let (commit, date) = rest
+        .split_once(", built ")
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        commit == "unknown" || (commit.len() >= 7 && commit.chars().all(|c| c.is_ascii_hexdigit())),
+        "{text}"
+    );
+    let date = date.strip_suffix(')').unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(date.len(), "2025-01-01T00:00:00Z".len(), "{text}");
+    assert!(date.starts_with("20") && date.ends_with('Z'), "{text}");
+}
+
+/// Writes `text` as `dir/name` and runs `sluice check` on it from `cwd`.
+fn check_in(cwd: &std::path::Path, config: &std::path::Path) -> std::process::Output {
+    sluice()
+        .current_dir(cwd)
+        .args(["check", "--config"])
+        .arg(config)
+        .run_within(CHILD_DEADLINE)
+}
+
+#[test]
+fn check_resolves_relative_paths_against_the_config_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("etc");
+    let made = sluice()
+        .args(["ca", "init", "--dir"])
+        .arg(folder.join("ca"))
+        .run_within(CHILD_DEADLINE);
+    assert!(made.status.success(), "{made:?}");
+    std::fs::write(folder.join("users"), "").unwrap();
+    let config = folder.join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[tls]\nintercept = true\nca_cert = \"ca/ca.pem\"\nca_key = \"./ca/ca.key\"\n\
+         upstream_roots = [\"ca/ca.pem\"]\n",
+    )
+    .unwrap();
+    // Started from elsewhere: the paths still mean etc/ca/...
+    let out = check_in(std::path::Path::new("/"), &config);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A config given by a relative path works from its own folder too.
+    let out = check_in(&folder, std::path::Path::new("sluice.toml"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn check_names_the_key_of_every_missing_or_unreadable_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("a_directory")).unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[proxy]\nadmin_token_file = \"a_directory\"\n\
+         [tls]\nintercept = true\nca_cert = \"ca/ca.pem\"\nca_key = \"/nonexistent/ca.key\"\n\
+         upstream_roots = [\"roots.pem\"]\n",
+    )
+    .unwrap();
+    let out = check_in(std::path::Path::new("/"), &config);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("4 file(s) cannot be read"), "{err}");
+    let folder = dir.path().display().to_string();
+    for want in [
+        format!("proxy.admin_token_file: cannot read {folder}/a_directory"),
+        format!("tls.ca_cert: cannot read {folder}/ca/ca.pem"),
+        "tls.ca_key: cannot read /nonexistent/ca.key".to_owned(),
+        format!("tls.upstream_roots[0]: cannot read {folder}/roots.pem"),
+    ] {
+        assert!(err.contains(&want), "no {want:?} in:\n{err}");
+    }
+    // `run` refuses the same file before binding anything.
+    let out = sluice()
+        .args(["run", "--config"])
+        .arg(&config)
+        .run_within(CHILD_DEADLINE);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tls.ca_key"));
+}
+
+#[test]
+fn check_ignores_the_ca_when_interception_is_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[tls]\nintercept = false\nca_cert = \"nowhere.pem\"\n",
+    )
+    .unwrap();
+    let out = check_in(dir.path(), &config);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn check_rejects_a_file_that_is_not_a_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ca.pem"), "not a certificate\n").unwrap();
+    std::fs::write(dir.path().join("ca.key"), "not a key\n").unwrap();
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[tls]\nintercept = true\nca_cert = \"ca.pem\"\nca_key = \"ca.key\"\n",
+    )
+    .unwrap();
+    let out = check_in(dir.path(), &config);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tls.ca_cert"), "{err}");
 }

@@ -331,7 +331,7 @@ async fn tunnels_count_against_max_connections_and_close_when_idle() {
 #[tokio::test]
 async fn a_silent_intercepted_tunnel_hits_the_handshake_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let files = sluice::mitm::generate_ca(&dir.path().join("ca")).unwrap();
+    let files = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
     let s = common::sluice(&format!(
         "[tls]\nintercept = true\nhandshake_timeout = \"500ms\"\nca_cert = \"{}\"\nca_key = \"{}\"\n",
         files.cert.display(),

@@ -134,6 +134,7 @@ fn policy(rate: f64, burst: f64, max_wait_ms: u64) -> Policy {
         burst,
         max_wait: Duration::from_millis(max_wait_ms),
         adaptive: Config::parse("").unwrap().defaults.adaptive,
+        ..Policy::default()
     }
 }
 
@@ -253,6 +254,28 @@ impl BucketStore for Reporting {
 
     fn ping(&self) -> StoreFuture<'_, ()> {
         self.inner.ping()
+    }
+
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: sluice::limiter::LeaseAsk,
+    ) -> StoreFuture<'a, sluice::limiter::Leased> {
+        self.inner.acquire_leased(endpoint, ask, lease)
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: sluice::limiter::LeaseAsk,
+    ) -> StoreFuture<'a, bool> {
+        self.inner.renew_lease(endpoint, ask, lease)
+    }
+
+    fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+        self.inner.release_lease(endpoint, ask, id)
     }
 }
 
@@ -476,6 +499,69 @@ async fn floor_holds(s: Subject) {
     assert!(v.at_floor);
 }
 
+/// Leases: at most `max` live, a busy answer takes no token, renewal keeps a lease,
+/// release frees it, and an unrenewed lease expires on the store's clock.
+async fn leases_bound_expire_and_release(s: Subject) {
+    use sluice::limiter::{LeaseAsk, Leased};
+    let p = policy(1000.0, 100.0, 0);
+    let ask = Ask::new(&p, 0.0, None);
+    let lease = |id| LeaseAsk {
+        id,
+        max: 2,
+        ttl_us: 300_000.0,
+    };
+    for id in [1, 2] {
+        let got = s
+            .store
+            .acquire_leased("lease", ask, lease(id))
+            .await
+            .unwrap();
+        assert!(
+            matches!(got, Leased::Took(Outcome::Granted { .. })),
+            "{got:?}"
+        );
+    }
+    let tokens = |v: Option<sluice::limiter::View>| v.unwrap().tokens;
+    let before = tokens(s.store.view("lease", ask, None).await.unwrap());
+    match s
+        .store
+        .acquire_leased("lease", ask, lease(3))
+        .await
+        .unwrap()
+    {
+        Leased::Busy { retry_us } => assert!(retry_us > 0.0 && retry_us <= 300_000.0),
+        o => panic!("expected busy, got {o:?}"),
+    }
+    let after = tokens(s.store.view("lease", ask, None).await.unwrap());
+    assert!(after >= before, "a busy answer takes no token");
+    s.store.release_lease("lease", ask, 1).await.unwrap();
+    let got = s
+        .store
+        .acquire_leased("lease", ask, lease(4))
+        .await
+        .unwrap();
+    assert!(
+        matches!(got, Leased::Took(Outcome::Granted { .. })),
+        "{got:?}"
+    );
+    // Keep lease 4 alive; lease 2 is never renewed and expires.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        assert!(s.store.renew_lease("lease", ask, lease(4)).await.unwrap());
+        let got = s
+            .store
+            .acquire_leased("lease", ask, lease(5))
+            .await
+            .unwrap();
+        if matches!(got, Leased::Took(Outcome::Granted { .. })) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "lease 2 never expired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!s.store.renew_lease("lease", ask, lease(2)).await.unwrap());
+}
+
 macro_rules! every_store {
     ($($name:ident),* $(,)?) => {
         /// Virtual time: exact.
@@ -495,6 +581,7 @@ every_store!(
     cooldown_then_empty_bucket_at_decreased_rate,
     recovery_climbs_linearly,
     floor_holds,
+    leases_bound_expire_and_release,
 );
 
 #[tokio::test]

@@ -27,7 +27,7 @@ struct Setup {
 
 fn setup() -> Setup {
     let dir = tempfile::tempdir().unwrap();
-    let files = sluice::mitm::generate_ca(&dir.path().join("ca")).unwrap();
+    let files = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
     let pki = TestPki::new(&["localhost"]);
     let upstream_ca = pki.write_ca(dir.path());
     Setup {

@@ -290,6 +290,7 @@ mod tests {
             burst,
             max_wait: Duration::from_secs(5),
             adaptive: Some(Adaptive::default()),
+            ..Policy::default()
         }
     }
 
@@ -462,7 +463,7 @@ mod tests {
             gaps in proptest::collection::vec(0u32..200_000, 1..400),
             releases in proptest::collection::vec(any::<bool>(), 400),
         ) {
-            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None };
+            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None, ..Policy::default() };
             let ask = Ask::new(&p, budget_s * S, None);
             let mut s = fresh(burst, 0.0);
             let mut now = 0.0;
@@ -495,7 +496,7 @@ mod tests {
             budget_s in 0.0f64..2.0,
             n in 1usize..200,
         ) {
-            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None };
+            let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None, ..Policy::default() };
             let ask = Ask::new(&p, budget_s * S, None);
             let mut s = fresh(burst, 0.0);
             for _ in 0..n {

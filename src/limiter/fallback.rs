@@ -32,6 +32,7 @@ use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
+use super::lease::{LeaseAsk, Leased};
 use super::memory::MemoryStore;
 use super::redis::RedisStore;
 use super::{BucketStore, StoreError, StoreFuture, StoreHealth, StoreStats};
@@ -347,6 +348,51 @@ impl BucketStore for Resilient {
     /// While degraded, always confirm (the local store answers at once anyway).
     fn needs_confirm(&self, endpoint: &str, since: tokio::time::Instant) -> bool {
         self.degraded.load(Ordering::Acquire) || self.primary.needs_confirm(endpoint, since)
+    }
+
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, Leased> {
+        let share = self.peers.share(ask);
+        Box::pin(self.run(
+            move |p| p.acquire_leased(endpoint, ask, lease),
+            move |l| match l.acquire_leased_now(endpoint, share, lease) {
+                Leased::Took(o) => Leased::Took(tag_local(o)),
+                busy => busy,
+            },
+            Leased::Took(Outcome::Granted {
+                wait_us: 0.0,
+                generation: u64::MAX,
+            }),
+        ))
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(self.run(
+            move |p| p.renew_lease(endpoint, ask, lease),
+            move |l| l.renew_lease_now(endpoint, self.peers.share(ask), lease),
+            true,
+        ))
+    }
+
+    /// Releases wherever the lease may be: the local store (a no-op when it is not
+    /// there) and the shared one.
+    fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.local
+                .load()
+                .release_lease_now(endpoint, self.peers.share(ask), id);
+            self.run(move |p| p.release_lease(endpoint, ask, id), |_| (), ())
+                .await
+        })
     }
 
     fn health(&self) -> StoreHealth {

@@ -19,6 +19,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::bucket::{self, Ask, BucketState, Outcome, View};
+use super::lease::{self, LeaseAsk, Leased, Leases};
 use super::{BucketStore, StoreError, StoreFuture};
 use crate::config::Adaptive;
 
@@ -30,6 +31,8 @@ const SWEEP_EVERY: u64 = 1024;
 struct Entry {
     state: BucketState,
     ask: Ask,
+    /// In-flight leases (only for endpoints with `max_in_flight`).
+    leases: Leases,
 }
 
 /// In-process buckets, one per endpoint ID.
@@ -93,6 +96,16 @@ impl MemoryStore {
         ask: &Ask,
         f: impl FnOnce(&mut BucketState, f64) -> T,
     ) -> T {
+        self.with_entry(endpoint, ask, |s, _, now| f(s, now))
+    }
+
+    /// Runs `f` on the endpoint's bucket and leases (created when absent).
+    fn with_entry<T>(
+        &self,
+        endpoint: &str,
+        ask: &Ask,
+        f: impl FnOnce(&mut BucketState, &mut Leases, f64) -> T,
+    ) -> T {
         let idx = (self.hasher.hash_one(endpoint) as usize) % SHARDS;
         let n = self.calls.fetch_add(1, Ordering::Relaxed);
         if n % SWEEP_EVERY == 0 {
@@ -105,17 +118,21 @@ impl MemoryStore {
             None => shard.entry(endpoint.into()).or_insert_with(|| Entry {
                 state: bucket::fresh(if self.start_full { ask.burst } else { 0.0 }, now),
                 ask: *ask,
+                leases: Leases::new(),
             }),
         };
         entry.ask = *ask;
-        f(&mut entry.state, now)
+        f(&mut entry.state, &mut entry.leases, now)
     }
 
     /// Evicts idle buckets of one shard.
     pub fn sweep(&self, idx: usize) {
         let now = self.now();
         if let Ok(mut shard) = self.shards[idx % SHARDS].lock() {
-            shard.retain(|_, e| !bucket::idle(&e.state, &e.ask, now));
+            shard.retain(|_, e| {
+                lease::prune(&mut e.leases, now);
+                !e.leases.is_empty() || !bucket::idle(&e.state, &e.ask, now)
+            });
         }
     }
 
@@ -157,6 +174,25 @@ impl MemoryStore {
     /// Counts a request paced elsewhere (see [`bucket::charge`]).
     pub fn charge_now(&self, endpoint: &str, ask: Ask) {
         self.with_bucket(endpoint, &ask, |s, now| bucket::charge(s, &ask, now));
+    }
+
+    /// Leased acquire without the future wrapper: a slot and a token together.
+    pub fn acquire_leased_now(&self, endpoint: &str, ask: Ask, l: LeaseAsk) -> Leased {
+        self.with_entry(endpoint, &ask, |s, leases, now| {
+            lease::acquire(s, leases, &ask, &l, now)
+        })
+    }
+
+    /// Lease renewal without the future wrapper.
+    pub fn renew_lease_now(&self, endpoint: &str, ask: Ask, l: LeaseAsk) -> bool {
+        self.with_entry(endpoint, &ask, |_, leases, now| {
+            lease::renew(leases, &l, now)
+        })
+    }
+
+    /// Lease release without the future wrapper.
+    pub fn release_lease_now(&self, endpoint: &str, ask: Ask, id: u64) {
+        self.with_entry(endpoint, &ask, |_, leases, _| leases.remove(&id));
     }
 
     /// Release without the future wrapper.
@@ -202,6 +238,31 @@ impl BucketStore for MemoryStore {
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(std::future::ready(Ok::<(), StoreError>(())))
     }
+
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, Leased> {
+        let out = self.acquire_leased_now(endpoint, ask, lease);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, bool> {
+        let out = self.renew_lease_now(endpoint, ask, lease);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+        self.release_lease_now(endpoint, ask, id);
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 #[cfg(test)]
@@ -217,6 +278,7 @@ mod tests {
             burst: 1.0,
             max_wait: Duration::ZERO,
             adaptive: None,
+            ..Policy::default()
         };
         let ask = Ask::new(&p, 0.0, None);
         for i in 0..5000 {

@@ -18,18 +18,25 @@
 pub mod bucket;
 mod cooldowns;
 pub mod fallback;
+pub mod lease;
 pub mod memory;
+pub mod queue;
 pub mod redis;
 mod sentinel;
+pub mod slot;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 pub use bucket::{Ask, Outcome, View};
+pub use lease::{LeaseAsk, Leased};
+pub use queue::{Gates, Hint, Place};
+pub use slot::{HeldBody, Slot};
 
 use crate::config::{Adaptive, Policy};
 
@@ -83,6 +90,23 @@ pub trait BucketStore: Send + Sync {
     ) -> StoreFuture<'a, Option<View>>;
     /// Checks the store answers (for `/readyz`).
     fn ping(&self) -> StoreFuture<'_, ()>;
+    /// Like [`acquire`](Self::acquire), for endpoints with `max_in_flight`: takes an
+    /// in-flight slot (a lease) and the token together, or nothing.
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, Leased>;
+    /// Extends a held lease by its ttl; `false` when it had already expired.
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, bool>;
+    /// Gives a lease back (its request's response ended).
+    fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()>;
     /// Current health; only the fallback wrapper ever reports [`StoreHealth::Degraded`].
     fn health(&self) -> StoreHealth {
         StoreHealth::Ok
@@ -115,7 +139,27 @@ pub enum Refusal {
     },
     /// The store failed and `on_error = "deny"`.
     StoreUnavailable,
+    /// No in-flight slot (`max_in_flight`) within the wait budget.
+    ConcurrencyLimited {
+        /// Time until the soonest lease expires (a release may come sooner).
+        retry_after: Duration,
+    },
 }
+
+/// What a queued admission ([`Limiter::admit_queued`]) hands out.
+pub struct Admit {
+    /// The token.
+    pub grant: Grant,
+    /// The in-flight slot, for endpoints with `max_in_flight`.
+    pub slot: Option<Slot>,
+    /// Time spent waiting for the slot (zero without `max_in_flight`).
+    pub slot_wait: Duration,
+}
+
+/// A head waiting for a slot polls the store at least this often at first...
+const POLL_MIN: Duration = Duration::from_millis(5);
+/// ...backing off to this (releases on other replicas are only seen by asking).
+const POLL_MAX: Duration = Duration::from_millis(100);
 
 /// A request that may leave now.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -139,12 +183,23 @@ pub enum Shadow {
 #[derive(Clone)]
 pub struct Limiter {
     store: Arc<dyn BucketStore>,
+    gates: Arc<Gates>,
+    next_lease: Arc<AtomicU64>,
 }
 
 impl Limiter {
     /// A limiter over `store`.
     pub fn new(store: Arc<dyn BucketStore>) -> Limiter {
-        Limiter { store }
+        Limiter {
+            store,
+            gates: Arc::default(),
+            next_lease: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    /// The local waiting rooms (tests check they are cleaned up).
+    pub fn gates(&self) -> &Arc<Gates> {
+        &self.gates
     }
 
     /// The underlying store (for feedback, views and readiness).
@@ -156,17 +211,37 @@ impl Limiter {
     ///
     /// Cancel-safe: dropping the future while it waits gives the reservation back.
     pub async fn admit(&self, endpoint: &str, policy: &Policy) -> Result<Grant, Refusal> {
-        let started = Instant::now();
+        self.settle(endpoint, policy, Instant::now(), None).await
+    }
+
+    /// Takes the first decision (`first`, or a fresh acquire), then sleeps until the
+    /// reserved start and confirms it, re-reserving if a cooldown voided it.
+    async fn settle(
+        &self,
+        endpoint: &str,
+        policy: &Policy,
+        started: Instant,
+        mut first: Option<Outcome>,
+    ) -> Result<Grant, Refusal> {
         let mut held = None;
         loop {
             let budget = policy.max_wait.saturating_sub(started.elapsed());
             let ask = Ask::new(policy, micros(budget), held);
-            let asked = Instant::now();
-            let outcome = self
-                .store
-                .acquire(endpoint, ask)
-                .await
-                .map_err(|_| Refusal::StoreUnavailable)?;
+            // No later than when this outcome was asked for (a `first` one was asked for
+            // after `started`): a cooldown notice since then means confirming.
+            let asked = if first.is_some() {
+                started
+            } else {
+                Instant::now()
+            };
+            let outcome = match first.take() {
+                Some(o) => o,
+                None => self
+                    .store
+                    .acquire(endpoint, ask)
+                    .await
+                    .map_err(|_| Refusal::StoreUnavailable)?,
+            };
             match outcome {
                 Outcome::Refused { cooldown, retry_us } => {
                     let retry_after = from_micros(retry_us);
@@ -212,6 +287,117 @@ impl Limiter {
         }
     }
 
+    /// Admission through the endpoint's local queue, for endpoints with `max_in_flight`
+    /// or `shares` (see [`queue`]): waits to be head, takes a slot and a token in one
+    /// store call (or only a token), then waits for the token's start like
+    /// [`admit`](Self::admit). Cancel-safe like it: a dropped request leaves the queue
+    /// and gives back its reservation and slot.
+    pub async fn admit_queued(
+        &self,
+        endpoint: &Arc<str>,
+        policy: &Policy,
+        place: Place<'_>,
+    ) -> Result<Admit, Refusal> {
+        let started = Instant::now();
+        let deadline = started + policy.max_wait;
+        let head = self
+            .gates
+            .enter(endpoint, place, deadline)
+            .await
+            .map_err(|h| hint_refusal(h, policy))?;
+        let (first, slot) = match policy.max_in_flight {
+            Some(max) => self.lease(endpoint, policy, max, deadline).await?,
+            None => {
+                let ask = Ask::new(policy, micros(deadline - Instant::now()), None);
+                let o = self.store.acquire(endpoint, ask).await;
+                (o.map_err(|_| Refusal::StoreUnavailable)?, None)
+            }
+        };
+        let slot_wait = started.elapsed();
+        if let Outcome::Granted { wait_us, .. } = first {
+            let hint = Hint {
+                slot: false,
+                retry_us: wait_us,
+            };
+            self.gates.hint(endpoint, hint);
+        }
+        if policy.shares.is_none() {
+            // FIFO only: reservations keep the order, the next may ask now.
+            drop(head);
+            let grant = self.settle(endpoint, policy, started, Some(first)).await?;
+            return Ok(Admit {
+                grant,
+                slot,
+                slot_wait,
+            });
+        }
+        // Fair queue: the head keeps its place until its token's start, so the order
+        // of who leaves is decided here, not by earlier reservations.
+        let grant = self.settle(endpoint, policy, started, Some(first)).await?;
+        drop(head);
+        Ok(Admit {
+            grant,
+            slot,
+            slot_wait,
+        })
+    }
+
+    /// The head's wait for a slot: one leased acquire, then on "busy" a wait for a
+    /// local release, the soonest expiry or the next poll, until `deadline`.
+    async fn lease(
+        &self,
+        endpoint: &Arc<str>,
+        policy: &Policy,
+        max: u32,
+        deadline: Instant,
+    ) -> Result<(Outcome, Option<Slot>), Refusal> {
+        let released = self.gates.released(endpoint);
+        let mut poll = POLL_MIN;
+        loop {
+            let now = Instant::now();
+            let ask = Ask::new(
+                policy,
+                micros(deadline.saturating_duration_since(now)),
+                None,
+            );
+            let lease = LeaseAsk {
+                id: self.next_lease.fetch_add(1, Ordering::Relaxed),
+                max,
+                ttl_us: micros(policy.lease_ttl),
+            };
+            let leased = self.store.acquire_leased(endpoint, ask, lease).await;
+            let retry_us = match leased.map_err(|_| Refusal::StoreUnavailable)? {
+                Leased::Took(o @ Outcome::Granted { .. }) => {
+                    let (store, gates) = (Arc::clone(&self.store), Arc::clone(&self.gates));
+                    let slot = Slot::new(store, gates, Arc::clone(endpoint), ask, lease);
+                    return Ok((o, Some(slot)));
+                }
+                Leased::Took(refused) => return Ok((refused, None)),
+                Leased::Busy { retry_us } => retry_us,
+            };
+            let retry_after = from_micros(retry_us);
+            if Instant::now() >= deadline {
+                return Err(Refusal::ConcurrencyLimited { retry_after });
+            }
+            self.gates.hint(
+                endpoint,
+                Hint {
+                    slot: true,
+                    retry_us,
+                },
+            );
+            let wake = (Instant::now() + retry_after.min(poll)).min(deadline);
+            tokio::select! {
+                // A slot of this replica came free: ask at once.
+                _ = released.notified() => {}
+                // The soonest lease may have expired, another replica may have
+                // released one, or the budget ran out (the next turn refuses).
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+            poll = (poll * 2).min(POLL_MAX);
+        }
+    }
+
     /// Shadow mode: asks the store what enforcing would do to this request — one call,
     /// no waiting. A would-be wait takes its token exactly as an enforced request would,
     /// so the shadow bucket follows the real traffic; a would-be refusal takes nothing.
@@ -249,6 +435,16 @@ impl Limiter {
 
 fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
+}
+
+/// The refusal of a waiter whose budget ran out while another request was head.
+fn hint_refusal(h: Hint, policy: &Policy) -> Refusal {
+    let retry_after = from_micros(h.retry_us).max(Duration::from_millis(1));
+    if h.slot && policy.max_in_flight.is_some() {
+        Refusal::ConcurrencyLimited { retry_after }
+    } else {
+        Refusal::RateLimited { retry_after }
+    }
 }
 
 /// Microseconds from the store as a [`Duration`], saturating: negative, NaN and
@@ -350,6 +546,7 @@ mod tests {
                 burst,
                 max_wait: Duration::from_secs_f64(wait_s),
                 adaptive: Some(adaptive),
+                ..Policy::default()
             };
             let mut s = bucket::fresh(burst, 0.0);
             let mut now = 0.0;
@@ -390,6 +587,7 @@ mod tests {
             burst: 1.0,
             max_wait: Duration::from_secs(10),
             adaptive: None,
+            ..Policy::default()
         };
         let mut waits = Vec::new();
         for _ in 0..3 {

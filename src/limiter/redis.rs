@@ -13,6 +13,7 @@
 //! in [`classify`]. Bucket times come from Redis `TIME` (the server clock, shared by
 //! every replica); only the call latency is measured on tokio's clock here.
 
+use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +30,7 @@ use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
 use super::cooldowns::{CooldownWatch, follow};
+use super::lease::{LeaseAsk, Leased};
 use super::sentinel::SentinelConn;
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
 use crate::config::{Adaptive, Backend, StoreConfig, StoreTls, redact};
@@ -52,6 +54,10 @@ const FEEDBACK_LUA: &str = bucket_script!("feedback.lua");
 const VIEW_LUA: &str = bucket_script!("view.lua");
 /// `lua/replicas.lua` (stand-alone: no bucket state).
 const REPLICAS_LUA: &str = include_str!("../../lua/replicas.lua");
+/// `lua/bucket.lua` + `lua/lease.lua`.
+const LEASE_LUA: &str = bucket_script!("lease.lua");
+/// `lua/bucket.lua` + `lua/renew.lua`.
+const RENEW_LUA: &str = bucket_script!("renew.lua");
 
 /// Connections are allowed at least this long even with a tighter call timeout: a TCP
 /// handshake plus HELLO must fit, or a reconnect could never succeed.
@@ -176,6 +182,8 @@ struct Scripts {
     feedback: Script,
     view: Script,
     replicas: Script,
+    lease: Script,
+    renew: Script,
 }
 
 /// Buckets shared by every replica through Redis.
@@ -189,6 +197,9 @@ pub struct RedisStore {
     channel: String,
     /// Cooldown notices heard (single Redis only; elsewhere waiters always confirm).
     watch: Option<Arc<CooldownWatch>>,
+    /// This process's random token: lease members are `<replica>:<id>`, unique across
+    /// replicas sharing the store.
+    replica: String,
 }
 
 /// Decides once whether a Redis error means the store is unreachable (transient: a
@@ -319,7 +330,13 @@ impl RedisStore {
                 feedback: Script::new(FEEDBACK_LUA),
                 view: Script::new(VIEW_LUA),
                 replicas: Script::new(REPLICAS_LUA),
+                lease: Script::new(LEASE_LUA),
+                renew: Script::new(RENEW_LUA),
             },
+            replica: format!(
+                "{:016x}",
+                std::hash::RandomState::new().hash_one(std::process::id())
+            ),
             prefix: cfg.key_prefix.clone(),
             timeout: cfg.timeout,
             stats,
@@ -338,8 +355,8 @@ impl RedisStore {
         k
     }
 
-    /// The sorted set of replica heartbeats: `<prefix>{_replicas}:heartbeats` (never an
-    /// endpoint's key: those end with `}`).
+    /// The sorted set of replica heartbeats: `<prefix>{_replicas}:heartbeats` (never one
+    /// of an endpoint's keys, `<prefix>{<endpoint>}` and `<prefix>{<endpoint>}:leases`).
     pub fn replicas_key(&self) -> String {
         format!("{}{{_replicas}}:heartbeats", self.prefix)
     }
@@ -349,6 +366,23 @@ impl RedisStore {
         let mut inv = self.scripts.replicas.key(self.replicas_key());
         inv.arg(id).arg(ttl.as_millis() as u64);
         self.run::<usize>(inv).await
+    }
+
+    /// The key of an endpoint's in-flight leases: `<prefix>{<endpoint>}:leases`, in the
+    /// same cluster slot as its bucket.
+    pub fn leases_key(&self, endpoint: &str) -> String {
+        let mut k = self.key(endpoint);
+        k.push_str(":leases");
+        k
+    }
+
+    /// The member of lease `id` in the leases set.
+    fn member(&self, id: u64) -> String {
+        let mut m = String::with_capacity(self.replica.len() + 21);
+        m.push_str(&self.replica);
+        m.push(':');
+        m.push_str(&id.to_string());
+        m
     }
 
     /// Runs one script invocation, bounded by the timeout, recording latency and errors.
@@ -532,6 +566,73 @@ impl BucketStore for RedisStore {
             .is_none_or(|w| !w.quiet_since(&self.key(endpoint), since))
     }
 
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, Leased> {
+        Box::pin(async move {
+            let mut inv = self.invocation(&self.scripts.lease, endpoint, &ask);
+            inv.key(self.leases_key(endpoint))
+                .arg(ask.budget_us)
+                .arg(lease.max)
+                .arg(lease.ttl_us)
+                .arg(self.member(lease.id));
+            let f = fields(self.run(inv).await?, 4)?;
+            let generation = f[2] as u64;
+            Ok(match f[0] as u8 {
+                1 => Leased::Took(Outcome::Granted {
+                    wait_us: f[1],
+                    generation,
+                }),
+                2 => Leased::Busy { retry_us: f[1] },
+                _ => Leased::Took(Outcome::Refused {
+                    cooldown: f[3] == 1.0,
+                    retry_us: f[1],
+                }),
+            })
+        })
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            let mut inv = self.invocation(&self.scripts.renew, endpoint, &ask);
+            inv.key(self.leases_key(endpoint))
+                .arg(lease.ttl_us)
+                .arg(self.member(lease.id));
+            Ok(num(&self.run::<Value>(inv).await?)? == 1.0)
+        })
+    }
+
+    fn release_lease<'a>(&'a self, endpoint: &'a str, _ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let conn = self.conn.clone();
+            let mut cmd = redis::cmd("ZREM");
+            cmd.arg(self.leases_key(endpoint)).arg(self.member(id));
+            self.timed(async move {
+                match conn {
+                    Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
+                    Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
+                    Conn::Sentinel(s) => {
+                        on_master(
+                            &s,
+                            |mut c| async move { cmd.query_async::<Value>(&mut c).await },
+                        )
+                        .await
+                    }
+                }
+            })
+            .await
+            .map(drop)
+        })
+    }
+
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let conn = self.conn.clone();
@@ -566,6 +667,8 @@ mod tests {
             ("release", RELEASE_LUA),
             ("feedback", FEEDBACK_LUA),
             ("view", VIEW_LUA),
+            ("lease", LEASE_LUA),
+            ("renew", RENEW_LUA),
         ] {
             assert!(lua.starts_with("-- sluice bucket prelude"), "{name}");
             assert!(lua.contains(&format!("-- {name}:")), "{name}");

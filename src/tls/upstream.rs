@@ -235,7 +235,7 @@ fn describe_certificate(err: &CertificateError) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mitm::{CertAuthority, Interceptor, generate_ca};
+    use crate::tls::{CertAuthority, Interceptor, generate_ca};
     use rustls::pki_types::ServerName;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1,0 +1,121 @@
+//! Memory per waiting request: starts the sluice binary (memory store, 1 token/s, long
+//! `max_wait`), parks N requests on one endpoint (one connection each), and reads the
+//! process's resident set (`VmRSS`) before and after.
+//!
+//! `cargo build --release --bin sluice --example waiters_rss &&
+//!  target/release/examples/waiters_rss target/release/sluice 10000`
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(0)
+}
+
+async fn tokens(admin: u16) -> Option<f64> {
+    let mut s = TcpStream::connect(("127.0.0.1", admin)).await.ok()?;
+    s.write_all(b"GET /endpoints HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut body = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut s, &mut body)
+        .await
+        .ok()?;
+    let text = String::from_utf8_lossy(&body);
+    let at = text.find("\"tokens\":")? + 9;
+    text[at..]
+        .split([',', '\n', '}'])
+        .next()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let bin = args
+        .next()
+        .unwrap_or_else(|| "target/release/sluice".into());
+    let n: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let upstream = TcpListener::bind("127.0.0.1:0").await?;
+    let up = upstream.local_addr()?;
+    let (proxy, admin) = (free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("sluice-waiters-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let cfg = dir.join("sluice.toml");
+    let mut f = std::fs::File::create(&cfg)?;
+    write!(
+        f,
+        "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nworkers = 1\n\
+         [log]\ndecisions = false\n[defaults]\nrate = 0.001\nburst = 1.0\nmax_wait = \"1h\"\n\
+         [defaults.adaptive]\nenabled = false\n[security]\nallow_private_destinations = true\n"
+    )?;
+    let mut child = Command::new(&bin)
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .stderr(Stdio::null())
+        .spawn()?;
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", proxy)).await.is_err() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err("sluice did not start".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // One request through first: the endpoint exists and the burst token is spent.
+    let req = format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nX-Endpoint-Id: hold\r\n\r\n");
+    let mut first = TcpStream::connect(("127.0.0.1", proxy)).await?;
+    first.write_all(req.as_bytes()).await?;
+    let (mut conn, _) = upstream.accept().await?;
+    let _ = conn
+        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = rss_kib(pid);
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut s = TcpStream::connect(("127.0.0.1", proxy)).await?;
+        s.write_all(req.as_bytes()).await?;
+        held.push(s);
+    }
+    // Wait until every request holds its reservation (tokens ≈ -n).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let t = tokens(admin).await.unwrap_or(0.0);
+        if t <= -(n as f64) + 0.5 || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = rss_kib(pid);
+    let per = (after.saturating_sub(before)) as f64 * 1024.0 / n as f64;
+    println!(
+        "| {n} requests waiting on one endpoint | RSS {before} KiB → {after} KiB | {per:.0} bytes per waiter (its socket, connection task and reservation) |"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    drop(held);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}

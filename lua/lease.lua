@@ -1,0 +1,46 @@
+-- lease: take an in-flight slot (a lease) and a token together, or nothing.
+-- Port of lease::acquire. Runs after bucket.lua (prepended at compile time). Used only
+-- for endpoints with max_in_flight; acquire.lua stays the path (and the cost) of the rest.
+--
+-- KEYS[1]  "<prefix>{<endpoint>}"          the bucket hash
+-- KEYS[2]  "<prefix>{<endpoint>}:leases"   sorted set: lease member -> expiry (µs)
+-- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
+-- ARGV[4]  budget: longest acceptable wait for the token (µs)
+-- ARGV[5]  max_in_flight   ARGV[6] lease ttl (µs)   ARGV[7] lease member (replica:id)
+-- Returns  { code, wait_us or retry_us (string), generation, cooldown 0|1 }
+--          code=1: token reserved (start after wait_us) and the slot leased until
+--                  now + ttl; code=0: refused as acquire.lua refuses, nothing taken;
+--          code=2: every slot is leased, nothing taken; retry_us = until the soonest
+--                  lease expires (a release may come sooner).
+--
+-- Why atomic: counting live leases, taking the token and adding the lease must be one
+-- step, or two replicas could both see the last free slot. Expired leases (of a replica
+-- that died without releasing) are pruned here, on the store's clock.
+
+local leases = KEYS[2]
+local budget = tonumber(ARGV[4])
+local max = tonumber(ARGV[5])
+local ttl = tonumber(ARGV[6])
+redis.call('ZREMRANGEBYSCORE', leases, '-inf', str(now))
+if redis.call('ZCARD', leases) >= max then
+  local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
+  return { 2, str(math.max(tonumber(first[2]) - now, 0)), 0, 0 }
+end
+local s = load() or fresh()
+refill(s)
+local base = math.max(s.ts, now)
+local r = effective(s, base)
+local missing = math.max(1 - s.tk, 0)
+local wait = base + missing / r * MICROS - now
+if wait > budget then
+  local cool_left = s.cu - now
+  if cool_left > budget then
+    return { 0, str(cool_left), s.g, 1 }
+  end
+  return { 0, str(wait), s.g, 0 }
+end
+s.tk = s.tk - 1
+save(s)
+redis.call('ZADD', leases, str(now + ttl), ARGV[7])
+redis.call('PEXPIRE', leases, math.ceil(ttl / 1000) + 1000)
+return { 1, str(math.max(wait, 0)), s.g, 0 }

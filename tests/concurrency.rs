@@ -1,0 +1,272 @@
+//! `max_in_flight`: concurrency leases measured at a real upstream that counts the
+//! requests it is serving at once, on one replica (memory) and on three replicas sharing
+//! a real Redis; a crashed holder's leases come back within `lease_ttl`.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+use common::client;
+
+/// An upstream that holds each request `delay` and records the peak number served at once.
+struct Counting {
+    addr: SocketAddr,
+    peak: Arc<AtomicUsize>,
+    served: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Counting {
+    async fn start(delay: Duration) -> Counting {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let now = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
+        let served = Arc::new(AtomicUsize::new(0));
+        let (n, p, s) = (now.clone(), peak.clone(), served.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (n, p, s) = (n.clone(), p.clone(), s.clone());
+                tokio::spawn(async move {
+                    let svc = service_fn(move |_req| {
+                        let (n, p, s) = (n.clone(), p.clone(), s.clone());
+                        async move {
+                            let c = n.fetch_add(1, Ordering::SeqCst) + 1;
+                            p.fetch_max(c, Ordering::SeqCst);
+                            tokio::time::sleep(delay).await;
+                            // Counted out before the response leaves: the proxy's slot is
+                            // released only after the body reached it, so the upstream
+                            // can only under-count sluice's holders, never over-count.
+                            n.fetch_sub(1, Ordering::SeqCst);
+                            s.fetch_add(1, Ordering::SeqCst);
+                            Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from("ok"))))
+                        }
+                    });
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Counting {
+            addr,
+            peak,
+            served,
+            task,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Counting {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// `senders` concurrent senders spread over `proxies`, `each` requests apiece; returns
+/// the statuses and `X-Sluice-Reason`s seen (bounded: every request has a 30 s timeout).
+async fn load(
+    proxies: &[SocketAddr],
+    up: &Counting,
+    ep: &str,
+    senders: usize,
+    each: usize,
+) -> Vec<(u16, String)> {
+    let mut tasks = Vec::new();
+    for i in 0..senders {
+        let c = client(proxies[i % proxies.len()]);
+        let (url, ep) = (up.url(&format!("/{i}")), ep.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for _ in 0..each {
+                let r = c
+                    .get(&url)
+                    .header("x-endpoint-id", &ep)
+                    .send()
+                    .await
+                    .unwrap();
+                let reason = r
+                    .headers()
+                    .get("x-sluice-reason")
+                    .map(|v| v.to_str().unwrap().to_owned())
+                    .unwrap_or_default();
+                out.push((r.status().as_u16(), reason));
+                r.bytes().await.unwrap();
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
+const POLICY: &str =
+    "[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"30s\"\nmax_in_flight = 3\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_replica_never_exceeds_max_in_flight() {
+    let sluice = common::sluice(POLICY).await;
+    let up = Counting::start(Duration::from_millis(40)).await;
+    let results = load(&[sluice.proxy_addr], &up, "c1", 24, 5).await;
+    assert!(results.iter().all(|(s, _)| *s == 200), "{results:?}");
+    assert_eq!(up.served.load(Ordering::SeqCst), 24 * 5);
+    eprintln!("one replica: peak in flight {} (limit 3)", up.peak());
+    assert!(up.peak() <= 3, "peak {} in flight", up.peak());
+    assert_eq!(up.peak(), 3, "slots are used (work-conserving)");
+    // Every slot is given back: the waiting room and the gauge empty out.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !sluice.app.limiter.gates().is_empty() {
+        assert!(Instant::now() < deadline, "slots never released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sluice.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_one_redis_never_exceed_max_in_flight() {
+    let redis = common::redis::RedisServer::start();
+    let cfg = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n{POLICY}",
+        redis.url()
+    );
+    let mut rs = Vec::new();
+    for _ in 0..3 {
+        rs.push(common::sluice(&cfg).await);
+    }
+    let proxies: Vec<SocketAddr> = rs.iter().map(|r| r.proxy_addr).collect();
+    let up = Counting::start(Duration::from_millis(40)).await;
+    let started = Instant::now();
+    let results = load(&proxies, &up, "c3", 24, 5).await;
+    let took = started.elapsed();
+    assert!(results.iter().all(|(s, _)| *s == 200), "{results:?}");
+    assert_eq!(up.served.load(Ordering::SeqCst), 24 * 5);
+    eprintln!(
+        "3 replicas / 1 Redis: peak in flight {} (limit 3), 120 requests of 40 ms in {:.2}s (ideal {:.2}s)",
+        up.peak(),
+        took.as_secs_f64(),
+        120.0 * 0.040 / 3.0
+    );
+    assert!(up.peak() <= 3, "peak {} in flight", up.peak());
+    // Leases are all given back.
+    let key = "sluice:{c3}:leases";
+    common::redis::wait_until("leases released", Duration::from_secs(5), || {
+        redis.cli(&["ZCARD", key]).as_deref() == Some("0")
+    });
+    for r in rs {
+        r.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_wait_past_max_wait_is_refused_as_concurrency_limited() {
+    let sluice = common::sluice(
+        "[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"200ms\"\nmax_in_flight = 1\n",
+    )
+    .await;
+    let up = Counting::start(Duration::from_millis(1500)).await;
+    let results = load(&[sluice.proxy_addr], &up, "c4", 2, 1).await;
+    let refused: Vec<_> = results.iter().filter(|(s, _)| *s == 503).collect();
+    assert_eq!(refused.len(), 1, "{results:?}");
+    assert_eq!(refused[0].1, "concurrency_limited");
+    assert_eq!(up.served.load(Ordering::SeqCst), 1);
+    sluice.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_are_renewed_while_a_request_runs() {
+    // Each request takes 0.7 s, far past the 200 ms lease: only renewal keeps it held.
+    let sluice = common::sluice(
+        "[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"10s\"\nmax_in_flight = 1\nlease_ttl = \"200ms\"\n",
+    )
+    .await;
+    let up = Counting::start(Duration::from_millis(700)).await;
+    let results = load(&[sluice.proxy_addr], &up, "c5", 3, 1).await;
+    assert!(results.iter().all(|(s, _)| *s == 200), "{results:?}");
+    assert_eq!(up.peak(), 1, "a renewed lease is never taken over");
+    sluice.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_replicas_slots_return_within_the_lease_ttl() {
+    use sluice::config::{Backend, OnError, Policy, StoreConfig};
+    use sluice::limiter::redis::RedisStore;
+    use sluice::limiter::{Ask, BucketStore, LeaseAsk, Leased, Outcome, StoreStats};
+
+    let redis = common::redis::RedisServer::start();
+    let ttl = Duration::from_secs(1);
+    // The "crashed" replica: its store takes both slots, then it is gone — no release,
+    // no renewal (exactly what a killed process leaves behind).
+    {
+        let cfg = StoreConfig {
+            backend: Backend::Redis,
+            urls: vec![redis.url()],
+            key_prefix: "sluice:".into(),
+            timeout: Duration::from_millis(500),
+            on_error: OnError::Deny,
+            ..StoreConfig::default()
+        };
+        let crashed = RedisStore::connect(&cfg, StoreStats::default())
+            .await
+            .unwrap();
+        let p = Policy {
+            rate: 1000.0,
+            burst: 1000.0,
+            ..Policy::default()
+        };
+        for id in 0..2 {
+            let lease = LeaseAsk {
+                id,
+                max: 2,
+                ttl_us: ttl.as_secs_f64() * 1e6,
+            };
+            let got = crashed
+                .acquire_leased("crash", Ask::new(&p, 0.0, None), lease)
+                .await
+                .unwrap();
+            assert!(
+                matches!(got, Leased::Took(Outcome::Granted { .. })),
+                "{got:?}"
+            );
+        }
+    }
+    let crashed_at = Instant::now();
+    let sluice = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\n[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"5s\"\nmax_in_flight = 2\nlease_ttl = \"1s\"\n",
+        redis.url()
+    ))
+    .await;
+    let up = Counting::start(Duration::ZERO).await;
+    let results = load(&[sluice.proxy_addr], &up, "crash", 1, 1).await;
+    let back = crashed_at.elapsed();
+    assert_eq!(results[0].0, 200, "{results:?}");
+    eprintln!(
+        "crashed replica's slots back after {:.0} ms (lease_ttl 1 s)",
+        back.as_secs_f64() * 1e3
+    );
+    // Not before the leases expire, and within the ttl plus one poll (100 ms) and slack.
+    assert!(back >= ttl - Duration::from_millis(50), "{back:?}");
+    assert!(back <= ttl + Duration::from_millis(400), "{back:?}");
+    sluice.stop().await;
+}
