@@ -25,6 +25,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         key_prefix: "bench:".into(),
         timeout: Duration::from_secs(2),
         on_error: OnError::Deny,
+        ..StoreConfig::default()
     };
     let store = Arc::new(RedisStore::connect(&cfg, StoreStats::default()).await?);
     let policy = Policy {

@@ -154,7 +154,12 @@ async fn readyz(app: &App) -> Response<Body> {
         (false, OnError::Deny) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
         (false, _) => (StatusCode::OK, "degraded"),
     };
-    let body = serde_json::json!({ "store": state, "on_error": on_error }).to_string();
+    let mut body = serde_json::json!({ "store": state, "on_error": on_error });
+    if let Some(n) = store.replicas() {
+        // The share the local fallback would enforce: rate / replicas.
+        body["replicas"] = n.into();
+    }
+    let body = body.to_string();
     text(status, body, "application/json")
 }
 

@@ -16,7 +16,7 @@ use crate::conn::Lifecycle;
 use crate::core::{App, Runtime, RuntimeError};
 use crate::destination::DestinationPolicy;
 use crate::forward::Forwarder;
-use crate::limiter::fallback::Resilient;
+use crate::limiter::fallback::{Peers, Resilient, heartbeats};
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::RedisStore;
 use crate::limiter::{BucketStore, Limiter, StoreError};
@@ -60,6 +60,16 @@ pub enum StartError {
     },
 }
 
+/// A name for this replica in the store's heartbeat set, unique per process and store.
+fn replica_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{}-{nanos:x}-{n}", std::process::id())
+}
+
 /// Builds everything a request needs, once.
 pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     let runtime = Runtime::load(Arc::clone(&config))?;
@@ -69,7 +79,7 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     ));
     let store: Arc<dyn BucketStore> = match config.store.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
-        Backend::Redis | Backend::RedisCluster => {
+        Backend::Redis | Backend::RedisCluster | Backend::RedisSentinel => {
             let primary = match config.store.on_error {
                 // Fail closed: a dead store would refuse every request, so refuse to start.
                 OnError::Deny => RedisStore::connect(&config.store, metrics.store.clone())
@@ -82,11 +92,15 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
                         .map_err(StartError::StoreConfig)?
                 }
             };
-            let store = Resilient::new(
-                Arc::new(primary),
-                config.store.on_error,
-                metrics.store.clone(),
-            );
+            let primary = Arc::new(primary);
+            let peers = Arc::new(Peers::new(config.store.fallback_min_replicas));
+            tokio::spawn(heartbeats(
+                Arc::downgrade(&primary),
+                replica_id(),
+                Arc::clone(&peers),
+            ));
+            let store =
+                Resilient::new(primary, config.store.on_error, metrics.store.clone(), peers);
             // Learn the store's state now, so /readyz and the log tell it from the start.
             if let Err(e) = store.ping().await {
                 tracing::warn!(error = %e, "store unreachable at start: serving with the on_error fallback");
@@ -220,7 +234,9 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
         ),
         (
             "store",
-            new.store.backend != cfg.store.backend || new.store.urls != cfg.store.urls,
+            new.store.backend != cfg.store.backend
+                || new.store.urls != cfg.store.urls
+                || new.store.tls != cfg.store.tls,
         ),
         ("tls.intercept", new.tls.intercept != cfg.tls.intercept),
         (

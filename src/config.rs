@@ -87,6 +87,9 @@ pub enum Backend {
     Redis,
     /// A Redis Cluster; `urls` are seed nodes.
     RedisCluster,
+    /// A Redis master found through Redis Sentinel; `urls` are the sentinels and
+    /// `sentinel_master` names the master.
+    RedisSentinel,
 }
 
 /// What to do when the shared store fails.
@@ -274,6 +277,48 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// Behaviour when the store fails.
     pub on_error: OnError,
+    /// TLS material for `rediss://` URLs.
+    pub tls: StoreTls,
+    /// `sentinel_master`: the master's name at the sentinels (`redis-sentinel` only).
+    pub sentinel_master: Option<String>,
+    /// `fallback_min_replicas`: during an outage the local fallback enforces
+    /// `rate / N` per replica, N = the replicas last seen alive, at least this many.
+    pub fallback_min_replicas: usize,
+}
+
+/// `[store] tls_*`: files for TLS to Redis (`rediss://` URLs). Read at start and by
+/// `sluice check`, see [`crate::limiter::redis::tls_certificates`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreTls {
+    /// `tls_ca_file`: PEM root(s) trusted in addition to the system roots.
+    pub ca_file: Option<PathBuf>,
+    /// `tls_cert_file` + `tls_key_file`: client certificate chain and key (mutual TLS).
+    pub client: Option<ClientCert>,
+}
+
+/// A client certificate for mutual TLS, both PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientCert {
+    /// `tls_cert_file`: the certificate chain.
+    pub cert_file: PathBuf,
+    /// `tls_key_file`: its private key.
+    pub key_file: PathBuf,
+}
+
+impl Default for StoreConfig {
+    /// The defaults of the contract: memory store, `redis://127.0.0.1:6379/`, `sluice:`.
+    fn default() -> Self {
+        StoreConfig {
+            backend: Backend::Memory,
+            urls: vec!["redis://127.0.0.1:6379/".into()],
+            key_prefix: "sluice:".into(),
+            timeout: Duration::from_millis(100),
+            on_error: OnError::Local,
+            tls: StoreTls::default(),
+            sentinel_master: None,
+            fallback_min_replicas: 1,
+        }
+    }
 }
 
 /// `[tls]`.
@@ -402,6 +447,14 @@ impl Config {
         if let Some(p) = &mut self.security.auth_users_file {
             paths.push(("security.auth_users_file".to_owned(), p, true));
         }
+        let shared = self.store.backend != Backend::Memory;
+        if let Some(p) = &mut self.store.tls.ca_file {
+            paths.push(("store.tls_ca_file".to_owned(), p, shared));
+        }
+        if let Some(c) = &mut self.store.tls.client {
+            paths.push(("store.tls_cert_file".to_owned(), &mut c.cert_file, shared));
+            paths.push(("store.tls_key_file".to_owned(), &mut c.key_file, shared));
+        }
         paths
     }
 
@@ -441,10 +494,21 @@ impl Config {
         }
     }
 
-    /// Validates TOML text, returning every issue found.
+    /// Validates TOML text, returning every issue found. `${NAME}` in string values is
+    /// replaced by the environment variable `NAME` (see [`expand_env`]).
     pub fn parse(text: &str) -> Result<Config, Vec<ConfigIssue>> {
+        Config::parse_with_env(text, &|name| std::env::var(name).ok())
+    }
+
+    /// Like [`parse`](Self::parse), looking `${NAME}` references up with `env` instead
+    /// of the process environment.
+    pub fn parse_with_env(
+        text: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, Vec<ConfigIssue>> {
         let mut r = Reader {
             src: text,
+            env,
             issues: Vec::new(),
         };
         let (root, errs) = DeTable::parse_recoverable(text);
@@ -464,9 +528,16 @@ impl Config {
     /// A one-line summary for `sluice check`.
     pub fn summary(&self) -> String {
         let backend = match self.store.backend {
-            Backend::Memory => "memory",
-            Backend::Redis => "redis",
-            Backend::RedisCluster => "redis-cluster",
+            Backend::Memory => "memory".to_owned(),
+            other => {
+                let name = match other {
+                    Backend::RedisCluster => "redis-cluster",
+                    Backend::RedisSentinel => "redis-sentinel",
+                    _ => "redis",
+                };
+                let urls: Vec<String> = self.store.urls.iter().map(|u| redact(u)).collect();
+                format!("{name} {}", urls.join(" "))
+            }
         };
         format!(
             "ok: listen {}, admin {}, store {}, {} endpoint(s), defaults {}/s burst {}, tls intercept {}",
@@ -481,6 +552,51 @@ impl Config {
     }
 }
 
+/// Expands `${NAME}` references in a config string with `env` (the process environment
+/// at load and reload). `$${` stands for a literal `${`; a `$` not followed by `{` is kept
+/// as is. Names are `[A-Za-z_][A-Za-z0-9_]*`; expanded values are not expanded again.
+/// The error (unset variable, bad name, missing `}`) names the variable, never a value.
+pub fn expand_env(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    if !s.contains('$') {
+        return Ok(s.to_owned());
+    }
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        if let Some(tail) = after.strip_prefix("${") {
+            out.push_str("${");
+            rest = tail;
+        } else if let Some(tail) = after.strip_prefix('{') {
+            let end = tail.find('}').ok_or_else(|| {
+                "unterminated \"${\": write ${NAME}, or $${ for a literal \"${\"".to_owned()
+            })?;
+            let name = &tail[..end];
+            let valid = name
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(format!(
+                    "\"${{{name}}}\" is not a valid environment variable reference: names are \
+                     letters, digits and _ (write $${{ for a literal \"${{\")"
+                ));
+            }
+            let value = env(name).ok_or_else(|| {
+                format!("environment variable {name} is not set (referenced as ${{{name}}})")
+            })?;
+            out.push_str(&value);
+            rest = &tail[end + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
 /// The slowest rate (and floor) a config may ask for: one token in ~11.6 days. Slower
 /// rates make waits that no clock or `Duration` can hold.
 pub const MIN_RATE: f64 = 1e-6;
@@ -532,6 +648,7 @@ type Value<'i> = Spanned<DeValue<'i>>;
 /// Collects issues while reading the spanned tree.
 struct Reader<'s> {
     src: &'s str,
+    env: &'s dyn Fn(&str) -> Option<String>,
     issues: Vec<ConfigIssue>,
 }
 
@@ -588,10 +705,21 @@ impl Reader<'_> {
         self.issue(v.span().start, key, format!("expected {want}, found {got}"));
     }
 
+    /// A string value with `${NAME}` expanded; an expansion error is an issue at `at`.
+    fn expanded(&mut self, s: &str, at: usize, key: &str) -> Option<(String, usize)> {
+        match expand_env(s, self.env) {
+            Ok(s) => Some((s, at)),
+            Err(e) => {
+                self.issue(at, key, e);
+                None
+            }
+        }
+    }
+
     fn string(&mut self, t: &Table<'_>, path: &str, name: &str) -> Option<(String, usize)> {
         let v = t.get(name)?;
         match v.get_ref() {
-            DeValue::String(s) => Some((s.to_string(), v.span().start)),
+            DeValue::String(s) => self.expanded(s, v.span().start, &join(path, name)),
             other => {
                 self.type_issue(v, &join(path, name), "a string", other.type_str());
                 None
@@ -696,7 +824,11 @@ impl Reader<'_> {
         let mut out = Vec::new();
         for item in items.iter() {
             match item.get_ref() {
-                DeValue::String(s) => out.push((s.to_string(), item.span().start)),
+                DeValue::String(s) => {
+                    if let Some(e) = self.expanded(s, item.span().start, &key) {
+                        out.push(e);
+                    }
+                }
                 other => self.type_issue(item, &key, "a string", other.type_str()),
             }
         }
@@ -905,7 +1037,18 @@ impl Reader<'_> {
         self.known_keys(
             t,
             p,
-            &["backend", "urls", "key_prefix", "timeout", "on_error"],
+            &[
+                "backend",
+                "urls",
+                "key_prefix",
+                "timeout",
+                "on_error",
+                "tls_ca_file",
+                "tls_cert_file",
+                "tls_key_file",
+                "sentinel_master",
+                "fallback_min_replicas",
+            ],
         );
         let backend = self.enumerated(
             t,
@@ -916,6 +1059,7 @@ impl Reader<'_> {
                 ("memory", Backend::Memory),
                 ("redis", Backend::Redis),
                 ("redis-cluster", Backend::RedisCluster),
+                ("redis-sentinel", Backend::RedisSentinel),
             ],
         );
         let listed = self.strings(t, p, "urls");
@@ -936,7 +1080,11 @@ impl Reader<'_> {
                 "backend \"redis\" takes exactly one URL".into(),
             );
         }
-        if backend != Backend::Memory && t.get("urls").is_some() && listed.is_empty() {
+        let none_listed = matches!(
+            t.get("urls").map(|v| v.get_ref()),
+            Some(DeValue::Array(a)) if a.is_empty()
+        );
+        if backend != Backend::Memory && none_listed {
             self.issue(at, "store.urls", "needs at least one URL".into());
         }
         let mut urls: Vec<String> = listed.into_iter().map(|(u, _)| u).collect();
@@ -947,7 +1095,12 @@ impl Reader<'_> {
         if timeout.is_zero() {
             self.issue(0, "store.timeout", "must be greater than 0".into());
         }
+        let tls = self.store_tls(t, &urls);
+        let sentinel_master = self.sentinel_master(t, backend, &tls);
         StoreConfig {
+            tls,
+            sentinel_master,
+            fallback_min_replicas: self.count(t, p, "fallback_min_replicas", 1),
             backend,
             urls,
             key_prefix: self
@@ -965,6 +1118,111 @@ impl Reader<'_> {
                     ("deny", OnError::Deny),
                 ],
             ),
+        }
+    }
+
+    /// `sentinel_master`: required with `redis-sentinel`, meaningless elsewhere.
+    fn sentinel_master(
+        &mut self,
+        t: &Table<'_>,
+        backend: Backend,
+        tls: &StoreTls,
+    ) -> Option<String> {
+        let key = "store.sentinel_master";
+        let name = self.string(t, "store", "sentinel_master");
+        match (backend, name) {
+            (Backend::RedisSentinel, Some((n, at))) if n.is_empty() => {
+                self.issue(
+                    at,
+                    key,
+                    "must name the master (as in `sentinel monitor NAME ...`)".into(),
+                );
+                None
+            }
+            (Backend::RedisSentinel, Some((n, _))) => {
+                if *tls != StoreTls::default() {
+                    let at = t
+                        .get("tls_ca_file")
+                        .or(t.get("tls_cert_file"))
+                        .map_or(0, |v| v.span().start);
+                    self.issue(at, "store.tls_ca_file", "TLS files are not supported with backend \"redis-sentinel\" yet: use rediss:// with a publicly trusted certificate".into());
+                }
+                Some(n)
+            }
+            (Backend::RedisSentinel, None) => {
+                let at = t.get("backend").map_or(0, |v| v.span().start);
+                self.issue(at, key, "backend \"redis-sentinel\" needs sentinel_master = \"<name>\" (the name the sentinels monitor)".into());
+                None
+            }
+            (_, Some((_, at))) => {
+                self.issue(
+                    at,
+                    key,
+                    "only used with backend = \"redis-sentinel\"".into(),
+                );
+                None
+            }
+            (_, None) => None,
+        }
+    }
+
+    /// `tls_ca_file`, `tls_cert_file`, `tls_key_file`: paths only (their contents are
+    /// read by `check` and at start); the client pair is both or neither, and any of them
+    /// needs `rediss://` URLs.
+    fn store_tls(&mut self, t: &Table<'_>, urls: &[String]) -> StoreTls {
+        let p = "store";
+        let mut path = |name: &str| {
+            self.string(t, p, name).map(|(s, at)| {
+                if s.is_empty() {
+                    self.issue(at, &join(p, name), "must not be empty".into());
+                }
+                (PathBuf::from(s), at)
+            })
+        };
+        let ca = path("tls_ca_file");
+        let cert = path("tls_cert_file");
+        let key = path("tls_key_file");
+        let client = match (cert, key) {
+            (Some((cert_file, _)), Some((key_file, _))) => Some(ClientCert {
+                cert_file,
+                key_file,
+            }),
+            (Some((_, at)), None) => {
+                self.issue(
+                    at,
+                    "store.tls_cert_file",
+                    "needs store.tls_key_file too (mutual TLS takes both, or neither)".into(),
+                );
+                None
+            }
+            (None, Some((_, at))) => {
+                self.issue(
+                    at,
+                    "store.tls_key_file",
+                    "needs store.tls_cert_file too (mutual TLS takes both, or neither)".into(),
+                );
+                None
+            }
+            (None, None) => None,
+        };
+        let first = ["tls_ca_file", "tls_cert_file", "tls_key_file"]
+            .into_iter()
+            .find_map(|k| t.get(k).map(|v| (k, v.span().start)));
+        if let Some((k, at)) = first {
+            if let Some(plain) = urls.iter().find(|u| !u.starts_with("rediss://")) {
+                self.issue(
+                    at,
+                    &join(p, k),
+                    format!(
+                        "TLS files need rediss:// URLs, but store.urls has \"{}\"",
+                        redact(plain)
+                    ),
+                );
+            }
+        }
+        StoreTls {
+            ca_file: ca.map(|(f, _)| f),
+            client,
         }
     }
 
@@ -1509,6 +1767,10 @@ mod tests {
             ("[store]\nurls = [\"http://x/\"]", "store.urls"),
             ("[store]\non_error = \"panic\"", "store.on_error"),
             (
+                "[store]\nfallback_min_replicas = 0",
+                "store.fallback_min_replicas",
+            ),
+            (
                 "[proxy]\nendpoint_header = \"bad header\"",
                 "proxy.endpoint_header",
             ),
@@ -1593,6 +1855,15 @@ mod tests {
         .unwrap();
         c.resolve_paths(Path::new("/etc/sluice"));
         assert_eq!(c.tls.ca_cert, Path::new("/abs/ca.pem"));
+        let mut r = Config::parse(
+            "[store]\nbackend = \"redis\"\nurls = [\"rediss://h/\"]\ntls_ca_file = \"redis/ca.pem\"\n",
+        )
+        .unwrap();
+        r.resolve_paths(Path::new("/etc/sluice"));
+        assert_eq!(
+            r.store.tls.ca_file.as_deref(),
+            Some(Path::new("/etc/sluice/redis/ca.pem"))
+        );
         assert_eq!(c.tls.ca_key, Path::new("/etc/sluice/ca/ca.key"));
         assert_eq!(c.tls.upstream_roots, [Path::new("/etc/sluice/roots/a.pem")]);
         assert_eq!(
@@ -1606,5 +1877,143 @@ mod tests {
         assert_eq!(redact("redis://:hunter2@h:6379/"), "redis://:***@h:6379/");
         assert_eq!(redact("redis://u:hunter2@h/"), "redis://u:***@h/");
         assert_eq!(redact("redis://h:6379/"), "redis://h:6379/");
+    }
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn env_references_expand_and_escape() {
+        let e = env(&[("PW", "s3cr$t"), ("HOST", "r.example"), ("EMPTY", "")]);
+        assert_eq!(expand_env("plain", &e).unwrap(), "plain");
+        assert_eq!(
+            expand_env("rediss://:${PW}@${HOST}:6380/", &e).unwrap(),
+            "rediss://:s3cr$t@r.example:6380/"
+        );
+        // Values are not expanded again; `$${` is a literal `${`; a lone `$` stays.
+        assert_eq!(expand_env("$${PW} costs $5", &e).unwrap(), "${PW} costs $5");
+        assert_eq!(expand_env("a${EMPTY}b", &e).unwrap(), "ab");
+        let unset = expand_env("x${NOPE}", &e).unwrap_err();
+        assert!(
+            unset.contains("NOPE") && unset.contains("not set"),
+            "{unset}"
+        );
+        assert!(expand_env("${PW", &e).unwrap_err().contains("unterminated"));
+        assert!(expand_env("${1X}", &e).unwrap_err().contains("not a valid"));
+        assert!(expand_env("${}", &e).is_err());
+    }
+
+    #[test]
+    fn an_unset_variable_is_an_issue_naming_key_and_variable() {
+        let text =
+            "[store]\nbackend = \"redis\"\nurls = [\"rediss://:${SLUICE_REDIS_PASSWORD}@h/\"]\n";
+        let i = Config::parse_with_env(text, &env(&[])).expect_err("unset variable");
+        assert_eq!(i.len(), 1, "{i:?}");
+        assert_eq!(
+            (i[0].line, i[0].column, i[0].key.as_str()),
+            (3, 9, "store.urls")
+        );
+        assert!(
+            i[0].message.contains("SLUICE_REDIS_PASSWORD"),
+            "{}",
+            i[0].message
+        );
+        let i = Config::parse_with_env("[store]\nkey_prefix = \"${P}:\"\n", &env(&[]))
+            .expect_err("unset variable");
+        assert_eq!(i[0].key, "store.key_prefix");
+    }
+
+    #[test]
+    fn the_expanded_password_reaches_the_store_but_not_the_summary() {
+        let text = "[store]\nbackend = \"redis\"\nurls = [\"rediss://:${PW}@h:6380/\"]\n\
+                    key_prefix = \"${ENV}:sluice:\"\n";
+        let c = Config::parse_with_env(text, &env(&[("PW", "hunter2"), ("ENV", "prod")])).unwrap();
+        assert_eq!(c.store.urls, ["rediss://:hunter2@h:6380/"]);
+        assert_eq!(c.store.key_prefix, "prod:sluice:");
+        let summary = c.summary();
+        assert!(!summary.contains("hunter2"), "{summary}");
+        assert!(summary.contains("rediss://:***@h:6380/"), "{summary}");
+    }
+
+    #[test]
+    fn sentinel_backend_needs_a_master_name() {
+        let c = Config::parse(
+            "[store]\nbackend = \"redis-sentinel\"\nurls = [\"redis://s1:26379/\", \"redis://s2:26379/\"]\n\
+             sentinel_master = \"sluice\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.store.backend, Backend::RedisSentinel);
+        assert_eq!(c.store.sentinel_master.as_deref(), Some("sluice"));
+        assert_eq!(c.store.urls.len(), 2);
+        for (text, says) in [
+            (
+                "[store]\nbackend = \"redis-sentinel\"\n",
+                "needs sentinel_master",
+            ),
+            (
+                "[store]\nbackend = \"redis-sentinel\"\nsentinel_master = \"\"\n",
+                "must name",
+            ),
+            (
+                "[store]\nbackend = \"redis\"\nsentinel_master = \"m\"\n",
+                "only used",
+            ),
+        ] {
+            let i = issues(text);
+            assert!(
+                i.iter()
+                    .any(|i| i.key == "store.sentinel_master" && i.message.contains(says)),
+                "{text:?}: {i:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn store_tls_files() {
+        let c = Config::parse(
+            "[store]\nbackend = \"redis\"\nurls = [\"rediss://h/\"]\ntls_ca_file = \"ca.pem\"\n\
+             tls_cert_file = \"c.pem\"\ntls_key_file = \"c.key\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.store.tls.ca_file, Some(PathBuf::from("ca.pem")));
+        let client = c.store.tls.client.unwrap();
+        assert_eq!(
+            (client.cert_file, client.key_file),
+            ("c.pem".into(), "c.key".into())
+        );
+        let cases = [
+            (
+                "[store]\nurls = [\"rediss://h/\"]\ntls_cert_file = \"c.pem\"",
+                "store.tls_cert_file",
+                "tls_key_file",
+            ),
+            (
+                "[store]\nurls = [\"rediss://h/\"]\ntls_key_file = \"c.key\"",
+                "store.tls_key_file",
+                "tls_cert_file",
+            ),
+            (
+                "[store]\nurls = [\"redis://h/\"]\ntls_ca_file = \"ca.pem\"",
+                "store.tls_ca_file",
+                "rediss://",
+            ),
+            (
+                "[store]\nurls = [\"rediss://h/\"]\ntls_ca_file = \"\"",
+                "store.tls_ca_file",
+                "empty",
+            ),
+        ];
+        for (text, key, says) in cases {
+            let i = issues(text);
+            assert!(
+                i.iter().any(|i| i.key == key && i.message.contains(says)),
+                "{text:?}: expected {key} saying {says}, got {i:?}"
+            );
+        }
     }
 }

@@ -16,7 +16,8 @@
 //! - [`endpoint`]: endpoint resolution (header, proxy user, host/path rules, defaults).
 //! - [`destination`]: destination policy (allowed hosts, private-address refusal).
 //! - [`limiter`]: the [`limiter::Limiter`] over the [`limiter::BucketStore`] seam
-//!   (memory, Redis, Redis Cluster, fallback); the bucket math lives in [`limiter::bucket`],
+//!   (memory, Redis, Redis Cluster, Redis Sentinel, fallback); the bucket math lives in
+//!   [`limiter::bucket`],
 //!   in-flight leases in [`limiter::lease`] and [`limiter::slot`], the per-endpoint
 //!   FIFO / weighted fair / priority queue in [`limiter::queue`].
 //! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.

@@ -157,6 +157,11 @@ fn check_tls(c: &Config) -> Result<(), String> {
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     Ok(match load(path) {
         Ok(c) => {
+            // Files the config names are opened and parsed now, not at the first connect.
+            if let Err(e) = sluice::limiter::redis::tls_certificates(&c.store.tls) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
             let summary = c.summary();
             if let Err(e) = check_tls(&c) {
                 eprintln!("{}: {e}", path.display());

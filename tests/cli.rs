@@ -122,6 +122,109 @@ fn run_exits_2_naming_a_taken_port() {
 }
 
 #[test]
+fn check_opens_the_store_tls_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let ca_pem = rcgen::CertificateParams::new(Vec::<String>::new())
+        .unwrap()
+        .self_signed(&ca_key)
+        .unwrap()
+        .pem();
+    std::fs::write(&ca, ca_pem).unwrap();
+    let not_a_key = dir.path().join("client.key");
+    std::fs::write(&not_a_key, "hello").unwrap();
+    let check = |store: &str| {
+        let path = dir.path().join("sluice.toml");
+        std::fs::write(
+            &path,
+            format!("[store]\nbackend = \"redis\"\nurls = [\"rediss://127.0.0.1:6380/\"]\n{store}"),
+        )
+        .unwrap();
+        sluice()
+            .args(["check", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap()
+    };
+    let ok = check(&format!("tls_ca_file = \"{}\"\n", ca.display()));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let missing = dir.path().join("nope.pem");
+    for (store, key, path) in [
+        (
+            format!("tls_ca_file = \"{}\"\n", missing.display()),
+            "store.tls_ca_file",
+            &missing,
+        ),
+        (
+            format!(
+                "tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+                ca.display(),
+                not_a_key.display()
+            ),
+            "store.tls_key_file",
+            &not_a_key,
+        ),
+        (
+            format!(
+                "tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+                not_a_key.display(),
+                not_a_key.display()
+            ),
+            "store.tls_cert_file",
+            &not_a_key,
+        ),
+    ] {
+        let out = check(&store);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{store}: {err}");
+        assert!(
+            err.contains(key) && err.contains(&path.display().to_string()),
+            "{store}: {err}"
+        );
+    }
+}
+
+#[test]
+fn check_expands_environment_variables_and_never_prints_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(
+        &path,
+        "[store]\nbackend = \"redis\"\nurls = [\"redis://:${SLUICE_TEST_PW}@127.0.0.1:6380/\"]\n",
+    )
+    .unwrap();
+    let run = |pw: Option<&str>| {
+        let mut cmd = sluice();
+        cmd.args(["check", "--config"]).arg(&path);
+        match pw {
+            Some(pw) => cmd.env("SLUICE_TEST_PW", pw),
+            None => cmd.env_remove("SLUICE_TEST_PW"),
+        };
+        cmd.output().unwrap()
+    };
+    let ok = run(Some("hunter2-from-env"));
+    let out = String::from_utf8_lossy(&ok.stdout);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(!out.contains("hunter2") && out.contains(":***@"), "{out}");
+    let unset = run(None);
+    let err = String::from_utf8_lossy(&unset.stderr);
+    assert_eq!(unset.status.code(), Some(1));
+    assert!(
+        err.contains("3:9: store.urls") && err.contains("SLUICE_TEST_PW"),
+        "{err}"
+    );
+}
+
+#[test]
 fn version_prints_version_commit_and_build_date() {
     let long = sluice().arg("--version").run_within(CHILD_DEADLINE);
     let sub = sluice().arg("version").run_within(CHILD_DEADLINE);

@@ -225,6 +225,7 @@ async fn a_crashed_replicas_slots_return_within_the_lease_ttl() {
             key_prefix: "sluice:".into(),
             timeout: Duration::from_millis(500),
             on_error: OnError::Deny,
+            ..StoreConfig::default()
         };
         let crashed = RedisStore::connect(&cfg, StoreStats::default())
             .await

@@ -217,13 +217,32 @@ impl Proc {
         Proc::start_with(path, admin, &[]).await
     }
 
+    /// Like [`start`](Self::start), with extra environment variables for the process.
+    async fn start_with_env(
+        path: &Path,
+        admin: std::net::SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Proc {
+        Proc::launch(path, admin, &[], env).await
+    }
+
     async fn start_with(path: &Path, admin: std::net::SocketAddr, args: &[&str]) -> Proc {
+        Proc::launch(path, admin, args, &[]).await
+    }
+
+    async fn launch(
+        path: &Path,
+        admin: std::net::SocketAddr,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Proc {
         let mut child = ChildGuard::spawn(
             Command::new(env!("CARGO_BIN_EXE_sluice"))
                 .args(args)
                 .args(["run", "--config"])
                 .arg(path)
                 .env("RUST_LOG", "debug")
+                .envs(env.iter().copied())
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped()),
@@ -435,11 +454,14 @@ async fn status_prints_every_endpoint_and_json_round_trips() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_never_show_the_redis_password_or_proxy_credentials() {
-    let mut redis = common::redis::RedisServer::start_with_password("hunter2-secret");
+    let secret = "hunter2-secret";
+    let mut redis = common::redis::RedisServer::start_with_password(secret);
+    let port = redis.port();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
     let (proxy, admin) = (free_addr(), free_addr());
+    // The Redis password is not in the file: it comes from the environment.
     // Proxy authentication on: the user's password must not be logged either.
     let users = dir.path().join("users.htpasswd");
     std::fs::write(
@@ -448,20 +470,34 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
     )
     .unwrap();
     let store = format!(
-        "auth_users_file = \"{}\"\n[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\n",
-        users.display(),
-        redis.url()
+        "auth_users_file = \"{}\"\n[store]\nbackend = \"redis\"\n\
+         urls = [\"redis://:${{SLUICE_REDIS_PASSWORD}}@127.0.0.1:{port}/\"]\n\
+         timeout = \"200ms\"\non_error = \"deny\"\n",
+        users.display()
     );
     std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
-    let p = Proc::start(&path, admin).await;
+    let p = Proc::start_with_env(&path, admin, &[("SLUICE_REDIS_PASSWORD", secret)]).await;
     let c = client(proxy);
     let r = c
         .get(up.url("/"))
         .header("proxy-authorization", "Basic dXNlcjpzM2NyM3QtcGFzcw==")
+        .header("x-endpoint-id", "authed")
         .send()
         .await
         .unwrap();
+    // on_error = deny: a 200 means the authenticated Redis decided.
     assert_eq!(r.status(), 200);
+    assert_eq!(
+        redis.cli(&["EXISTS", "sluice:{authed}"]).as_deref(),
+        Some("1")
+    );
+    let metrics = reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!metrics.contains(secret), "password in /metrics");
     // A wrong password is refused (and logged as a refusal, without the credentials).
     let wrong = c
         .get(up.url("/"))
@@ -483,7 +519,7 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
     p.wait_log("rate-limit store failed", Duration::from_secs(5))
         .await;
     let log = p.stop();
-    assert!(!log.contains("hunter2-secret"), "password in logs:\n{log}");
+    assert!(!log.contains(secret), "password in logs:\n{log}");
     assert!(
         !log.contains("dXNlcjpzM2NyM3QtcGFzcw")
             && !log.contains("s3cr3t-pass")

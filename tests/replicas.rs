@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -91,16 +93,168 @@ fn times_of(up: &Upstream, ep: &str) -> Vec<Instant> {
         .collect()
 }
 
+/// One sender request and what the sender got.
+struct Sent {
+    path: String,
+    status: u16,
+    reason: String,
+}
+
+/// Saturating senders running until told to stop: `per_replica` senders on each replica,
+/// each sending to `ep` one request after another (at most `cap` requests each), backing
+/// off 100 ms after a refusal.
+struct Saturation {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Sent>>>,
+}
+
+impl Saturation {
+    fn start(
+        rs: &[sluice::app::Running],
+        up: &Upstream,
+        ep: &str,
+        per_replica: usize,
+        cap: usize,
+    ) -> Saturation {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for i in 0..rs.len() * per_replica {
+            let c = client(rs[i % rs.len()].proxy_addr);
+            let (ep, base, stop) = (ep.to_owned(), up.url(&format!("/{ep}/{i}")), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut sent = Vec::new();
+                while !stop.load(Ordering::Relaxed) && sent.len() < cap {
+                    let url = format!("{base}/{}", sent.len());
+                    let r = c
+                        .get(&url)
+                        .header("x-endpoint-id", &ep)
+                        .send()
+                        .await
+                        .unwrap();
+                    let reason = r
+                        .headers()
+                        .get("x-sluice-reason")
+                        .map(|v| v.to_str().unwrap_or_default().to_owned())
+                        .unwrap_or_default();
+                    let path = url.split_once("127.0.0.1").unwrap().1;
+                    let path = path[path.find('/').unwrap()..].to_owned();
+                    let refused = r.status() == 503;
+                    sent.push(Sent {
+                        path,
+                        status: r.status().as_u16(),
+                        reason,
+                    });
+                    if refused {
+                        // A sender backs off a little before requeueing.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+                sent
+            }));
+        }
+        Saturation { stop, tasks }
+    }
+
+    async fn finish(self) -> Vec<Sent> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        for t in self.tasks {
+            all.extend(t.await.unwrap());
+        }
+        all
+    }
+}
+
+/// Nothing lost or doubled: every request was forwarded once (200) or refused by sluice
+/// (503 with a reason) and never arrived. Returns the number refused.
+fn assert_exactly_once(sent: &[Sent], up: &Upstream) -> usize {
+    let mut arrived = std::collections::HashMap::new();
+    for a in up.arrivals() {
+        *arrived.entry(a.path).or_insert(0usize) += 1;
+    }
+    let mut refused = 0;
+    for s in sent {
+        let n = arrived.get(&s.path).copied().unwrap_or(0);
+        match s.status {
+            200 => assert_eq!(n, 1, "{} forwarded {n} times", s.path),
+            503 => {
+                assert!(!s.reason.is_empty(), "{}: a 503 without a reason", s.path);
+                assert_eq!(n, 0, "{} refused ({}) but arrived", s.path, s.reason);
+                refused += 1;
+            }
+            other => panic!("{}: unexpected status {other}", s.path),
+        }
+    }
+    refused
+}
+
+/// Polls every replica's `/readyz` every 50 ms until stopped; returns, per replica, the
+/// total time it reported `"store":"degraded"`.
+struct DegradedClock {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Duration>>,
+}
+
+impl DegradedClock {
+    fn start(rs: &[sluice::app::Running]) -> DegradedClock {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = rs
+            .iter()
+            .map(|r| {
+                let (url, stop) = (format!("http://{}/readyz", r.admin_addr), stop.clone());
+                tokio::spawn(async move {
+                    let mut total = Duration::ZERO;
+                    let mut last = Instant::now();
+                    for _ in 0..2_000 {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let v: serde_json::Value =
+                            reqwest::get(&url).await.unwrap().json().await.unwrap();
+                        let now = Instant::now();
+                        if v["store"] == "degraded" {
+                            total += now - last;
+                        }
+                        last = now;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    total
+                })
+            })
+            .collect();
+        DegradedClock { stop, tasks }
+    }
+
+    async fn finish(self) -> Vec<Duration> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut v = Vec::new();
+        for t in self.tasks {
+            v.push(t.await.unwrap());
+        }
+        v
+    }
+}
+
+async fn all_ready(rs: &[sluice::app::Running]) -> bool {
+    for r in rs {
+        let v: serde_json::Value = reqwest::get(format!("http://{}/readyz", r.admin_addr))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["store"] != "ok" {
+            return false;
+        }
+    }
+    true
+}
+
 const POLICY: &str = "[defaults]\nrate = 40.0\nburst = 8.0\nmax_wait = \"30s\"\n";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_replicas_on_one_redis_never_overdraw() {
-    let redis = common::redis::RedisServer::start();
-    let store = format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
-        redis.url()
-    );
-    let rs = replicas(&store, POLICY, 3).await;
+/// 3 replicas on one shared Redis (`store`): no overdraw, ≥ 95% utilization.
+async fn three_replicas_share_one_redis(store: &str) {
+    let rs = replicas(store, POLICY, 3).await;
     let up = Upstream::start().await;
     let sent = load(&rs, &up, &["shared"], 24, 7).await;
     let times = times_of(&up, "shared");
@@ -121,12 +275,11 @@ async fn three_replicas_on_one_redis_never_overdraw() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_replicas_on_a_redis_cluster_never_overdraw() {
-    let cluster = common::redis::RedisCluster::start();
+/// 3 replicas on a 3-master cluster (`urls` quoted, `extra` more `[store]` keys).
+async fn three_replicas_share_a_cluster(cluster: &common::redis::RedisCluster, extra: &str) {
     let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
     let store = format!(
-        "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\n",
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\n{extra}",
         urls.join(", ")
     );
     let rs = replicas(
@@ -156,6 +309,45 @@ async fn three_replicas_on_a_redis_cluster_never_overdraw() {
     for r in rs {
         r.stop().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_one_redis_never_overdraw() {
+    let redis = common::redis::RedisServer::start();
+    three_replicas_share_one_redis(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
+        redis.url()
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_a_redis_cluster_never_overdraw() {
+    let cluster = common::redis::RedisCluster::start();
+    three_replicas_share_a_cluster(&cluster, "").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_over_mutual_tls_to_one_redis_never_overdraw() {
+    let tls = common::redis::RedisTls::generate();
+    // The server demands a client certificate signed by the test CA.
+    let redis = common::redis::RedisServer::start_with(common::redis::Options::tls(&tls, "yes"));
+    assert!(redis.url().starts_with("rediss://"));
+    three_replicas_share_one_redis(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n{}",
+        redis.url(),
+        tls.store_keys(true)
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_a_tls_redis_cluster_never_overdraw() {
+    let tls = common::redis::RedisTls::generate();
+    // Bus and replication over TLS too; sluice trusts the CA and shows no certificate.
+    let cluster =
+        common::redis::RedisCluster::start_with(common::redis::Options::tls(&tls, "optional"));
+    three_replicas_share_a_cluster(&cluster, &tls.store_keys(false)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -413,4 +605,222 @@ async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_bac
     let ready: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
     assert_eq!(ready["store"], "ok", "{ready}");
     s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_under_load_is_followed_without_a_restart() {
+    let mut set = common::redis::SentinelSet::start("sluice");
+    let urls: Vec<String> = set
+        .sentinel_urls()
+        .iter()
+        .map(|u| format!("\"{u}\""))
+        .collect();
+    let store = format!(
+        "[store]\nbackend = \"redis-sentinel\"\nurls = [{}]\nsentinel_master = \"{}\"\n\
+         timeout = \"200ms\"\non_error = \"local\"\n",
+        urls.join(", "),
+        set.name
+    );
+    let rs = replicas(
+        &store,
+        "[defaults]\nrate = 20.0\nburst = 4.0\nmax_wait = \"500ms\"\n",
+        3,
+    )
+    .await;
+    assert!(all_ready(&rs).await, "on the master from the start");
+    let up = Upstream::start().await;
+    let load = Saturation::start(&rs, &up, "fo", 6, 1_000);
+    let clock = DegradedClock::start(&rs);
+    common::wait_for("load under way", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= 30)
+    })
+    .await;
+    let killed = Instant::now();
+    set.master.kill(); // SIGKILL, by its handle
+    common::wait_for(
+        "the sentinels to promote the replica",
+        Duration::from_secs(30),
+        || std::future::ready(set.replica_promoted()),
+    )
+    .await;
+    let promoted = Instant::now();
+    let all = &rs;
+    common::wait_for(
+        "every sluice replica on the new master",
+        Duration::from_secs(15),
+        move || all_ready(all),
+    )
+    .await;
+    let followed = Instant::now();
+    // Keep the load on a little longer, on the new master.
+    let seen = up.count();
+    common::wait_for("load on the new master", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= seen + 30)
+    })
+    .await;
+    let sent = load.finish().await;
+    let degraded = clock.finish().await;
+    let refused = assert_exactly_once(&sent, &up);
+    // Deciding in the promoted master: a fresh endpoint's bucket appears there.
+    let c = client(rs[0].proxy_addr);
+    until_back_on_redis(&c, &up, "fo_new", &set.replica, Duration::from_secs(5)).await;
+    let before: Vec<Instant> = times_of(&up, "fo")
+        .into_iter()
+        .filter(|t| *t < killed)
+        .collect();
+    assert_no_overdraw(&before, 20.0, 4.0);
+    let reasons: std::collections::BTreeMap<&str, usize> = sent
+        .iter()
+        .filter(|s| s.status == 503)
+        .fold(Default::default(), |mut m, s| {
+            *m.entry(s.reason.as_str()).or_default() += 1;
+            m
+        });
+    eprintln!(
+        "sentinel failover: {} requests, {} forwarded once, {refused} refused {reasons:?}, \
+         0 lost, 0 doubled; promoted {:.2}s after the kill, all replicas back {:.2}s after \
+         the kill; on the fallback per replica: {:?}",
+        sent.len(),
+        sent.len() - refused,
+        (promoted - killed).as_secs_f64(),
+        (followed - killed).as_secs_f64(),
+        degraded
+            .iter()
+            .map(|d| format!("{:.2}s", d.as_secs_f64()))
+            .collect::<Vec<_>>(),
+    );
+    for r in rs {
+        r.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_under_load_each_replica_falls_back_to_its_share() {
+    let mut redis = common::redis::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"200ms\"\non_error = \"local\"\n",
+        redis.url()
+    );
+    let (rate, burst) = (20.0, 4.0);
+    let rs = replicas(
+        &store,
+        "[defaults]\nrate = 20.0\nburst = 4.0\nmax_wait = \"1s\"\n",
+        3,
+    )
+    .await;
+    // Every replica has learned that there are three of them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut counts = Vec::new();
+        for r in &rs {
+            let v: serde_json::Value = reqwest::get(format!("http://{}/readyz", r.admin_addr))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            counts.push(v["replicas"].as_u64());
+        }
+        if counts.iter().all(|c| *c == Some(3)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "replica counts {counts:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let up = Upstream::start().await;
+    let load = Saturation::start(&rs, &up, "share", 4, 1_000);
+    common::wait_for("load under way", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= 30)
+    })
+    .await;
+    let seen = up.count();
+    let killed = Instant::now();
+    redis.kill();
+    // Three seconds' worth of the limit during the outage (one second if it were 3×).
+    common::wait_for("load during the outage", Duration::from_secs(15), || {
+        std::future::ready(up.count() >= seen + 60)
+    })
+    .await;
+    let outage = killed.elapsed();
+    let sent = load.finish().await;
+    assert_exactly_once(&sent, &up);
+    let times = times_of(&up, "share");
+    let during = times.iter().filter(|t| **t >= killed).count();
+    eprintln!(
+        "3 replicas, Redis dead: {during} forwarded in {:.2}s = {:.1}/s (limit {rate}/s)",
+        outage.as_secs_f64(),
+        during as f64 / outage.as_secs_f64()
+    );
+    // Shared bucket before, local shares after: one local bucket's slack per replica.
+    let slack_per_replica = (burst / 3.0_f64).max(1.0);
+    assert_no_overdraw(&times, rate, burst + 3.0 * slack_per_replica);
+    for r in rs {
+        r.stop().await;
+    }
+}
+
+/// Acquire calls sluice made, from a MONITOR log: (reservations, confirmations). An
+/// acquire is `EVALSHA sha 1 key rate burst recovery budget held` (9 words); a
+/// confirmation carries a held generation, a reservation `""`.
+fn acquires(monitor: &str) -> (usize, usize) {
+    let mut calls = (0, 0);
+    for line in monitor.lines().filter(|l| !l.contains("lua]")) {
+        let Some(cmd) = line.split_once("] ").map(|(_, c)| c) else {
+            continue;
+        };
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        if words.first() == Some(&"\"EVALSHA\"") && words.len() == 9 {
+            if words[8] == "\"\"" {
+                calls.0 += 1;
+            } else {
+                calls.1 += 1;
+            }
+        }
+    }
+    calls
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturated_waiters_cost_one_store_call_per_grant() {
+    let redis = common::redis::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
+        redis.url()
+    );
+    let rs = replicas(&store, POLICY, 3).await;
+    common::wait_for(
+        "every replica subscribed to cooldowns",
+        Duration::from_secs(10),
+        || {
+            std::future::ready(
+                redis
+                    .cli(&["PUBSUB", "NUMSUB", "sluice:cooldowns"])
+                    .is_some_and(|r| r.lines().nth(1) == Some("3")),
+            )
+        },
+    )
+    .await;
+    let up = Upstream::start().await;
+    // Scripts loaded first (a fresh Redis answers the first concurrent calls NOSCRIPT).
+    load(&rs, &up, &["warm"], 3, 1).await;
+    let monitor = redis.monitor();
+    // 3 replicas × 50 waiters, one request each, all queued at once.
+    let sent = load(&rs, &up, &["calls"], 150, 1).await;
+    let (reserve, confirm) = acquires(&monitor.stop());
+    let per_grant = (reserve + confirm) as f64 / sent as f64;
+    eprintln!(
+        "3 replicas × 50 waiters: {reserve} reservations + {confirm} confirmations for {sent} \
+         grants = {per_grant:.2} acquire calls per grant"
+    );
+    let times = times_of(&up, "calls");
+    assert_eq!(times.len(), sent);
+    assert_no_overdraw(&times, 40.0, 8.0);
+    assert_eq!(reserve, sent, "one reservation per request");
+    assert_eq!(
+        confirm, 0,
+        "no confirmation while no cooldown was announced"
+    );
+    for r in rs {
+        r.stop().await;
+    }
 }

@@ -13,7 +13,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice::config::{Adaptive, Backend, Config, OnError, Policy, StoreConfig};
+use sluice::config::{
+    Adaptive, Backend, ClientCert, Config, OnError, Policy, StoreConfig, StoreTls,
+};
 use sluice::limiter::memory::MemoryStore;
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, Limiter, Outcome, StoreFuture, StoreStats, View};
@@ -48,6 +50,7 @@ struct Subject {
     clock: Clock,
     single: Option<common::redis::RedisServer>,
     cluster: Option<common::redis::RedisCluster>,
+    sentinel: Option<common::redis::SentinelSet>,
 }
 
 fn store_config(backend: Backend, urls: Vec<String>) -> StoreConfig {
@@ -57,6 +60,7 @@ fn store_config(backend: Backend, urls: Vec<String>) -> StoreConfig {
         key_prefix: "sluice:".into(),
         timeout: Duration::from_millis(500),
         on_error: OnError::Deny,
+        ..StoreConfig::default()
     }
 }
 
@@ -66,6 +70,7 @@ fn memory() -> Subject {
         clock: Clock::Virtual,
         single: None,
         cluster: None,
+        sentinel: None,
     }
 }
 
@@ -82,6 +87,7 @@ async fn redis() -> Subject {
         clock: Clock::Real,
         single: Some(server),
         cluster: None,
+        sentinel: None,
     }
 }
 
@@ -98,6 +104,27 @@ async fn cluster() -> Subject {
         clock: Clock::Real,
         single: None,
         cluster: Some(c),
+        sentinel: None,
+    }
+}
+
+async fn sentinel() -> Subject {
+    let set = common::redis::SentinelSet::start("behaviour");
+    let store = RedisStore::connect(
+        &StoreConfig {
+            sentinel_master: Some(set.name.clone()),
+            ..store_config(Backend::RedisSentinel, set.sentinel_urls())
+        },
+        StoreStats::default(),
+    )
+    .await
+    .unwrap();
+    Subject {
+        store: Arc::new(store),
+        clock: Clock::Real,
+        single: None,
+        cluster: None,
+        sentinel: Some(set),
     }
 }
 
@@ -542,6 +569,7 @@ macro_rules! every_store {
         /// Real time: the server's clock.
         mod on_redis { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(redis().await).await } )* }
         mod on_cluster { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(cluster().await).await } )* }
+        mod on_sentinel { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(sentinel().await).await } )* }
     };
 }
 
@@ -613,4 +641,59 @@ async fn cluster_keys_use_the_endpoint_hash_tag_and_spread_over_masters() {
         ),
         "NOSCRIPT recovered"
     );
+}
+
+#[tokio::test]
+async fn sentinel_decides_on_the_master_and_scripts_reload() {
+    let s = sentinel().await;
+    let set = s.sentinel.as_ref().unwrap();
+    let p = policy(10.0, 5.0, 0);
+    let ask = Ask::new(&p, 0.0, None);
+    s.store.acquire("sent", ask).await.unwrap();
+    assert_eq!(
+        set.master.cli(&["EXISTS", "sluice:{sent}"]).as_deref(),
+        Some("1")
+    );
+    set.master.cli(&["SCRIPT", "FLUSH"]).unwrap();
+    assert!(
+        matches!(
+            s.store.acquire("sent", ask).await.unwrap(),
+            Outcome::Granted { .. }
+        ),
+        "NOSCRIPT recovered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_verifies_the_server_and_presents_the_client_certificate() {
+    let tls = common::redis::RedisTls::generate();
+    let stranger = common::redis::RedisTls::generate();
+    let server = common::redis::RedisServer::start_with(common::redis::Options::tls(&tls, "yes"));
+    let connect = |ca: &std::path::Path, mutual: bool| {
+        let cfg = StoreConfig {
+            tls: StoreTls {
+                ca_file: Some(ca.to_owned()),
+                client: mutual.then(|| ClientCert {
+                    cert_file: tls.client_cert.clone(),
+                    key_file: tls.client_key.clone(),
+                }),
+            },
+            ..store_config(Backend::Redis, vec![server.url()])
+        };
+        async move { RedisStore::connect(&cfg, StoreStats::default()).await }
+    };
+    assert!(
+        connect(&tls.ca, false).await.is_err(),
+        "the server demands a client certificate"
+    );
+    assert!(
+        connect(&stranger.ca, true).await.is_err(),
+        "a server certificate from an untrusted CA is refused"
+    );
+    let store = connect(&tls.ca, true).await.unwrap();
+    let p = policy(10.0, 5.0, 0);
+    assert!(matches!(
+        store.acquire("tls", Ask::new(&p, 0.0, None)).await.unwrap(),
+        Outcome::Granted { .. }
+    ));
 }

@@ -164,6 +164,13 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
     }
 }
 
+/// Takes a token unconditionally (the balance may go below zero): a request another
+/// bucket already paced leaves, and this bucket must count it.
+pub fn charge(s: &mut BucketState, ask: &Ask, now: f64) {
+    refill(s, ask, now);
+    s.tokens -= 1.0;
+}
+
 /// Gives back a reservation whose sender went away, if no cooldown voided it.
 pub fn release(s: &mut BucketState, ask: &Ask, generation: u64, now: f64) {
     if s.generation != generation {

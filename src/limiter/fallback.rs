@@ -13,11 +13,19 @@
 //! [`LOCAL_GENERATION`] so that their confirmation and refund go back to the store that
 //! made them, whichever store is in use by then.
 //!
+//! The local buckets take this replica's *share* of each limit: while the store answers,
+//! every replica registers a heartbeat there ([`heartbeats`]) and learns how many
+//! replicas are alive ([`Peers`]); during an outage its local bucket runs at
+//! `rate / N` (burst `burst / N`, at least 1), N = the last count seen, never below
+//! `store.fallback_min_replicas`. A request holding a shared reservation that leaves
+//! during the outage is charged to the local bucket, so the reservations the shared
+//! bucket handed out before the outage are not granted a second time locally.
+//!
 //! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -26,6 +34,7 @@ use tokio::time::Instant;
 use super::bucket::{Ask, Outcome, View};
 use super::lease::{LeaseAsk, Leased};
 use super::memory::MemoryStore;
+use super::redis::RedisStore;
 use super::{BucketStore, StoreError, StoreFuture, StoreHealth, StoreStats};
 use crate::config::{Adaptive, OnError};
 
@@ -35,6 +44,69 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(250);
 /// Bit set in the generation of reservations made by the local fallback store.
 pub const LOCAL_GENERATION: u64 = 1 << 62;
 
+/// How often a replica registers its heartbeat while the store answers.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+/// A replica not heard of for this long no longer counts.
+pub const HEARTBEAT_TTL: Duration = Duration::from_secs(6);
+
+/// How many replicas share the limits: the last count seen in the store, never below the
+/// configured floor.
+#[derive(Debug)]
+pub struct Peers {
+    seen: AtomicUsize,
+    min: usize,
+}
+
+impl Peers {
+    /// No count seen yet; `min` (≥ 1) is `store.fallback_min_replicas`.
+    pub fn new(min: usize) -> Peers {
+        Peers {
+            seen: AtomicUsize::new(0),
+            min: min.max(1),
+        }
+    }
+
+    /// Records a count read from the store.
+    pub fn saw(&self, n: usize) {
+        self.seen.store(n, Ordering::Relaxed);
+    }
+
+    /// The number of replicas this one shares each limit with (≥ 1).
+    pub fn count(&self) -> usize {
+        self.seen.load(Ordering::Relaxed).max(self.min)
+    }
+
+    /// This replica's share of `ask`: rate / N, burst / N (at least one token).
+    fn share(&self, ask: Ask) -> Ask {
+        let n = self.count() as f64;
+        Ask {
+            rate: ask.rate / n,
+            burst: (ask.burst / n).max(1.0),
+            ..ask
+        }
+    }
+}
+
+/// Registers this replica (`id`) in the store every [`HEARTBEAT_EVERY`] and records the
+/// live count in `peers`; ends when the store is dropped. Failures are left to the
+/// request path to report (the fallback logs and meters them).
+pub async fn heartbeats(store: Weak<RedisStore>, id: String, peers: Arc<Peers>) {
+    let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(store) = store.upgrade() else { return };
+        match store.heartbeat(&id, HEARTBEAT_TTL).await {
+            Ok(n) => {
+                if n != peers.seen.swap(n, Ordering::Relaxed) {
+                    tracing::info!(replicas = n, "replicas sharing the store");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "replica heartbeat failed"),
+        }
+    }
+}
+
 /// The shared store wrapped with the `on_error` policy.
 pub struct Resilient {
     primary: Arc<dyn BucketStore>,
@@ -43,11 +115,17 @@ pub struct Resilient {
     stats: StoreStats,
     degraded: AtomicBool,
     last_probe: Mutex<Instant>,
+    peers: Arc<Peers>,
 }
 
 impl Resilient {
     /// Wraps `primary` with the `on_error` policy, recording the degraded gauge in `stats`.
-    pub fn new(primary: Arc<dyn BucketStore>, on_error: OnError, stats: StoreStats) -> Resilient {
+    pub fn new(
+        primary: Arc<dyn BucketStore>,
+        on_error: OnError,
+        stats: StoreStats,
+        peers: Arc<Peers>,
+    ) -> Resilient {
         stats.degraded.set(0);
         Resilient {
             primary,
@@ -56,6 +134,7 @@ impl Resilient {
             stats,
             degraded: AtomicBool::new(false),
             last_probe: Mutex::new(Instant::now()),
+            peers,
         }
     }
 
@@ -90,11 +169,11 @@ impl Resilient {
         if !self.degraded.swap(true, Ordering::AcqRel) {
             self.stats.degraded.set(1);
             let fallback = match self.on_error {
-                OnError::Local => "deciding with in-process buckets",
+                OnError::Local => "deciding with in-process buckets at this replica's share",
                 OnError::Allow => "forwarding without limits",
                 OnError::Deny => "refusing requests with 503 store_unavailable",
             };
-            tracing::warn!(error = %e, "rate-limit store failed: {fallback} until it answers again");
+            tracing::warn!(error = %e, replicas = self.peers.count(), "rate-limit store failed: {fallback} until it answers again");
         }
     }
 
@@ -156,23 +235,37 @@ fn is_local(generation: u64) -> bool {
 impl BucketStore for Resilient {
     fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
         Box::pin(async move {
+            let share = self.peers.share(ask);
             if let Some(g) = ask.held.filter(|g| is_local(*g)) {
                 // Confirm a local reservation where it was made.
                 let local = Ask {
                     held: Some(g & !LOCAL_GENERATION),
-                    ..ask
+                    ..share
                 };
                 return Ok(tag_local(self.local.load().acquire_now(endpoint, local)));
             }
             // A shared reservation that cannot be re-checked survives: the shared bucket
-            // already paced it, and no cooldown could be learned meanwhile.
-            let survived = ask.held.map(|generation| Outcome::Granted {
-                wait_us: 0.0,
-                generation,
-            });
+            // already paced it, and no cooldown could be learned meanwhile. It is charged
+            // to the local bucket, which must not grant its slot a second time.
+            let survived = ask.held;
             self.run(
                 move |p| p.acquire(endpoint, ask),
-                move |l| survived.unwrap_or_else(|| tag_local(l.acquire_now(endpoint, ask))),
+                move |l| match survived {
+                    Some(generation) => {
+                        l.charge_now(
+                            endpoint,
+                            Ask {
+                                held: None,
+                                ..share
+                            },
+                        );
+                        Outcome::Granted {
+                            wait_us: 0.0,
+                            generation,
+                        }
+                    }
+                    None => tag_local(l.acquire_now(endpoint, share)),
+                },
                 Outcome::Granted {
                     wait_us: 0.0,
                     generation: u64::MAX,
@@ -185,9 +278,11 @@ impl BucketStore for Resilient {
     fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             if is_local(generation) {
-                self.local
-                    .load()
-                    .release_now(endpoint, ask, generation & !LOCAL_GENERATION);
+                self.local.load().release_now(
+                    endpoint,
+                    self.peers.share(ask),
+                    generation & !LOCAL_GENERATION,
+                );
                 return Ok(());
             }
             // A shared reservation can only be given back to the shared store.
@@ -204,9 +299,17 @@ impl BucketStore for Resilient {
         pause: Duration,
         throttled: bool,
     ) -> StoreFuture<'a, ()> {
+        let n = self.peers.count() as f64;
+        let (share, local_adaptive) = (
+            self.peers.share(ask),
+            Adaptive {
+                floor: adaptive.floor / n,
+                ..adaptive
+            },
+        );
         Box::pin(self.run(
             move |p| p.feedback(endpoint, ask, adaptive, pause, throttled),
-            move |l| l.feedback_now(endpoint, ask, &adaptive, pause, throttled),
+            move |l| l.feedback_now(endpoint, share, &local_adaptive, pause, throttled),
             (),
         ))
     }
@@ -217,9 +320,10 @@ impl BucketStore for Resilient {
         ask: Ask,
         floor: Option<f64>,
     ) -> StoreFuture<'a, Option<View>> {
+        let (share, n) = (self.peers.share(ask), self.peers.count() as f64);
         Box::pin(self.run(
             move |p| p.view(endpoint, ask, floor),
-            move |l| l.view_now(endpoint, ask, floor),
+            move |l| l.view_now(endpoint, share, floor.map(|f| f / n)),
             None,
         ))
     }
@@ -237,15 +341,25 @@ impl BucketStore for Resilient {
         })
     }
 
+    fn replicas(&self) -> Option<usize> {
+        Some(self.peers.count())
+    }
+
+    /// While degraded, always confirm (the local store answers at once anyway).
+    fn needs_confirm(&self, endpoint: &str, since: tokio::time::Instant) -> bool {
+        self.degraded.load(Ordering::Acquire) || self.primary.needs_confirm(endpoint, since)
+    }
+
     fn acquire_leased<'a>(
         &'a self,
         endpoint: &'a str,
         ask: Ask,
         lease: LeaseAsk,
     ) -> StoreFuture<'a, Leased> {
+        let share = self.peers.share(ask);
         Box::pin(self.run(
             move |p| p.acquire_leased(endpoint, ask, lease),
-            move |l| match l.acquire_leased_now(endpoint, ask, lease) {
+            move |l| match l.acquire_leased_now(endpoint, share, lease) {
                 Leased::Took(o) => Leased::Took(tag_local(o)),
                 busy => busy,
             },
@@ -264,7 +378,7 @@ impl BucketStore for Resilient {
     ) -> StoreFuture<'a, bool> {
         Box::pin(self.run(
             move |p| p.renew_lease(endpoint, ask, lease),
-            move |l| l.renew_lease_now(endpoint, ask, lease),
+            move |l| l.renew_lease_now(endpoint, self.peers.share(ask), lease),
             true,
         ))
     }
@@ -273,7 +387,9 @@ impl BucketStore for Resilient {
     /// there) and the shared one.
     fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            self.local.load().release_lease_now(endpoint, ask, id);
+            self.local
+                .load()
+                .release_lease_now(endpoint, self.peers.share(ask), id);
             self.run(move |p| p.release_lease(endpoint, ask, id), |_| (), ())
                 .await
         })

@@ -171,6 +171,11 @@ impl MemoryStore {
             .map(|e| bucket::view(&e.state, &ask, floor, now))
     }
 
+    /// Counts a request paced elsewhere (see [`bucket::charge`]).
+    pub fn charge_now(&self, endpoint: &str, ask: Ask) {
+        self.with_bucket(endpoint, &ask, |s, now| bucket::charge(s, &ask, now));
+    }
+
     /// Leased acquire without the future wrapper: a slot and a token together.
     pub fn acquire_leased_now(&self, endpoint: &str, ask: Ask, l: LeaseAsk) -> Leased {
         self.with_entry(endpoint, &ask, |s, leases, now| {

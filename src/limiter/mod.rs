@@ -1,22 +1,28 @@
 //! Admission: the [`Limiter`] decides when a request may leave, over the
-//! [`BucketStore`] seam (memory, Redis, Redis Cluster, with a fallback wrapper).
+//! [`BucketStore`] seam (memory, Redis, Redis Cluster, Redis Sentinel, with a fallback
+//! wrapper that also knows how many replicas share the limits).
 //!
 //! One store call decides: a request either gets a reservation with its exact start
 //! time, or a refusal with the exact time until a token. A reserved request sleeps
 //! until its start (no polling); if its wait was non-zero it confirms once on waking, so
-//! a cooldown that began meanwhile (on any replica) still holds it back. A request
-//! whose sender hangs up while waiting gives its reservation back.
+//! a cooldown that began meanwhile (on any replica) still holds it back — unless the
+//! store can tell no cooldown began ([`BucketStore::needs_confirm`]: a single Redis
+//! announces cooldowns on pub/sub, see `cooldowns`), which makes a saturated endpoint
+//! cost one store call per grant. A request whose sender hangs up while waiting gives
+//! its reservation back.
 //!
 //! In-process time is tokio's ([`tokio::time::Instant`]) throughout: the limiter's
 //! sleeps, the memory store's buckets and the fallback's probe interval read one clock,
 //! so under `tokio::time::pause()` all of them move only with virtual time.
 
 pub mod bucket;
+mod cooldowns;
 pub mod fallback;
 pub mod lease;
 pub mod memory;
 pub mod queue;
 pub mod redis;
+mod sentinel;
 pub mod slot;
 
 use std::future::Future;
@@ -104,6 +110,17 @@ pub trait BucketStore: Send + Sync {
     /// Current health; only the fallback wrapper ever reports [`StoreHealth::Degraded`].
     fn health(&self) -> StoreHealth {
         StoreHealth::Ok
+    }
+    /// Whether a reservation made (sent) at `since` must be confirmed on waking: true
+    /// unless the store knows no cooldown of `endpoint` can have started since.
+    fn needs_confirm(&self, endpoint: &str, since: Instant) -> bool {
+        let _ = (endpoint, since);
+        true
+    }
+    /// How many replicas share the limits, as the fallback wrapper last learned it
+    /// (`None` for stores that are not shared).
+    fn replicas(&self) -> Option<usize> {
+        None
     }
 }
 
@@ -210,6 +227,13 @@ impl Limiter {
         loop {
             let budget = policy.max_wait.saturating_sub(started.elapsed());
             let ask = Ask::new(policy, micros(budget), held);
+            // No later than when this outcome was asked for (a `first` one was asked for
+            // after `started`): a cooldown notice since then means confirming.
+            let asked = if first.is_some() {
+                started
+            } else {
+                Instant::now()
+            };
             let outcome = match first.take() {
                 Some(o) => o,
                 None => self
@@ -249,7 +273,14 @@ impl Limiter {
                     };
                     tokio::time::sleep(from_micros(wait_us)).await;
                     guard.disarm();
-                    // Re-check on waking: a cooldown started meanwhile voids the reservation.
+                    // Re-check on waking — a cooldown started meanwhile voids the
+                    // reservation — unless the store heard of none since we asked.
+                    if !self.store.needs_confirm(endpoint, asked) {
+                        return Ok(Grant {
+                            waited: started.elapsed(),
+                            generation,
+                        });
+                    }
                     held = Some(generation);
                 }
             }

@@ -14,18 +14,26 @@
 //! every replica); only the call latency is measured on tokio's clock here.
 
 use std::hash::BuildHasher;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
+
+use base64::Engine;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{FromRedisValue, RedisError, Script, ScriptInvocation, Value};
+use redis::{
+    ClientTlsConfig, FromRedisValue, RedisError, Script, ScriptInvocation, TlsCertificates, Value,
+};
 use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
+use super::cooldowns::{CooldownWatch, follow};
 use super::lease::{LeaseAsk, Leased};
+use super::sentinel::SentinelConn;
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
-use crate::config::{Adaptive, Backend, StoreConfig, redact};
+use crate::config::{Adaptive, Backend, StoreConfig, StoreTls, redact};
 
 macro_rules! bucket_script {
     ($file:literal) => {
@@ -44,6 +52,8 @@ const RELEASE_LUA: &str = bucket_script!("release.lua");
 const FEEDBACK_LUA: &str = bucket_script!("feedback.lua");
 /// `lua/bucket.lua` + `lua/view.lua`.
 const VIEW_LUA: &str = bucket_script!("view.lua");
+/// `lua/replicas.lua` (stand-alone: no bucket state).
+const REPLICAS_LUA: &str = include_str!("../../lua/replicas.lua");
 /// `lua/bucket.lua` + `lua/lease.lua`.
 const LEASE_LUA: &str = bucket_script!("lease.lua");
 /// `lua/bucket.lua` + `lua/renew.lua`.
@@ -53,11 +63,116 @@ const RENEW_LUA: &str = bucket_script!("renew.lua");
 /// handshake plus HELLO must fit, or a reconnect could never succeed.
 const MIN_CONNECT_TIMEOUT: Duration = Duration::from_millis(250);
 
+/// A `[store] tls_*` file that cannot be used, named by its key and path.
+#[derive(Debug, thiserror::Error)]
+#[error("store.{key} = \"{}\": {reason}", path.display())]
+pub struct StoreTlsError {
+    /// The config key (`tls_ca_file`, `tls_cert_file` or `tls_key_file`).
+    pub key: &'static str,
+    /// The path it names.
+    pub path: PathBuf,
+    /// What is wrong with the file.
+    pub reason: String,
+}
+
+/// Reads and checks the `[store] tls_*` files (used at start and by `sluice check`).
+///
+/// `None` when no file is configured: `rediss://` then trusts the system roots. With
+/// `tls_ca_file`, its certificates are trusted *in addition to* the system roots (redis-rs
+/// replaces the roots when given any, so the system ones are appended here).
+pub fn tls_certificates(tls: &StoreTls) -> Result<Option<TlsCertificates>, StoreTlsError> {
+    if tls.ca_file.is_none() && tls.client.is_none() {
+        return Ok(None);
+    }
+    let root_cert = match &tls.ca_file {
+        Some(path) => {
+            let mut pem = read_certs(path, "tls_ca_file")?;
+            let native = rustls_native_certs::load_native_certs();
+            for cert in native.certs {
+                pem.extend_from_slice(&pem_block(&cert));
+            }
+            Some(pem)
+        }
+        None => None,
+    };
+    let client_tls = match &tls.client {
+        Some(c) => Some(ClientTlsConfig {
+            client_cert: read_certs(&c.cert_file, "tls_cert_file")?,
+            client_key: read_key(&c.key_file)?,
+        }),
+        None => None,
+    };
+    Ok(Some(TlsCertificates {
+        client_tls,
+        root_cert,
+    }))
+}
+
+fn read_file(path: &Path, key: &'static str) -> Result<Vec<u8>, StoreTlsError> {
+    std::fs::read(path).map_err(|e| StoreTlsError {
+        key,
+        path: path.to_owned(),
+        reason: format!("cannot read it: {e}"),
+    })
+}
+
+/// A PEM file that must hold at least one certificate.
+fn read_certs(path: &Path, key: &'static str) -> Result<Vec<u8>, StoreTlsError> {
+    let pem = read_file(path, key)?;
+    let bad = |reason: String| StoreTlsError {
+        key,
+        path: path.to_owned(),
+        reason,
+    };
+    let certs = rustls_pemfile::certs(&mut pem.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(format!("not valid PEM: {e}")))?;
+    if certs.is_empty() {
+        return Err(bad(
+            "holds no `-----BEGIN CERTIFICATE-----` block".to_owned()
+        ));
+    }
+    Ok(pem)
+}
+
+/// A PEM file that must hold a private key.
+fn read_key(path: &Path) -> Result<Vec<u8>, StoreTlsError> {
+    let key = "tls_key_file";
+    let pem = read_file(path, key)?;
+    match rustls_pemfile::private_key(&mut pem.as_slice()) {
+        Ok(Some(_)) => Ok(pem),
+        Ok(None) => Err(StoreTlsError {
+            key,
+            path: path.to_owned(),
+            reason: "holds no PEM private key (PKCS#8, PKCS#1 or SEC1)".to_owned(),
+        }),
+        Err(e) => Err(StoreTlsError {
+            key,
+            path: path.to_owned(),
+            reason: format!("not a valid PEM private key: {e}"),
+        }),
+    }
+}
+
+/// One DER certificate as a PEM block.
+fn pem_block(der: &[u8]) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut out = String::with_capacity(b64.len() + b64.len() / 64 + 60);
+    out.push_str("-----BEGIN CERTIFICATE-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        out.push_str(&String::from_utf8_lossy(line));
+        out.push('\n');
+    }
+    out.push_str("-----END CERTIFICATE-----\n");
+    out.into_bytes()
+}
+
 /// The two connection kinds; both are cheap clones of a shared multiplexed handle.
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(Arc<SentinelConn>),
 }
 
 /// The scripts, hashed once.
@@ -66,6 +181,7 @@ struct Scripts {
     release: Script,
     feedback: Script,
     view: Script,
+    replicas: Script,
     lease: Script,
     renew: Script,
 }
@@ -77,6 +193,10 @@ pub struct RedisStore {
     prefix: String,
     timeout: Duration,
     stats: StoreStats,
+    /// `<prefix>cooldowns`: where `feedback.lua` announces cooldowns.
+    channel: String,
+    /// Cooldown notices heard (single Redis only; elsewhere waiters always confirm).
+    watch: Option<Arc<CooldownWatch>>,
     /// This process's random token: lease members are `<replica>:<id>`, unique across
     /// replicas sharing the store.
     replica: String,
@@ -94,6 +214,8 @@ fn classify(e: RedisError, timeout: Duration) -> StoreError {
         || e.is_unrecoverable_error()
     {
         StoreError::Unreachable(e.to_string())
+    } else if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) {
+        StoreError::Unreachable(format!("a replica answered, not the master: {e}"))
     } else if e.is_cluster_error() || e.kind() == redis::ErrorKind::ClusterConnectionNotFound {
         StoreError::Unreachable(format!("cluster: {e}"))
     } else {
@@ -126,6 +248,9 @@ impl RedisStore {
         eager: bool,
     ) -> Result<RedisStore, StoreError> {
         let connect_timeout = cfg.timeout.max(MIN_CONNECT_TIMEOUT);
+        let certs = tls_certificates(&cfg.tls).map_err(|e| StoreError::Protocol(e.to_string()))?;
+        let channel = format!("{}cooldowns", cfg.key_prefix);
+        let mut watch = None;
         let conn = match cfg.backend {
             Backend::RedisCluster => {
                 let seeds = || {
@@ -135,7 +260,11 @@ impl RedisStore {
                         .collect::<Vec<_>>()
                         .join(", ")
                 };
-                let client = ClusterClient::builder(cfg.urls.clone())
+                let mut builder = ClusterClient::builder(cfg.urls.clone());
+                if let Some(certs) = certs {
+                    builder = builder.certs(certs);
+                }
+                let client = builder
                     .retries(1)
                     .min_retry_wait(10)
                     .max_retry_wait(100)
@@ -161,19 +290,33 @@ impl RedisStore {
                 };
                 Conn::Cluster(conn)
             }
+            Backend::RedisSentinel => {
+                let name = cfg.sentinel_master.as_deref().unwrap_or_default();
+                let conn = SentinelConn::new(
+                    &cfg.urls,
+                    name,
+                    manager_config(cfg.timeout, connect_timeout),
+                    connect_timeout,
+                )
+                .map_err(|e| {
+                    let urls: Vec<String> = cfg.urls.iter().map(|u| redact(u)).collect();
+                    StoreError::Protocol(format!("bad sentinel URLs {}: {e}", urls.join(", ")))
+                })?;
+                Conn::Sentinel(Arc::new(conn))
+            }
             Backend::Redis | Backend::Memory => {
                 let url = cfg.urls.first().cloned().unwrap_or_default();
-                let client = redis::Client::open(url.as_str()).map_err(|e| {
+                let client = match certs {
+                    Some(certs) => redis::Client::build_with_tls(url.as_str(), certs),
+                    None => redis::Client::open(url.as_str()),
+                }
+                .map_err(|e| {
                     StoreError::Protocol(format!("bad Redis URL {}: {e}", redact(&url)))
                 })?;
-                // Few, short reconnect attempts per failure: the store timeout bounds each
-                // call anyway, and the next call triggers the next reconnect.
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(connect_timeout))
-                    .set_response_timeout(Some(cfg.timeout))
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(10))
-                    .set_max_delay(Duration::from_millis(250));
+                let w = Arc::new(CooldownWatch::default());
+                tokio::spawn(follow(client.clone(), channel.clone(), Arc::downgrade(&w)));
+                watch = Some(w);
+                let config = manager_config(cfg.timeout, connect_timeout);
                 let lazy = ConnectionManager::new_lazy_with_config(client, config)
                     .map_err(|e| classify(e, cfg.timeout))?;
                 Conn::Single(lazy)
@@ -186,6 +329,7 @@ impl RedisStore {
                 release: Script::new(RELEASE_LUA),
                 feedback: Script::new(FEEDBACK_LUA),
                 view: Script::new(VIEW_LUA),
+                replicas: Script::new(REPLICAS_LUA),
                 lease: Script::new(LEASE_LUA),
                 renew: Script::new(RENEW_LUA),
             },
@@ -196,6 +340,8 @@ impl RedisStore {
             prefix: cfg.key_prefix.clone(),
             timeout: cfg.timeout,
             stats,
+            channel,
+            watch,
         })
     }
 
@@ -207,6 +353,19 @@ impl RedisStore {
         k.push_str(endpoint);
         k.push('}');
         k
+    }
+
+    /// The sorted set of replica heartbeats: `<prefix>{_replicas}:heartbeats` (never one
+    /// of an endpoint's keys, `<prefix>{<endpoint>}` and `<prefix>{<endpoint>}:leases`).
+    pub fn replicas_key(&self) -> String {
+        format!("{}{{_replicas}}:heartbeats", self.prefix)
+    }
+
+    /// Registers replica `id` as alive for `ttl` and returns how many replicas are.
+    pub async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<usize, StoreError> {
+        let mut inv = self.scripts.replicas.key(self.replicas_key());
+        inv.arg(id).arg(ttl.as_millis() as u64);
+        self.run::<usize>(inv).await
     }
 
     /// The key of an endpoint's in-flight leases: `<prefix>{<endpoint>}:leases`, in the
@@ -233,6 +392,9 @@ impl RedisStore {
             match conn {
                 Conn::Single(mut c) => inv.invoke_async(&mut c).await,
                 Conn::Cluster(mut c) => inv.invoke_async(&mut c).await,
+                Conn::Sentinel(s) => {
+                    on_master(&s, |mut c| async move { inv.invoke_async(&mut c).await }).await
+                }
             }
         })
         .await
@@ -265,6 +427,32 @@ impl RedisStore {
         inv.arg(ask.rate).arg(ask.burst).arg(ask.recovery_us);
         inv
     }
+}
+
+/// Few, short reconnect attempts per failure: the store timeout bounds each call anyway,
+/// and the next call triggers the next reconnect.
+fn manager_config(timeout: Duration, connect_timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(connect_timeout))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(1)
+        .set_min_delay(Duration::from_millis(10))
+        .set_max_delay(Duration::from_millis(250))
+}
+
+/// Runs `call` on the sentinel's current master; a failure that may mean a failover
+/// starts a new lookup of the master.
+async fn on_master<T, F, Fut>(s: &Arc<SentinelConn>, call: F) -> Result<T, RedisError>
+where
+    F: FnOnce(ConnectionManager) -> Fut,
+    Fut: Future<Output = Result<T, RedisError>>,
+{
+    let (conn, addr) = s.conn().await?;
+    let r = call(conn).await;
+    if let Err(e) = &r {
+        s.failed(&addr, e);
+    }
+    r
 }
 
 fn micros(d: Duration) -> f64 {
@@ -338,7 +526,8 @@ impl BucketStore for RedisStore {
                 .arg(adaptive.decrease)
                 .arg(micros(adaptive.default_cooldown))
                 .arg(micros(pause))
-                .arg(u8::from(throttled));
+                .arg(u8::from(throttled))
+                .arg(&self.channel);
             self.run::<Value>(inv).await.map(drop)
         })
     }
@@ -369,6 +558,12 @@ impl BucketStore for RedisStore {
                 floor_for_us: f[5],
             }))
         })
+    }
+
+    fn needs_confirm(&self, endpoint: &str, since: tokio::time::Instant) -> bool {
+        self.watch
+            .as_ref()
+            .is_none_or(|w| !w.quiet_since(&self.key(endpoint), since))
     }
 
     fn acquire_leased<'a>(
@@ -424,6 +619,13 @@ impl BucketStore for RedisStore {
                 match conn {
                     Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
                     Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
+                    Conn::Sentinel(s) => {
+                        on_master(
+                            &s,
+                            |mut c| async move { cmd.query_async::<Value>(&mut c).await },
+                        )
+                        .await
+                    }
                 }
             })
             .await
@@ -439,6 +641,13 @@ impl BucketStore for RedisStore {
                 match conn {
                     Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
                     Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
+                    Conn::Sentinel(s) => {
+                        on_master(
+                            &s,
+                            |mut c| async move { cmd.query_async::<Value>(&mut c).await },
+                        )
+                        .await
+                    }
                 }
             })
             .await

@@ -4,9 +4,13 @@
 //! [`ChildGuard`]: it dies with the test, panicking or not.
 //!
 //! Use from a test file as `common::redis::RedisServer` (with `mod common;`).
-//! Needs `redis-server` and `redis-cli` on PATH (`.ci/run` installs them).
+//! Needs `redis-server` and `redis-cli` on PATH (`.ci/run` installs them), both built
+//! with TLS for the `rediss://` tests (Debian's are).
 
+use std::ffi::OsString;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::process::ChildGuard;
@@ -30,12 +34,187 @@ fn free_port() -> u16 {
     }
 }
 
-fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> Option<String> {
-    let mut cmd = Command::new("redis-cli");
-    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
-    if let Some(p) = password {
-        cmd.args(["--no-auth-warning", "-a", p]);
+/// A test PKI for Redis over TLS, made with rcgen: a CA, a server certificate for
+/// 127.0.0.1/localhost and a client certificate, as PEM files in a temp dir.
+pub struct RedisTls {
+    _dir: tempfile::TempDir,
+    /// The CA certificate.
+    pub ca: PathBuf,
+    /// The server's certificate and key.
+    pub server_cert: PathBuf,
+    /// The server's key.
+    pub server_key: PathBuf,
+    /// A client certificate the CA signed (for mutual TLS).
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+}
+
+impl RedisTls {
+    /// Generates the CA and both certificates.
+    pub fn generate() -> Arc<RedisTls> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair, KeyUsagePurpose,
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        let write = |name: &str, pem: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, pem).expect("write PEM");
+            p
+        };
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "redis test CA");
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_key = KeyPair::generate().unwrap();
+        let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+        let issuer = Issuer::new(ca, ca_key);
+        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(names).unwrap();
+            // A cluster node is a server and (to its peers) a client.
+            params.extended_key_usages = vec![usage, ExtendedKeyUsagePurpose::ClientAuth];
+            let cert = params.signed_by(&key, &issuer).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf(
+            vec!["127.0.0.1".into(), "localhost".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (client_cert, client_key) =
+            leaf(vec!["sluice".into()], ExtendedKeyUsagePurpose::ClientAuth);
+        Arc::new(RedisTls {
+            ca: write("ca.pem", ca_pem),
+            server_cert: write("server.pem", server_cert),
+            server_key: write("server.key", server_key),
+            client_cert: write("client.pem", client_cert),
+            client_key: write("client.key", client_key),
+            _dir: dir,
+        })
     }
+
+    /// `[store]` lines for sluice: the CA, and the client certificate when `mutual`.
+    pub fn store_keys(&self, mutual: bool) -> String {
+        let mut s = format!("tls_ca_file = \"{}\"\n", self.ca.display());
+        if mutual {
+            s.push_str(&format!(
+                "tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+                self.client_cert.display(),
+                self.client_key.display()
+            ));
+        }
+        s
+    }
+
+    fn cli_args(&self) -> Vec<OsString> {
+        let mut v: Vec<OsString> = vec!["--tls".into(), "--cacert".into()];
+        v.push(self.ca.clone().into());
+        v.push("--cert".into());
+        v.push(self.client_cert.clone().into());
+        v.push("--key".into());
+        v.push(self.client_key.clone().into());
+        v
+    }
+}
+
+/// How a test Redis listens and who may talk to it.
+#[derive(Clone, Default)]
+pub struct Options {
+    /// TLS only (`--port 0 --tls-port P`), with the client-certificate policy
+    /// (`--tls-auth-clients`: "yes", "no" or "optional").
+    pub tls: Option<(Arc<RedisTls>, &'static str)>,
+    /// `--requirepass`.
+    pub password: Option<String>,
+    /// `--replicaof 127.0.0.1 <port>`.
+    pub replica_of: Option<u16>,
+    /// A sentinel (`--sentinel`) monitoring (master name, master port) with quorum 2,
+    /// `down-after-milliseconds` 1000 and `failover-timeout` 3000.
+    pub sentinel_of: Option<(String, u16)>,
+}
+
+impl Options {
+    /// TLS with the given `--tls-auth-clients` policy.
+    pub fn tls(tls: &Arc<RedisTls>, auth_clients: &'static str) -> Options {
+        Options {
+            tls: Some((Arc::clone(tls), auth_clients)),
+            ..Options::default()
+        }
+    }
+
+    /// Password-protected (`--requirepass`).
+    pub fn password(password: &str) -> Options {
+        Options {
+            password: Some(password.to_owned()),
+            ..Options::default()
+        }
+    }
+
+    /// A replica of `master`.
+    pub fn replica_of(master: &RedisServer) -> Options {
+        Options {
+            replica_of: Some(master.port),
+            ..Options::default()
+        }
+    }
+
+    /// A sentinel watching `master` under the name `name`.
+    pub fn sentinel_of(name: &str, master: &RedisServer) -> Options {
+        Options {
+            sentinel_of: Some((name.to_owned(), master.port)),
+            ..Options::default()
+        }
+    }
+
+    fn server_args(&self, port: u16, cluster: bool) -> Vec<OsString> {
+        let mut v: Vec<OsString> = Vec::new();
+        let port = port.to_string();
+        match &self.tls {
+            None => v.extend(["--port", &port].map(OsString::from)),
+            Some((t, auth)) => {
+                v.extend(["--port", "0", "--tls-port", &port].map(OsString::from));
+                v.extend(["--tls-auth-clients", auth].map(OsString::from));
+                for (flag, path) in [
+                    ("--tls-cert-file", &t.server_cert),
+                    ("--tls-key-file", &t.server_key),
+                    ("--tls-ca-cert-file", &t.ca),
+                ] {
+                    v.push(flag.into());
+                    v.push(path.clone().into());
+                }
+                if cluster {
+                    v.extend(
+                        ["--tls-cluster", "yes", "--tls-replication", "yes"].map(OsString::from),
+                    );
+                }
+            }
+        }
+        if let Some(p) = &self.password {
+            v.extend(["--requirepass".into(), p.into()]);
+        }
+        if let Some(master) = self.replica_of {
+            v.extend(["--replicaof", "127.0.0.1", &master.to_string()].map(OsString::from));
+        }
+        v
+    }
+
+    fn cli_args(&self) -> Vec<OsString> {
+        let mut v = self
+            .tls
+            .as_ref()
+            .map_or_else(Vec::new, |(t, _)| t.cli_args());
+        if let Some(p) = &self.password {
+            v.extend(["-a".into(), p.into(), "--no-auth-warning".into()]);
+        }
+        v
+    }
+}
+
+fn redis_cli(port: u16, opts: &Options, args: &[&str]) -> Option<String> {
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(opts.cli_args());
     // Bounded: a stopped (SIGSTOP) server would otherwise hang the test forever.
     let out = super::process::output_within(cmd.args(args), CLI_DEADLINE);
     out.status
@@ -65,21 +244,26 @@ pub struct RedisServer {
     port: u16,
     dir: tempfile::TempDir,
     cluster: bool,
-    password: Option<String>,
+    opts: Options,
 }
 
 impl RedisServer {
     /// Starts a single node on a free port and waits until it answers PING.
     pub fn start() -> RedisServer {
-        RedisServer::spawn(false, None)
+        RedisServer::spawn(false, Options::default())
     }
 
     /// Starts a single node that requires `password` (`--requirepass`).
     pub fn start_with_password(password: &str) -> RedisServer {
-        RedisServer::spawn(false, Some(password.to_owned()))
+        RedisServer::spawn(false, Options::password(password))
     }
 
-    fn spawn(cluster: bool, password: Option<String>) -> RedisServer {
+    /// Starts a single node with `opts` (TLS, password, replica, sentinel).
+    pub fn start_with(opts: Options) -> RedisServer {
+        RedisServer::spawn(false, opts)
+    }
+
+    fn spawn(cluster: bool, opts: Options) -> RedisServer {
         let mut dir = tempfile::tempdir().expect("temp dir");
         for _ in 0..PORT_ATTEMPTS {
             let mut s = RedisServer {
@@ -87,7 +271,7 @@ impl RedisServer {
                 port: free_port(),
                 dir,
                 cluster,
-                password: password.clone(),
+                opts: opts.clone(),
             };
             if s.launch() {
                 return s;
@@ -102,16 +286,29 @@ impl RedisServer {
     /// when it exited (port taken).
     fn launch(&mut self) -> bool {
         let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+        if let Some((name, master)) = &self.opts.sentinel_of {
+            // Sentinels rewrite their config file: each gets its own, in its own dir.
+            let conf = self.dir.path().join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "sentinel monitor {name} 127.0.0.1 {master} 2\n\
+                     sentinel down-after-milliseconds {name} 1000\n\
+                     sentinel failover-timeout {name} 3000\n\
+                     sentinel parallel-syncs {name} 1\n"
+                ),
+            )
+            .expect("write sentinel.conf");
+            cmd.arg(conf).arg("--sentinel");
+        }
+        cmd.args(self.opts.server_args(self.port, self.cluster))
+            .args(["--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(self.dir.path())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        if let Some(p) = &self.password {
-            cmd.args(["--requirepass", p]);
-        }
         if self.cluster {
             cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
                 .arg("--cluster-config-file")
@@ -147,11 +344,17 @@ impl RedisServer {
         }
     }
 
-    /// `redis://127.0.0.1:PORT/`, with the password when there is one.
+    /// `redis://127.0.0.1:PORT/` (`rediss://` with TLS), with the password when there is
+    /// one.
     pub fn url(&self) -> String {
-        match &self.password {
-            Some(p) => format!("redis://:{p}@127.0.0.1:{}/", self.port),
-            None => format!("redis://127.0.0.1:{}/", self.port),
+        let scheme = if self.opts.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        match &self.opts.password {
+            Some(p) => format!("{scheme}://:{p}@127.0.0.1:{}/", self.port),
+            None => format!("{scheme}://127.0.0.1:{}/", self.port),
         }
     }
 
@@ -167,7 +370,33 @@ impl RedisServer {
 
     /// Runs a redis-cli command against this server; `None` when it fails.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
-        redis_cli(self.port, self.password.as_deref(), args)
+        redis_cli(self.port, &self.opts, args)
+    }
+
+    /// Starts `redis-cli MONITOR` on this server (a child of ours, killed by
+    /// [`Monitor::stop`] or on drop) and waits until it is attached.
+    pub fn monitor(&self) -> Monitor {
+        let file = tempfile::NamedTempFile::new().expect("temp file");
+        let out = file.reopen().expect("reopen temp file");
+        let child = ChildGuard::spawn(
+            Command::new("redis-cli")
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+                .args(self.opts.cli_args())
+                .arg("MONITOR")
+                .stdin(Stdio::null())
+                .stdout(out)
+                .stderr(Stdio::null()),
+        );
+        let m = Monitor {
+            child: Some(child),
+            file,
+        };
+        // Attached once a marker command shows up in its output.
+        wait_until("MONITOR attached", Duration::from_secs(10), || {
+            self.cli(&["ECHO", "monitor-attached"]);
+            m.text().contains("monitor-attached")
+        });
+        m
     }
 
     /// SIGKILLs the server (through the child handle) and reaps it.
@@ -244,13 +473,22 @@ impl RedisCluster {
     /// Starts three cluster-enabled nodes, creates the cluster, waits for
     /// `cluster_state:ok` on every node.
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::spawn(true, None)).collect();
+        RedisCluster::start_with(Options::default())
+    }
+
+    /// Like [`start`](Self::start), every node with `opts` (with TLS, the cluster bus
+    /// and replication use TLS too).
+    pub fn start_with(opts: Options) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::spawn(true, opts.clone()))
+            .collect();
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let out = super::process::output_within(
             Command::new("redis-cli")
+                .args(opts.cli_args())
                 .arg("--cluster")
                 .arg("create")
                 .args(&addrs)
@@ -309,5 +547,88 @@ impl RedisCluster {
             }
         }
         panic!("no node serves slot {slot}");
+    }
+}
+
+/// A master, one replica and three sentinels (quorum 2) on free ports; dropped, all are
+/// killed.
+pub struct SentinelSet {
+    /// The master at start.
+    pub master: RedisServer,
+    /// Its replica (promoted when the master dies).
+    pub replica: RedisServer,
+    /// The sentinels.
+    pub sentinels: Vec<RedisServer>,
+    /// The name the sentinels monitor.
+    pub name: String,
+}
+
+impl SentinelSet {
+    /// Starts everything and waits until the replica is in sync and every sentinel knows
+    /// the replica and the two other sentinels.
+    pub fn start(name: &str) -> SentinelSet {
+        let master = RedisServer::start();
+        let replica = RedisServer::start_with(Options::replica_of(&master));
+        wait_until("the replica in sync", Duration::from_secs(20), || {
+            replica
+                .cli(&["INFO", "replication"])
+                .is_some_and(|i| i.contains("master_link_status:up"))
+        });
+        let sentinels: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::start_with(Options::sentinel_of(name, &master)))
+            .collect();
+        for s in &sentinels {
+            wait_until(
+                "sentinels to know each other",
+                Duration::from_secs(30),
+                || {
+                    s.cli(&["INFO", "sentinel"]).is_some_and(|i| {
+                        i.contains("status=ok") && i.contains("slaves=1,sentinels=3")
+                    })
+                },
+            );
+        }
+        SentinelSet {
+            master,
+            replica,
+            sentinels,
+            name: name.to_owned(),
+        }
+    }
+
+    /// `redis://127.0.0.1:PORT/` of every sentinel.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(RedisServer::url).collect()
+    }
+
+    /// Whether the (former) replica now says it is the master.
+    pub fn replica_promoted(&self) -> bool {
+        self.replica
+            .cli(&["ROLE"])
+            .is_some_and(|r| r.lines().next() == Some("master"))
+    }
+}
+
+/// A running `redis-cli MONITOR`, its output in a temp file.
+pub struct Monitor {
+    child: Option<ChildGuard>,
+    file: tempfile::NamedTempFile,
+}
+
+impl Monitor {
+    fn text(&self) -> String {
+        std::fs::read_to_string(self.file.path()).unwrap_or_default()
+    }
+
+    /// Stops it (by its handle) and returns every command line it saw.
+    pub fn stop(mut self) -> String {
+        self.kill();
+        self.text()
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill();
+        }
     }
 }
