@@ -144,8 +144,7 @@ fn check_opens_the_store_tls_files() {
         sluice()
             .args(["check", "--config"])
             .arg(&path)
-            .output()
-            .unwrap()
+            .run_within(CHILD_DEADLINE)
     };
     let ok = check(&format!("tls_ca_file = \"{}\"\n", ca.display()));
     assert!(
@@ -205,7 +204,7 @@ fn check_expands_environment_variables_and_never_prints_them() {
             Some(pw) => cmd.env("SLUICE_TEST_PW", pw),
             None => cmd.env_remove("SLUICE_TEST_PW"),
         };
-        cmd.output().unwrap()
+        cmd.run_within(CHILD_DEADLINE)
     };
     let ok = run(Some("hunter2-from-env"));
     let out = String::from_utf8_lossy(&ok.stdout);
