@@ -1,0 +1,704 @@
+//! The config schema: one reader per section (`[proxy]`, `[store]`, `[defaults]`,
+//! `[[endpoints]]`, `[tls]`, `[security]`, `[log]`), each naming its keys, their types,
+//! defaults and the rules between them. Built on the generic reads of [`super::reader`].
+
+use super::reader::{Reader, Table, Value, join};
+use super::*;
+
+impl Reader<'_> {
+    pub(super) fn config(&mut self, root: &Table<'_>) -> Option<Config> {
+        self.known_keys(
+            root,
+            "",
+            &[
+                "proxy",
+                "store",
+                "defaults",
+                "endpoints",
+                "tls",
+                "security",
+                "log",
+            ],
+        );
+        let empty = Table::default();
+        let proxy_t = self.sub_table(root, "", "proxy").unwrap_or(&empty);
+        let proxy = self.proxy(proxy_t);
+        let store_t = self.sub_table(root, "", "store").unwrap_or(&empty);
+        let store = self.store(store_t);
+        let defaults_t = self.sub_table(root, "", "defaults").unwrap_or(&empty);
+        self.known_keys(
+            defaults_t,
+            "defaults",
+            &[
+                "rate",
+                "burst",
+                "max_wait",
+                "unknown",
+                "adaptive",
+                "mode",
+                "max_in_flight",
+                "lease_ttl",
+                "shares",
+            ],
+        );
+        let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
+        let log_t = self.sub_table(root, "", "log").unwrap_or(&empty);
+        let log = self.log(log_t);
+        let defaults = self.policy(defaults_t, "defaults", &Policy::default());
+        let unknown = self.enumerated(
+            defaults_t,
+            "defaults",
+            "unknown",
+            UnknownEndpoints::Default,
+            &[
+                ("default", UnknownEndpoints::Default),
+                ("reject", UnknownEndpoints::Reject),
+            ],
+        );
+        let endpoints = self.endpoints(root, &defaults, default_mode);
+        let tls_t = self.sub_table(root, "", "tls").unwrap_or(&empty);
+        let tls = self.tls(tls_t);
+        let sec_t = self.sub_table(root, "", "security").unwrap_or(&empty);
+        let security = self.security(sec_t);
+        Some(Config {
+            proxy,
+            store,
+            defaults: Arc::new(defaults),
+            unknown,
+            default_mode,
+            log,
+            endpoints,
+            tls,
+            security,
+        })
+    }
+
+    pub(super) fn proxy(&mut self, t: &Table<'_>) -> ProxyConfig {
+        let p = "proxy";
+        self.known_keys(
+            t,
+            p,
+            &[
+                "listen",
+                "admin_listen",
+                "endpoint_header",
+                "endpoint_from_proxy_user",
+                "upstream_timeout",
+                "shutdown_grace",
+                "max_connections",
+                "metrics_max_endpoints",
+                "workers",
+                "idle_timeout",
+                "tunnel_idle_timeout",
+                "admin_token_file",
+            ],
+        );
+        let endpoint_header = match self.string(t, p, "endpoint_header") {
+            None => HeaderName::from_static("x-endpoint-id"),
+            Some((s, at)) => HeaderName::from_bytes(s.as_bytes()).unwrap_or_else(|_| {
+                self.issue(
+                    at,
+                    "proxy.endpoint_header",
+                    format!("\"{s}\" is not a valid header name"),
+                );
+                HeaderName::from_static("x-endpoint-id")
+            }),
+        };
+        let upstream_timeout = self.duration(t, p, "upstream_timeout", Duration::from_secs(30));
+        if upstream_timeout.is_zero() {
+            self.issue(0, "proxy.upstream_timeout", "must be greater than 0".into());
+        }
+        ProxyConfig {
+            listen: self.addr(t, p, "listen", "127.0.0.1:8080"),
+            admin_listen: self.addr(t, p, "admin_listen", "127.0.0.1:9090"),
+            endpoint_header,
+            endpoint_from_proxy_user: self.boolean(t, p, "endpoint_from_proxy_user", false),
+            upstream_timeout,
+            shutdown_grace: self.duration(t, p, "shutdown_grace", Duration::from_secs(10)),
+            max_connections: self.count(t, p, "max_connections", 10_000),
+            metrics_max_endpoints: self.count(t, p, "metrics_max_endpoints", 500),
+            workers: match self.number(t, p, "workers") {
+                None => 0,
+                Some((n, _)) if n >= 0.0 && n.fract() == 0.0 && n <= 1024.0 => n as usize,
+                Some((n, at)) => {
+                    self.issue(
+                        at,
+                        "proxy.workers",
+                        format!(
+                            "{n} is invalid: must be a whole number from 0 (one per core) to 1024"
+                        ),
+                    );
+                    0
+                }
+            },
+            idle_timeout: self.positive(t, p, "idle_timeout", Duration::from_secs(120)),
+            tunnel_idle_timeout: self.positive(
+                t,
+                p,
+                "tunnel_idle_timeout",
+                Duration::from_secs(600),
+            ),
+            admin_token_file: self.path(t, p, "admin_token_file"),
+        }
+    }
+
+    pub(super) fn store(&mut self, t: &Table<'_>) -> StoreConfig {
+        let p = "store";
+        self.known_keys(
+            t,
+            p,
+            &[
+                "backend",
+                "urls",
+                "key_prefix",
+                "timeout",
+                "on_error",
+                "tls_ca_file",
+                "tls_cert_file",
+                "tls_key_file",
+                "sentinel_master",
+                "fallback_min_replicas",
+            ],
+        );
+        let backend = self.enumerated(
+            t,
+            p,
+            "backend",
+            Backend::Memory,
+            &[
+                ("memory", Backend::Memory),
+                ("redis", Backend::Redis),
+                ("redis-cluster", Backend::RedisCluster),
+                ("redis-sentinel", Backend::RedisSentinel),
+            ],
+        );
+        let listed = self.strings(t, p, "urls");
+        for (u, at) in &listed {
+            if !(u.starts_with("redis://") || u.starts_with("rediss://")) {
+                self.issue(
+                    *at,
+                    "store.urls",
+                    format!("\"{}\" must start with redis:// or rediss://", redact(u)),
+                );
+            }
+        }
+        let at = t.get("urls").map_or(0, |v| v.span().start);
+        if backend == Backend::Redis && listed.len() > 1 {
+            self.issue(
+                at,
+                "store.urls",
+                "backend \"redis\" takes exactly one URL".into(),
+            );
+        }
+        let none_listed = matches!(
+            t.get("urls").map(|v| v.get_ref()),
+            Some(DeValue::Array(a)) if a.is_empty()
+        );
+        if backend != Backend::Memory && none_listed {
+            self.issue(at, "store.urls", "needs at least one URL".into());
+        }
+        let mut urls: Vec<String> = listed.into_iter().map(|(u, _)| u).collect();
+        if urls.is_empty() {
+            urls.push("redis://127.0.0.1:6379/".into());
+        }
+        let timeout = self.duration(t, p, "timeout", Duration::from_millis(100));
+        if timeout.is_zero() {
+            self.issue(0, "store.timeout", "must be greater than 0".into());
+        }
+        let tls = self.store_tls(t, &urls);
+        let sentinel_master = self.sentinel_master(t, backend, &tls);
+        StoreConfig {
+            tls,
+            sentinel_master,
+            fallback_min_replicas: self.count(t, p, "fallback_min_replicas", 1),
+            backend,
+            urls,
+            key_prefix: self
+                .string(t, p, "key_prefix")
+                .map_or("sluice:".into(), |(s, _)| s),
+            timeout,
+            on_error: self.enumerated(
+                t,
+                p,
+                "on_error",
+                OnError::Local,
+                &[
+                    ("local", OnError::Local),
+                    ("allow", OnError::Allow),
+                    ("deny", OnError::Deny),
+                ],
+            ),
+        }
+    }
+
+    /// `sentinel_master`: required with `redis-sentinel`, meaningless elsewhere.
+    pub(super) fn sentinel_master(
+        &mut self,
+        t: &Table<'_>,
+        backend: Backend,
+        tls: &StoreTls,
+    ) -> Option<String> {
+        let key = "store.sentinel_master";
+        let name = self.string(t, "store", "sentinel_master");
+        match (backend, name) {
+            (Backend::RedisSentinel, Some((n, at))) if n.is_empty() => {
+                self.issue(
+                    at,
+                    key,
+                    "must name the master (as in `sentinel monitor NAME ...`)".into(),
+                );
+                None
+            }
+            (Backend::RedisSentinel, Some((n, _))) => {
+                if *tls != StoreTls::default() {
+                    let at = t
+                        .get("tls_ca_file")
+                        .or(t.get("tls_cert_file"))
+                        .map_or(0, |v| v.span().start);
+                    self.issue(at, "store.tls_ca_file", "TLS files are not supported with backend \"redis-sentinel\" yet: use rediss:// with a publicly trusted certificate".into());
+                }
+                Some(n)
+            }
+            (Backend::RedisSentinel, None) => {
+                let at = t.get("backend").map_or(0, |v| v.span().start);
+                self.issue(at, key, "backend \"redis-sentinel\" needs sentinel_master = \"<name>\" (the name the sentinels monitor)".into());
+                None
+            }
+            (_, Some((_, at))) => {
+                self.issue(
+                    at,
+                    key,
+                    "only used with backend = \"redis-sentinel\"".into(),
+                );
+                None
+            }
+            (_, None) => None,
+        }
+    }
+
+    /// `tls_ca_file`, `tls_cert_file`, `tls_key_file`: paths only (their contents are
+    /// read by `check` and at start); the client pair is both or neither, and any of them
+    /// needs `rediss://` URLs.
+    pub(super) fn store_tls(&mut self, t: &Table<'_>, urls: &[String]) -> StoreTls {
+        let p = "store";
+        let mut path = |name: &str| {
+            self.string(t, p, name).map(|(s, at)| {
+                if s.is_empty() {
+                    self.issue(at, &join(p, name), "must not be empty".into());
+                }
+                (PathBuf::from(s), at)
+            })
+        };
+        let ca = path("tls_ca_file");
+        let cert = path("tls_cert_file");
+        let key = path("tls_key_file");
+        let client = match (cert, key) {
+            (Some((cert_file, _)), Some((key_file, _))) => Some(ClientCert {
+                cert_file,
+                key_file,
+            }),
+            (Some((_, at)), None) => {
+                self.issue(
+                    at,
+                    "store.tls_cert_file",
+                    "needs store.tls_key_file too (mutual TLS takes both, or neither)".into(),
+                );
+                None
+            }
+            (None, Some((_, at))) => {
+                self.issue(
+                    at,
+                    "store.tls_key_file",
+                    "needs store.tls_cert_file too (mutual TLS takes both, or neither)".into(),
+                );
+                None
+            }
+            (None, None) => None,
+        };
+        let first = ["tls_ca_file", "tls_cert_file", "tls_key_file"]
+            .into_iter()
+            .find_map(|k| t.get(k).map(|v| (k, v.span().start)));
+        if let Some((k, at)) = first {
+            if let Some(plain) = urls.iter().find(|u| !u.starts_with("rediss://")) {
+                self.issue(
+                    at,
+                    &join(p, k),
+                    format!(
+                        "TLS files need rediss:// URLs, but store.urls has \"{}\"",
+                        redact(plain)
+                    ),
+                );
+            }
+        }
+        StoreTls {
+            ca_file: ca.map(|(f, _)| f),
+            client,
+        }
+    }
+
+    /// Reads rate/burst/max_wait/adaptive from `t`, inheriting from `base`.
+    pub(super) fn policy(&mut self, t: &Table<'_>, path: &str, base: &Policy) -> Policy {
+        let rate = self.checked(
+            t,
+            path,
+            "rate",
+            base.rate,
+            "between 0.000001 and 1e9 tokens per second",
+            |n| (MIN_RATE..=MAX_RATE).contains(&n),
+        );
+        let burst = self.checked(t, path, "burst", base.burst, "between 1 and 1e9", |n| {
+            (1.0..=MAX_RATE).contains(&n)
+        });
+        let max_wait = self.duration(t, path, "max_wait", base.max_wait);
+        let base_adaptive = base.adaptive.unwrap_or_default();
+        let adaptive_path = join(path, "adaptive");
+        let adaptive = match t.get("adaptive") {
+            // An inherited floor never exceeds this endpoint's own rate.
+            None => base.adaptive.map(|a| Adaptive {
+                floor: a.floor.min(rate),
+                ..a
+            }),
+            Some(v) => match v.get_ref() {
+                DeValue::Table(a) => self.adaptive(
+                    a,
+                    &adaptive_path,
+                    &base_adaptive,
+                    rate,
+                    base.adaptive.is_some(),
+                ),
+                other => {
+                    self.type_issue(v, &adaptive_path, "a table", other.type_str());
+                    base.adaptive
+                }
+            },
+        };
+        if let Some(a) = &adaptive {
+            if a.floor > rate {
+                let at = t.get("rate").map_or(0, |v| v.span().start);
+                self.issue(
+                    at,
+                    &join(path, "rate"),
+                    format!(
+                        "rate {rate} is below the adaptive floor {}: lower the floor",
+                        a.floor
+                    ),
+                );
+            }
+        }
+        let max_in_flight = match t.get("max_in_flight") {
+            Some(_) => Some(
+                self.count(t, path, "max_in_flight", 1)
+                    .min(u32::MAX as usize) as u32,
+            ),
+            None => base.max_in_flight,
+        };
+        Policy {
+            rate,
+            burst,
+            max_wait,
+            adaptive,
+            max_in_flight,
+            lease_ttl: self.positive(t, path, "lease_ttl", base.lease_ttl),
+            shares: self.shares(t, path).or_else(|| base.shares.clone()),
+        }
+    }
+
+    /// `shares = { name = weight, ... }`: positive weights by sender name.
+    pub(super) fn shares(&mut self, t: &Table<'_>, path: &str) -> Option<Arc<Shares>> {
+        let v = t.get("shares")?;
+        let key = join(path, "shares");
+        let DeValue::Table(items) = v.get_ref() else {
+            self.type_issue(v, &key, "a table of weights", v.get_ref().type_str());
+            return None;
+        };
+        let mut weights = std::collections::HashMap::new();
+        for (name, _) in items.iter() {
+            let w = self.checked(
+                items,
+                &key,
+                name.get_ref(),
+                1.0,
+                "between 0.001 and 1e6",
+                |n| (0.001..=1e6).contains(&n),
+            );
+            weights.insert(name.get_ref().to_string(), w);
+        }
+        Some(Arc::new(Shares::new(weights)))
+    }
+
+    pub(super) fn adaptive(
+        &mut self,
+        t: &Table<'_>,
+        p: &str,
+        base: &Adaptive,
+        rate: f64,
+        base_on: bool,
+    ) -> Option<Adaptive> {
+        self.known_keys(
+            t,
+            p,
+            &[
+                "enabled",
+                "floor",
+                "decrease",
+                "recovery",
+                "default_cooldown",
+                "max_cooldown",
+                "floor_warn_after",
+            ],
+        );
+        let enabled = self.boolean(t, p, "enabled", base_on);
+        let floor_default = base.floor.min(rate);
+        let a = Adaptive {
+            floor: self.checked(
+                t,
+                p,
+                "floor",
+                floor_default,
+                "at least 0.000001 tokens per second",
+                |n| n >= MIN_RATE,
+            ),
+            decrease: self.checked(
+                t,
+                p,
+                "decrease",
+                base.decrease,
+                "between 0 and 1 (exclusive)",
+                |n| n > 0.0 && n < 1.0,
+            ),
+            recovery: self.duration(t, p, "recovery", base.recovery),
+            default_cooldown: self.duration(t, p, "default_cooldown", base.default_cooldown),
+            max_cooldown: self.duration(t, p, "max_cooldown", base.max_cooldown),
+            floor_warn_after: self.duration(t, p, "floor_warn_after", base.floor_warn_after),
+        };
+        if a.max_cooldown < a.default_cooldown {
+            let at = t
+                .get("max_cooldown")
+                .or(t.get("default_cooldown"))
+                .map_or(0, |v| v.span().start);
+            self.issue(
+                at,
+                &join(p, "max_cooldown"),
+                "must be at least default_cooldown".into(),
+            );
+        }
+        if a.recovery.is_zero() {
+            let at = t.get("recovery").map_or(0, |v| v.span().start);
+            self.issue(at, &join(p, "recovery"), "must be greater than 0".into());
+        }
+        enabled.then_some(a)
+    }
+
+    pub(super) fn mode(&mut self, t: &Table<'_>, path: &str, default: Mode) -> Mode {
+        self.enumerated(
+            t,
+            path,
+            "mode",
+            default,
+            &[("enforce", Mode::Enforce), ("shadow", Mode::Shadow)],
+        )
+    }
+
+    pub(super) fn log(&mut self, t: &Table<'_>) -> LogConfig {
+        self.known_keys(t, "log", &["decisions", "sample"]);
+        LogConfig {
+            decisions: self.boolean(t, "log", "decisions", true),
+            sample: self.checked(t, "log", "sample", 1.0, "between 0 and 1", |n| {
+                (0.0..=1.0).contains(&n)
+            }),
+        }
+    }
+
+    pub(super) fn endpoints(
+        &mut self,
+        root: &Table<'_>,
+        defaults: &Policy,
+        default_mode: Mode,
+    ) -> Vec<EndpointRule> {
+        let Some(v) = root.get("endpoints") else {
+            return Vec::new();
+        };
+        let DeValue::Array(items) = v.get_ref() else {
+            self.type_issue(
+                v,
+                "endpoints",
+                "an array of tables ([[endpoints]])",
+                v.get_ref().type_str(),
+            );
+            return Vec::new();
+        };
+        let mut out: Vec<EndpointRule> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            if let Some(rule) = self.endpoint(i, item, &out, defaults, default_mode) {
+                out.push(rule);
+            }
+        }
+        out
+    }
+
+    /// One `[[endpoints]]` entry; `seen` are the entries before it (for duplicates).
+    pub(super) fn endpoint(
+        &mut self,
+        i: usize,
+        item: &Value<'_>,
+        seen: &[EndpointRule],
+        defaults: &Policy,
+        default_mode: Mode,
+    ) -> Option<EndpointRule> {
+        let path = format!("endpoints[{i}]");
+        let DeValue::Table(t) = item.get_ref() else {
+            self.type_issue(item, &path, "a table", item.get_ref().type_str());
+            return None;
+        };
+        self.known_keys(
+            t,
+            &path,
+            &[
+                "id",
+                "rate",
+                "burst",
+                "max_wait",
+                "hosts",
+                "path_prefix",
+                "adaptive",
+                "mode",
+                "max_in_flight",
+                "lease_ttl",
+                "shares",
+            ],
+        );
+        let id = match self.string(t, &path, "id") {
+            Some((id, at)) => {
+                if let Err(e) = check_endpoint_id(&id) {
+                    self.issue(at, &join(&path, "id"), e);
+                } else if seen.iter().any(|r| *r.id == id) {
+                    self.issue(
+                        at,
+                        &join(&path, "id"),
+                        format!("duplicate endpoint id \"{id}\""),
+                    );
+                }
+                id
+            }
+            None => {
+                self.issue(
+                    item.span().start,
+                    &join(&path, "id"),
+                    "every [[endpoints]] entry needs an id".into(),
+                );
+                return None;
+            }
+        };
+        let policy = self.policy(t, &path, defaults);
+        let hosts = self
+            .strings(t, &path, "hosts")
+            .into_iter()
+            .map(|(h, _)| {
+                let h = h.to_ascii_lowercase();
+                h.strip_suffix('.').map(str::to_owned).unwrap_or(h)
+            })
+            .collect();
+        let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
+            if !p.starts_with('/') {
+                self.issue(at, &join(&path, "path_prefix"), "must start with /".into());
+            }
+            p
+        });
+        let mode = self.mode(t, &path, default_mode);
+        Some(EndpointRule {
+            id: id.into(),
+            policy: Arc::new(policy),
+            hosts,
+            path_prefix,
+            mode,
+        })
+    }
+
+    pub(super) fn tls(&mut self, t: &Table<'_>) -> TlsConfig {
+        let p = "tls";
+        self.known_keys(
+            t,
+            p,
+            &[
+                "intercept",
+                "ca_cert",
+                "ca_key",
+                "upstream_roots",
+                "passthrough_hosts",
+                "leaf_cache_size",
+                "handshake_timeout",
+            ],
+        );
+        TlsConfig {
+            intercept: self.boolean(t, p, "intercept", false),
+            ca_cert: self
+                .string(t, p, "ca_cert")
+                .map_or("ca/ca.pem".into(), |(s, _)| s.into()),
+            ca_key: self
+                .string(t, p, "ca_key")
+                .map_or("ca/ca.key".into(), |(s, _)| s.into()),
+            upstream_roots: self
+                .strings(t, p, "upstream_roots")
+                .into_iter()
+                .map(|(s, _)| s.into())
+                .collect(),
+            passthrough_hosts: self.globs(t, p, "passthrough_hosts"),
+            leaf_cache_size: self.count(t, p, "leaf_cache_size", 1000),
+            handshake_timeout: self.positive(t, p, "handshake_timeout", Duration::from_secs(10)),
+        }
+    }
+
+    pub(super) fn security(&mut self, t: &Table<'_>) -> SecurityConfig {
+        let p = "security";
+        self.known_keys(
+            t,
+            p,
+            &[
+                "allow_private_destinations",
+                "allowed_hosts",
+                "auth_users_file",
+                "user_endpoints",
+            ],
+        );
+        let auth_users_file = self.path(t, p, "auth_users_file");
+        let user_endpoints = self.user_endpoints(t);
+        if auth_users_file.is_none() && !user_endpoints.is_empty() {
+            let at = t.get("user_endpoints").map_or(0, |v| v.span().start);
+            self.issue(
+                at,
+                "security.user_endpoints",
+                "grants need proxy users: set security.auth_users_file".into(),
+            );
+        }
+        SecurityConfig {
+            allow_private_destinations: self.boolean(t, p, "allow_private_destinations", false),
+            allowed_hosts: self.globs(t, p, "allowed_hosts"),
+            auth_users_file,
+            user_endpoints,
+        }
+    }
+
+    /// `[security.user_endpoints]`: `user = ["glob", ...]`.
+    pub(super) fn user_endpoints(&mut self, t: &Table<'_>) -> Vec<UserGrant> {
+        let path = "security.user_endpoints";
+        let Some(table) = self.sub_table(t, "security", "user_endpoints") else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (user, _) in table.iter() {
+            let user = user.get_ref().to_string();
+            let mut b = GlobSetBuilder::new();
+            for (g, at) in self.strings(table, path, &user) {
+                match Glob::new(&g) {
+                    Ok(glob) => {
+                        b.add(glob);
+                    }
+                    Err(e) => self.issue(at, &join(path, &user), format!("bad glob \"{g}\": {e}")),
+                }
+            }
+            let endpoints = b.build().unwrap_or_else(|_| GlobSet::empty());
+            out.push(UserGrant { user, endpoints });
+        }
+        out
+    }
+}
