@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -42,20 +41,6 @@ fn auth_config(users: &Path, extra: &str) -> String {
     )
 }
 
-async fn tokens(admin: SocketAddr, id: &str) -> Option<f64> {
-    let v: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    v.as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["id"] == id)
-        .map(|e| e["tokens"].as_f64().unwrap())
-}
-
 #[tokio::test]
 async fn no_or_wrong_credentials_get_407_and_nothing_is_sent() {
     let dir = tempfile::tempdir().unwrap();
@@ -78,7 +63,11 @@ async fn no_or_wrong_credentials_get_407_and_nothing_is_sent() {
         assert_eq!(r.headers()["x-sluice-reason"], "proxy_auth_required");
     }
     assert_eq!(up.count(), 0);
-    assert_eq!(tokens(s.admin_addr, "victim").await, None, "nothing spent");
+    assert_eq!(
+        common::tokens(s.admin_addr, "victim").await,
+        None,
+        "nothing spent"
+    );
     let ok = c
         .get(up.url("/"))
         .header("proxy-authorization", basic("alice", "wonder"))
@@ -154,7 +143,7 @@ async fn a_granted_user_is_paced_and_a_foreign_endpoint_is_403_with_its_tokens_i
     }
     assert_eq!(up.count(), 0);
     assert_eq!(
-        tokens(s.admin_addr, "victim").await,
+        common::tokens(s.admin_addr, "victim").await,
         None,
         "victim's bucket untouched"
     );
@@ -208,7 +197,7 @@ async fn user_plus_endpoint_in_the_proxy_url_names_the_endpoint() {
     assert_eq!(c.get(up.url("/1")).send().await.unwrap().status(), 200);
     let second = c.get(up.url("/2")).send().await.unwrap();
     assert_eq!(second.status(), 503, "the b_42 bucket (burst 1) is spent");
-    assert!(tokens(s.admin_addr, "b_42").await.is_some());
+    assert!(common::tokens(s.admin_addr, "b_42").await.is_some());
     let foreign = reqwest::Client::builder()
         .proxy(reqwest::Proxy::http(format!("http://team_b+a_1:pw-b@{}", s.proxy_addr)).unwrap())
         .build()

@@ -57,22 +57,6 @@ async fn wait_for_metric(admin: SocketAddr, needle: &str) {
     .await;
 }
 
-async fn tokens(admin: SocketAddr, id: &str) -> f64 {
-    let v: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    v.as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["id"] == id)
-        .unwrap_or_else(|| panic!("{id} not in {v}"))["tokens"]
-        .as_f64()
-        .unwrap()
-}
-
 /// Finding 1: giant and malformed host names are a 400 before anything else, and
 /// cannot grow `/metrics`.
 #[tokio::test]
@@ -243,7 +227,9 @@ async fn a_refused_address_spends_nothing() {
         assert!(head.starts_with("HTTP/1.1 403"), "{head}");
     }
     // The refund is asynchronous to nothing: it completed before the 403 was written.
-    let left = tokens(s.admin_addr, "ep").await;
+    let left = common::tokens(s.admin_addr, "ep")
+        .await
+        .expect("ep has a bucket");
     assert!(
         left > 2.99,
         "tokens spent on refused requests: {left} left of 3"
