@@ -89,8 +89,11 @@ echo "bench-password" | target/release/sluice passwd bench > "$TMP/users.htpassw
 start_sluice sluice-memory-auth '[store]
 backend = "memory"' "auth_users_file = \"$TMP/users.htpasswd\""
 
+# An absolute-form request's Host must match its target, as every HTTP client sends it
+# (HAProxy answers 400 otherwise).
 cat > "$TMP/proxy.lua" <<LUA
 wrk.path = "http://127.0.0.1:$UP/"
+wrk.headers["Host"] = "127.0.0.1:$UP"
 wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
@@ -123,6 +126,8 @@ for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do
     name=${NAMES[$(((i + r) % ${#NAMES[@]}))]}
     ALL[$name]+="$(run "$name")"$'\n'
+    # A row whose answers were not all 2xx measures errors, not forwarding: refuse it.
+    if grep -qE "Non-2xx|Socket errors" "$TMP/$name.txt"; then echo "$name: $(grep -E 'Non-2xx|Socket errors' "$TMP/$name.txt")" >&2; exit 1; fi
   done
 done
 median() { sort -t'|' -k2 -g | awk '{a[NR]=$0} END {print a[int((NR+1)/2)]}'; }
