@@ -77,7 +77,7 @@ TOML
 }
 start_sluice sluice-memory '[store]
 backend = "memory"'
-start_sluice sluice-memory-1thread '[store]
+start_sluice sluice-memory-1worker '[store]
 backend = "memory"' "" 1
 start_sluice sluice-redis "[store]
 backend = \"redis\"
@@ -98,7 +98,7 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy bare-hyper-forwarder sluice-memory sluice-memory-1thread sluice-redis; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+for s in haproxy bare-hyper-forwarder sluice-memory sluice-memory-1worker sluice-redis; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -120,7 +120,7 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request"
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy bare-hyper-forwarder sluice-memory sluice-memory-1thread sluice-redis sluice-memory-auth)
+NAMES=(direct haproxy bare-hyper-forwarder sluice-memory sluice-memory-1worker sluice-redis sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do

@@ -23,6 +23,7 @@ use crate::limiter::{BucketStore, Limiter, StoreError};
 use crate::metrics::Metrics;
 use crate::tls::UpstreamTlsError;
 use crate::tls::{CertAuthority, Interceptor, MitmError};
+use crate::workers::Workers;
 
 /// How often the observer refreshes gauges and looks for state changes.
 const OBSERVE_EVERY: Duration = Duration::from_secs(1);
@@ -172,8 +173,18 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
         .map_err(|source| StartError::Bind { addr, source })
 }
 
-/// Binds the listeners (port 0 allowed) and starts serving.
+/// Binds the listeners (port 0 allowed) and starts serving sender connections on this
+/// runtime (the tests' way: one runtime, pausable time).
 pub async fn start(config: Config) -> Result<Running, StartError> {
+    start_on(config, None).await
+}
+
+/// Binds the listeners and starts serving, sender connections on `workers` when given
+/// (`sluice run`).
+pub async fn start_on(
+    config: Config,
+    workers: Option<Arc<Workers>>,
+) -> Result<Running, StartError> {
     let config = Arc::new(config);
     let proxy = bind(config.proxy.listen).await?;
     let admin = bind(config.proxy.admin_listen).await?;
@@ -192,6 +203,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Arc::clone(&app),
         proxy,
         admin,
+        workers,
         async move {
             let _ = rx.await;
         },

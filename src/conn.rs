@@ -58,6 +58,14 @@ impl Lifecycle {
         self.tracker.spawn(fut);
     }
 
+    /// Runs `fut` as a tracked task on the runtime behind `handle` (a worker).
+    pub fn spawn_on<F>(&self, fut: F, handle: &tokio::runtime::Handle)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.tracker.spawn_on(fut, handle);
+    }
+
     /// A receiver that changes when shutdown begins.
     pub fn signal(&self) -> watch::Receiver<bool> {
         self.tx.subscribe()

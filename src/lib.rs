@@ -54,3 +54,4 @@ pub mod proxy;
 pub mod server;
 pub mod tls;
 pub mod version;
+pub mod workers;

@@ -214,25 +214,24 @@ fn run(path: &Path) -> anyhow::Result<ExitCode> {
         Ok(c) => c,
         Err(code) => return Ok(code),
     };
-    let rt = match config.proxy.workers {
-        1 => tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build(),
-        0 => tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build(),
-        n => tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(n)
-            .enable_all()
-            .build(),
-    }
-    .context("starting the async runtime")?;
-    rt.block_on(serve(path.to_owned(), config))
+    // Sender connections run on the workers; the main thread accepts, answers the
+    // admin listener and runs the background jobs.
+    let workers = sluice::workers::Workers::start(config.proxy.workers)
+        .context("starting the worker threads")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(path.to_owned(), config, std::sync::Arc::new(workers)))
 }
 
-async fn serve(path: PathBuf, config: Config) -> anyhow::Result<ExitCode> {
+async fn serve(
+    path: PathBuf,
+    config: Config,
+    workers: std::sync::Arc<sluice::workers::Workers>,
+) -> anyhow::Result<ExitCode> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut running = match sluice::app::start(config).await {
+    let mut running = match sluice::app::start_on(config, Some(workers)).await {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");

@@ -55,6 +55,8 @@ pub struct Conn {
     pub slot: Arc<ConnSlot>,
     /// Set for connections inside an intercepted CONNECT tunnel.
     pub tunnel: Option<Tunnel>,
+    /// Its own upstream connection, when it keeps sending to one destination.
+    pub upstream: crate::forward::Affinity,
 }
 
 /// Context of an intercepted CONNECT tunnel, for the requests inside it.
@@ -133,9 +135,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
     let method = req.method().clone();
     let mut trace = Trace::default();
     let result = if method == Method::CONNECT && conn.tunnel.is_none() {
-        connect(&app, req, &conn, &mut trace).await
+        // Boxed: a tunnel's set-up is rare and its future large; every plain request
+        // would otherwise carry (and copy) its size.
+        Box::pin(connect(&app, req, &conn, &mut trace)).await
     } else {
-        forward_request(&app, req, &conn, &mut trace).await
+        // Boxed once here rather than copied whole at every hand-over on the way in.
+        Box::pin(forward_request(&app, req, &conn, &mut trace)).await
     };
     match result {
         Ok(resp) => {
@@ -193,8 +198,7 @@ async fn admission(
         .check_host(&target.host)
         .map_err(|d| denied(d.into()))?;
     let addrs = if resolve_dns {
-        app.forwarder
-            .resolve(&target.host, target.port)
+        Box::pin(app.forwarder.resolve(&target.host, target.port))
             .await
             .map_err(|e| denied(upstream_error(e)))?
     } else {
@@ -214,7 +218,7 @@ async fn admission(
             (grant, "forwarded", slot)
         }
         Mode::Shadow => {
-            let (grant, outcome) = shadow(app, &ep).await;
+            let (grant, outcome) = Box::pin(shadow(app, &ep)).await;
             (grant, outcome, None)
         }
     };
@@ -286,9 +290,7 @@ async fn enforce(
     let labels = EndpointLabels {
         endpoint: label.clone(),
     };
-    let admitted = app
-        .limiter
-        .admit_queued(&ep.id, &ep.policy, place)
+    let admitted = Box::pin(app.limiter.admit_queued(&ep.id, &ep.policy, place))
         .await
         .map_err(|r| refusal(ep, r))?;
     let mut slot = admitted.slot;
@@ -343,8 +345,7 @@ async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who,
     let from_user = rt.resolver.uses_proxy_user();
     match &rt.users {
         Some(users) => {
-            let id = users
-                .authenticate(headers)
+            let id = Box::pin(users.authenticate(headers))
                 .await
                 .map_err(|_| ProxyError::ProxyAuthRequired)?;
             let endpoint_hint = id
@@ -399,9 +400,13 @@ async fn forward_request(
     parts.uri = uri;
     parts.version = Version::HTTP_11;
     let sent = tokio::time::Instant::now();
-    let resp = match app.forwarder.send(Request::from_parts(parts, body)).await {
+    let resp = match app
+        .forwarder
+        .send_via(&conn.upstream, Request::from_parts(parts, body))
+        .await
+    {
         Ok(r) => r,
-        Err(e) => return Err(after_admission(app, &admitted, e).await),
+        Err(e) => return Err(Box::pin(after_admission(app, &admitted, e)).await),
     };
     trace.upstream = Some(sent.elapsed());
     trace.status = Some(resp.status().as_u16());
@@ -422,7 +427,15 @@ async fn forward_request(
         .inc();
     app.metrics.outcome(&label, outcome);
     if let Some(adaptive) = ep.policy.adaptive {
-        observe(app, &ep, &label, &adaptive, resp.status(), resp.headers()).await;
+        Box::pin(observe(
+            app,
+            &ep,
+            &label,
+            &adaptive,
+            resp.status(),
+            resp.headers(),
+        ))
+        .await;
     }
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
@@ -672,6 +685,7 @@ impl Intercepted {
             peer: self.peer,
             slot: self.slot,
             tunnel: Some(self.tunnel),
+            upstream: Default::default(),
         });
         let app = Arc::clone(&self.app);
         let svc = hyper::service::service_fn(move |req| {

@@ -21,6 +21,7 @@ use tokio::sync::{Semaphore, watch};
 use crate::conn::{ConnSlot, Timeouts, serve, until_down};
 use crate::core::App;
 use crate::proxy::Conn;
+use crate::workers::Workers;
 
 /// A sender must finish sending a request head within this.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -36,15 +37,19 @@ const ADMIN_TIMEOUTS: Timeouts = Timeouts {
 
 /// Runs the proxy and admin listeners until `shutdown` resolves, then drains within
 /// `proxy.shutdown_grace`.
+///
+/// With `workers`, each sender connection is served on one of them; without, on the
+/// caller's runtime.
 pub async fn run(
     app: Arc<App>,
     proxy: TcpListener,
     admin: TcpListener,
+    workers: Option<Arc<Workers>>,
     shutdown: impl Future<Output = ()>,
 ) {
     let cfg = app.runtime.load_full().config.clone();
     let stop = app.lifecycle.signal();
-    let accept_proxy = accept_proxy(&app, proxy, stop.clone());
+    let accept_proxy = accept_proxy(&app, proxy, workers, stop.clone());
     let accept_admin = accept_admin(&app, admin, stop);
     let accepting = async { tokio::join!(accept_proxy, accept_admin) };
     tokio::select! {
@@ -66,7 +71,12 @@ pub async fn run(
 
 /// The proxy listener: `proxy.max_connections` senders at once (tunnels included),
 /// each served until idle for `proxy.idle_timeout`.
-async fn accept_proxy(app: &Arc<App>, listener: TcpListener, stop: watch::Receiver<bool>) {
+async fn accept_proxy(
+    app: &Arc<App>,
+    listener: TcpListener,
+    workers: Option<Arc<Workers>>,
+    stop: watch::Receiver<bool>,
+) {
     let cfg = app.runtime.load_full().config.clone();
     let limit = Arc::new(Semaphore::new(cfg.proxy.max_connections));
     let timeouts = Timeouts {
@@ -79,6 +89,7 @@ async fn accept_proxy(app: &Arc<App>, listener: TcpListener, stop: watch::Receiv
         listener,
         limit,
         open,
+        workers,
         stop,
         move |app, stream, slot| {
             let peer = stream
@@ -88,6 +99,7 @@ async fn accept_proxy(app: &Arc<App>, listener: TcpListener, stop: watch::Receiv
                 peer,
                 slot,
                 tunnel: None,
+                upstream: Default::default(),
             });
             let signal = app.lifecycle.signal();
             let svc = service_fn(move |req| {
@@ -114,6 +126,7 @@ async fn accept_admin(app: &Arc<App>, listener: TcpListener, stop: watch::Receiv
         listener,
         limit,
         Gauge::default(),
+        None,
         stop,
         |app, stream, slot| {
             let signal = app.lifecycle.signal();
@@ -139,16 +152,18 @@ async fn accept_admin(app: &Arc<App>, listener: TcpListener, stop: watch::Receiv
 }
 
 /// Accepts connections while a place under `limit` is free (at the cap, new ones wait
-/// in the backlog), and runs `serve_one` for each as a tracked task.
+/// in the backlog), and runs `serve_one` for each as a tracked task: on the next of
+/// `workers`, or here.
 async fn accept_loop<F, Fut>(
     app: &Arc<App>,
     listener: TcpListener,
     limit: Arc<Semaphore>,
     open: Gauge,
+    workers: Option<Arc<Workers>>,
     mut stop: watch::Receiver<bool>,
     serve_one: F,
 ) where
-    F: Fn(Arc<App>, TcpStream, Arc<ConnSlot>) -> Fut,
+    F: Fn(Arc<App>, TcpStream, Arc<ConnSlot>) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     loop {
@@ -171,7 +186,28 @@ async fn accept_loop<F, Fut>(
         };
         let _ = stream.set_nodelay(true);
         let slot = ConnSlot::new(permit, open.clone());
-        app.lifecycle
-            .spawn(serve_one(Arc::clone(app), stream, slot));
+        let Some(workers) = &workers else {
+            app.lifecycle
+                .spawn(serve_one(Arc::clone(app), stream, slot));
+            continue;
+        };
+        // The socket moves to the worker's own I/O driver, so its readiness wakes that
+        // thread alone.
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot hand a connection to a worker");
+                continue;
+            }
+        };
+        let lifecycle = app.lifecycle.clone();
+        let (app, serve_one) = (Arc::clone(app), serve_one.clone());
+        let serve = async move {
+            match TcpStream::from_std(stream) {
+                Ok(stream) => serve_one(app, stream, slot).await,
+                Err(e) => tracing::warn!(error = %e, "cannot register a connection on a worker"),
+            }
+        };
+        lifecycle.spawn_on(serve, workers.next());
     }
 }

@@ -532,3 +532,96 @@ async fn shadow_mode_forwards_everything_and_counts_what_would_have_been_refused
     }
     s.stop().await;
 }
+
+/// A sender connection that keeps sending to one destination rides its own kept-alive
+/// upstream connection: every request arrives once, in origin form, with `Host` from
+/// the target, and the upstream sees one or two connections, not one per request.
+#[tokio::test]
+async fn a_kept_alive_sender_reuses_one_upstream_connection() {
+    let up = Upstream::start().await;
+    let s = sluice("").await;
+    let c = client(s.proxy_addr);
+    for i in 0..20 {
+        let r = c
+            .get(up.url(&format!("/n/{i}?q={i}")))
+            .header("host", "forged.example")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let arrivals = up.arrivals();
+    let paths: Vec<String> = arrivals.iter().map(|a| a.path.clone()).collect();
+    let expected: Vec<String> = (0..20).map(|i| format!("/n/{i}?q={i}")).collect();
+    assert_eq!(paths, expected, "each request exactly once, in order");
+    for a in &arrivals {
+        assert_eq!(a.headers["host"], up.addr.to_string().as_str());
+        assert_eq!(a.headers.get_all("host").iter().count(), 1);
+    }
+    let conns: HashSet<usize> = arrivals.iter().map(|a| a.conn).collect();
+    assert!(
+        conns.len() <= 2,
+        "20 requests used {} upstream connections",
+        conns.len()
+    );
+    s.stop().await;
+}
+
+/// A sender alternating between two receivers: each request reaches the right one
+/// once, over kept-alive connections.
+#[tokio::test]
+async fn a_sender_alternating_destinations_reaches_each_once() {
+    let (a, b) = (Upstream::start().await, Upstream::start().await);
+    let s = sluice("").await;
+    let c = client(s.proxy_addr);
+    for i in 0..10 {
+        let up = if i % 3 == 0 { &a } else { &b };
+        let r = c.get(up.url(&format!("/{i}"))).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let to_a: Vec<String> = a.arrivals().iter().map(|x| x.path.clone()).collect();
+    let to_b: Vec<String> = b.arrivals().iter().map(|x| x.path.clone()).collect();
+    assert_eq!(to_a, ["/0", "/3", "/6", "/9"]);
+    assert_eq!(to_b, ["/1", "/2", "/4", "/5", "/7", "/8"]);
+    for (up, arrivals) in [(&a, a.arrivals()), (&b, b.arrivals())] {
+        for x in &arrivals {
+            assert_eq!(x.headers["host"], up.addr.to_string().as_str());
+        }
+        let conns: HashSet<usize> = arrivals.iter().map(|x| x.conn).collect();
+        assert!(
+            conns.len() <= 3,
+            "{} connections for {} requests",
+            conns.len(),
+            arrivals.len()
+        );
+    }
+    s.stop().await;
+}
+
+/// An upstream that closes its connection after every answer: the held connection is
+/// replaced, and nothing is lost or sent twice.
+#[tokio::test]
+async fn an_upstream_closing_after_each_answer_loses_nothing() {
+    let up = Upstream::with(Arc::new(|_| Reply::ok().header("connection", "close"))).await;
+    let s = sluice("").await;
+    let c = client(s.proxy_addr);
+    for i in 0..10 {
+        let r = c
+            .post(up.url(&format!("/{i}")))
+            .body(format!("body {i}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let arrivals = up.arrivals();
+    let bodies: Vec<String> = arrivals
+        .iter()
+        .map(|a| String::from_utf8_lossy(&a.body).into_owned())
+        .collect();
+    let expected: Vec<String> = (0..10).map(|i| format!("body {i}")).collect();
+    assert_eq!(bodies, expected);
+    let conns: HashSet<usize> = arrivals.iter().map(|a| a.conn).collect();
+    assert_eq!(conns.len(), 10, "every answer closed its connection");
+    s.stop().await;
+}

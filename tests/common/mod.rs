@@ -49,6 +49,8 @@ where
 #[derive(Debug, Clone)]
 pub struct Arrival {
     pub at: Instant,
+    /// Which upstream connection carried it (numbered from 0 in accept order).
+    pub conn: usize,
     pub method: String,
     pub path: String,
     pub headers: HeaderMap,
@@ -112,13 +114,14 @@ impl Upstream {
         let responder = Arc::new(Mutex::new(responder));
         let (a, r) = (Arc::clone(&arrivals), Arc::clone(&responder));
         let task = tokio::spawn(async move {
-            loop {
+            for conn in 0.. {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
                 let (a, r) = (Arc::clone(&a), Arc::clone(&r));
                 tokio::spawn(async move {
-                    let svc = service_fn(move |req| serve(req, Arc::clone(&a), Arc::clone(&r)));
+                    let svc =
+                        service_fn(move |req| serve(req, conn, Arc::clone(&a), Arc::clone(&r)));
                     let _ = http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), svc)
                         .await;
@@ -159,6 +162,7 @@ impl Drop for Upstream {
 
 pub async fn serve(
     req: Request<Incoming>,
+    conn: usize,
     arrivals: Arc<Mutex<Vec<Arrival>>>,
     responder: Arc<Mutex<Responder>>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
@@ -171,6 +175,7 @@ pub async fn serve(
         .unwrap_or_default();
     let arrival = Arrival {
         at,
+        conn,
         method: parts.method.to_string(),
         path: parts
             .uri

@@ -77,7 +77,7 @@ impl TlsUpstream {
         let responder = Arc::new(Mutex::new(responder));
         let a = Arc::clone(&arrivals);
         let task = tokio::spawn(async move {
-            loop {
+            for conn in 0.. {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
@@ -86,8 +86,9 @@ impl TlsUpstream {
                     let Ok(tls) = acceptor.accept(stream).await else {
                         return;
                     };
-                    let svc =
-                        service_fn(move |req| super::serve(req, Arc::clone(&a), Arc::clone(&r)));
+                    let svc = service_fn(move |req| {
+                        super::serve(req, conn, Arc::clone(&a), Arc::clone(&r))
+                    });
                     let _ = http1::Builder::new()
                         .serve_connection(TokioIo::new(tls), svc)
                         .await;
