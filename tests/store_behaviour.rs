@@ -562,6 +562,55 @@ async fn leases_bound_expire_and_release(s: Subject) {
     assert!(!s.store.renew_lease("lease", ask, lease(2)).await.unwrap());
 }
 
+/// Sixty-four acquires at once on one endpoint (a Redis store sends them in a few
+/// batched calls): decided as that many back-to-back calls — the burst and then one
+/// reservation per 1/rate, up to the budget, and refusals beyond it.
+async fn concurrent_acquires_decide_as_back_to_back_calls(s: Subject) {
+    let (rate, burst, n) = (40.0, 4.0, 64);
+    let budget_us = 1e6;
+    let p = policy(rate, burst, 0);
+    let ask = Ask::new(&p, budget_us, None);
+    let t0 = Instant::now();
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let store = Arc::clone(&s.store);
+            tokio::spawn(async move { store.acquire("together", ask).await.unwrap() })
+        })
+        .collect();
+    let mut waits = Vec::new();
+    let mut refused = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Outcome::Granted { wait_us, .. } => waits.push(wait_us),
+            Outcome::Refused { retry_us, .. } => {
+                assert!(retry_us > budget_us, "refused with a wait within budget");
+                refused += 1;
+            }
+        }
+    }
+    let spread_s = us(t0, Instant::now()) / 1e6;
+    waits.sort_by(f64::total_cmp);
+    let granted = waits.len() as f64;
+    // Every token the bucket had or made within the budget, and no more.
+    let least = burst + rate * budget_us / 1e6;
+    let most = burst + rate * (budget_us / 1e6 + spread_s);
+    assert!(
+        granted >= least && granted <= most,
+        "{granted} granted ({refused} refused), expected within [{least}, {most}]"
+    );
+    for (k, w) in waits.iter().enumerate() {
+        // The k-th reservation waits at most its place in line behind the burst.
+        let slot = ((k as f64 + 1.0 - burst) / rate * 1e6).max(0.0);
+        assert!(
+            *w >= 0.0 && *w <= slot + 1.0,
+            "wait {k}: {w} µs > {slot} µs"
+        );
+    }
+    if s.clock == Clock::Virtual {
+        assert_eq!(waits.len(), 44, "exact in virtual time");
+    }
+}
+
 macro_rules! every_store {
     ($($name:ident),* $(,)?) => {
         /// Virtual time: exact.
@@ -582,7 +631,88 @@ every_store!(
     recovery_climbs_linearly,
     floor_holds,
     leases_bound_expire_and_release,
+    concurrent_acquires_decide_as_back_to_back_calls,
 );
+
+/// Calls of the acquire script Redis has run so far.
+fn evalsha_calls(server: &common::redis::RedisServer) -> u64 {
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|l| l.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// Acquires that queue while one is in flight for their endpoint go to Redis together:
+/// far fewer script calls than requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_acquires_share_script_calls() {
+    let s = redis().await;
+    let server = s.single.as_ref().unwrap();
+    let p = policy(1_000.0, 1_000.0, 0);
+    let ask = Ask::new(&p, 1e6, None);
+    // Load the script first (a cold Redis answers NOSCRIPT to every concurrent call).
+    s.store.acquire("shared", ask).await.unwrap();
+    let before = evalsha_calls(server);
+    let n = 200;
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let store = Arc::clone(&s.store);
+            tokio::spawn(async move { store.acquire("shared", ask).await.unwrap() })
+        })
+        .collect();
+    for t in tasks {
+        assert!(matches!(t.await.unwrap(), Outcome::Granted { .. }));
+    }
+    let calls = evalsha_calls(server) - before;
+    println!("{n} concurrent acquires: {calls} script calls");
+    assert!(calls < n / 2, "{calls} script calls for {n} acquires");
+}
+
+/// An acquire queued behind an in-flight one whose request hangs up spends nothing: its
+/// ask is not sent, or its reservation is given back.
+#[tokio::test]
+async fn a_queued_acquire_that_hangs_up_spends_nothing() {
+    let s = redis().await;
+    let server = s.single.as_ref().unwrap();
+    // 1 token/s: refill during the test is at most a few tokens.
+    let p = policy(1.0, 100.0, 0);
+    let ask = Ask::new(&p, 0.0, None);
+    let t0 = Instant::now();
+    s.store.acquire("hangup", ask).await.unwrap();
+    // Redis stops answering: the first acquire stays in flight, the others queue.
+    server.stop();
+    let tasks: Vec<_> = (0..21)
+        .map(|_| {
+            let store = Arc::clone(&s.store);
+            tokio::spawn(async move { store.acquire("hangup", ask).await.unwrap() })
+        })
+        .collect();
+    // Current-thread runtime: one yield runs every spawned task up to its first wait, in
+    // order — the first sends, the twenty others queue.
+    tokio::task::yield_now().await;
+    for t in &tasks[11..] {
+        t.abort();
+    }
+    server.cont();
+    let mut kept = 0;
+    for t in tasks {
+        if let Ok(o) = t.await {
+            assert!(matches!(o, Outcome::Granted { .. }));
+            kept += 1;
+        }
+    }
+    assert_eq!(kept, 11, "the first eleven were not aborted");
+    let left = view(&s, "hangup", ask, None).await.tokens;
+    let refill = us(t0, Instant::now()) / 1e6;
+    // Spent: the warm-up token and the eleven kept; the ten that hung up spent nothing.
+    let expected = 100.0 - 12.0;
+    assert!(
+        left >= expected - 1e-6 && left <= expected + refill + 1e-6,
+        "{left} tokens left, expected {expected} (+{refill} refill)"
+    );
+}
 
 #[tokio::test]
 async fn redis_keys_expire_on_their_own_and_scripts_reload() {

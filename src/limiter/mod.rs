@@ -15,6 +15,7 @@
 //! sleeps, the memory store's buckets and the fallback's probe interval read one clock,
 //! so under `tokio::time::pause()` all of them move only with virtual time.
 
+mod batch;
 pub mod bucket;
 mod cooldowns;
 pub mod fallback;

@@ -28,6 +28,7 @@ use redis::{
 };
 use tokio::time::Instant;
 
+use super::batch::{self, Lanes};
 use super::bucket::{Ask, Outcome, View};
 use super::cooldowns::{CooldownWatch, follow};
 use super::lease::{LeaseAsk, Leased};
@@ -186,13 +187,21 @@ struct Scripts {
     renew: Script,
 }
 
-/// Buckets shared by every replica through Redis.
-pub struct RedisStore {
+/// What every store call needs: the connection, the scripts, the key prefix, the call
+/// timeout and the statistics. Shared with the acquire batcher's tasks.
+pub(super) struct Calls {
     conn: Conn,
     scripts: Scripts,
     prefix: String,
     timeout: Duration,
     stats: StoreStats,
+}
+
+/// Buckets shared by every replica through Redis.
+pub struct RedisStore {
+    calls: Arc<Calls>,
+    /// Concurrent acquires of one endpoint, coalesced into one script call.
+    lanes: Arc<Lanes>,
     /// `<prefix>cooldowns`: where `feedback.lua` announces cooldowns.
     channel: String,
     /// Cooldown notices heard (single Redis only; elsewhere waiters always confirm).
@@ -322,7 +331,7 @@ impl RedisStore {
                 Conn::Single(lazy)
             }
         };
-        Ok(RedisStore {
+        let calls = Calls {
             conn,
             scripts: Scripts {
                 acquire: Script::new(ACQUIRE_LUA),
@@ -333,13 +342,17 @@ impl RedisStore {
                 lease: Script::new(LEASE_LUA),
                 renew: Script::new(RENEW_LUA),
             },
+            prefix: cfg.key_prefix.clone(),
+            timeout: cfg.timeout,
+            stats,
+        };
+        Ok(RedisStore {
+            calls: Arc::new(calls),
+            lanes: Arc::default(),
             replica: format!(
                 "{:016x}",
                 std::hash::RandomState::new().hash_one(std::process::id())
             ),
-            prefix: cfg.key_prefix.clone(),
-            timeout: cfg.timeout,
-            stats,
             channel,
             watch,
         })
@@ -347,25 +360,20 @@ impl RedisStore {
 
     /// The key of an endpoint: `<prefix>{<endpoint>}`, one cluster slot per endpoint.
     pub fn key(&self, endpoint: &str) -> String {
-        let mut k = String::with_capacity(self.prefix.len() + endpoint.len() + 2);
-        k.push_str(&self.prefix);
-        k.push('{');
-        k.push_str(endpoint);
-        k.push('}');
-        k
+        self.calls.key(endpoint)
     }
 
     /// The sorted set of replica heartbeats: `<prefix>{_replicas}:heartbeats` (never one
     /// of an endpoint's keys, `<prefix>{<endpoint>}` and `<prefix>{<endpoint>}:leases`).
     pub fn replicas_key(&self) -> String {
-        format!("{}{{_replicas}}:heartbeats", self.prefix)
+        format!("{}{{_replicas}}:heartbeats", self.calls.prefix)
     }
 
     /// Registers replica `id` as alive for `ttl` and returns how many replicas are.
     pub async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<usize, StoreError> {
-        let mut inv = self.scripts.replicas.key(self.replicas_key());
+        let mut inv = self.calls.scripts.replicas.key(self.replicas_key());
         inv.arg(id).arg(ttl.as_millis() as u64);
-        self.run::<usize>(inv).await
+        self.calls.run::<usize>(inv).await
     }
 
     /// The key of an endpoint's in-flight leases: `<prefix>{<endpoint>}:leases`, in the
@@ -383,6 +391,18 @@ impl RedisStore {
         m.push(':');
         m.push_str(&id.to_string());
         m
+    }
+}
+
+impl Calls {
+    /// The key of an endpoint: `<prefix>{<endpoint>}`, one cluster slot per endpoint.
+    fn key(&self, endpoint: &str) -> String {
+        let mut k = String::with_capacity(self.prefix.len() + endpoint.len() + 2);
+        k.push_str(&self.prefix);
+        k.push('{');
+        k.push_str(endpoint);
+        k.push('}');
+        k
     }
 
     /// Runs one script invocation, bounded by the timeout, recording latency and errors.
@@ -426,6 +446,54 @@ impl RedisStore {
         let mut inv = script.key(self.key(endpoint));
         inv.arg(ask.rate).arg(ask.burst).arg(ask.recovery_us);
         inv
+    }
+
+    /// One `acquire.lua` call deciding `asks` in order, as separate calls at one instant
+    /// would. They share the first ask's rate, burst and recovery (one endpoint's policy).
+    pub(super) async fn acquire(
+        &self,
+        endpoint: &str,
+        asks: &[Ask],
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let Some(first) = asks.first() else {
+            return Ok(Vec::new());
+        };
+        let mut inv = self.invocation(&self.scripts.acquire, endpoint, first);
+        for ask in asks {
+            inv.arg(ask.budget_us);
+            match ask.held {
+                Some(g) => inv.arg(g),
+                None => inv.arg(""),
+            };
+        }
+        let f = fields(self.run(inv).await?, 4 * asks.len())?;
+        Ok(f.chunks_exact(4)
+            .map(|f| {
+                if f[0] == 1.0 {
+                    Outcome::Granted {
+                        wait_us: f[1],
+                        generation: f[2] as u64,
+                    }
+                } else {
+                    Outcome::Refused {
+                        cooldown: f[3] == 1.0,
+                        retry_us: f[1],
+                    }
+                }
+            })
+            .collect())
+    }
+
+    /// Gives back a reservation of `generation` (see `lua/release.lua`).
+    pub(super) async fn release(
+        &self,
+        endpoint: &str,
+        ask: &Ask,
+        generation: u64,
+    ) -> Result<(), StoreError> {
+        let mut inv = self.invocation(&self.scripts.release, endpoint, ask);
+        inv.arg(generation);
+        self.run::<Value>(inv).await.map(drop)
     }
 }
 
@@ -481,35 +549,11 @@ fn fields(v: Value, n: usize) -> Result<Vec<f64>, StoreError> {
 
 impl BucketStore for RedisStore {
     fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
-        Box::pin(async move {
-            let mut inv = self.invocation(&self.scripts.acquire, endpoint, &ask);
-            inv.arg(ask.budget_us);
-            match ask.held {
-                Some(g) => inv.arg(g),
-                None => inv.arg(""),
-            };
-            let f = fields(self.run(inv).await?, 4)?;
-            let generation = f[2] as u64;
-            Ok(if f[0] == 1.0 {
-                Outcome::Granted {
-                    wait_us: f[1],
-                    generation,
-                }
-            } else {
-                Outcome::Refused {
-                    cooldown: f[3] == 1.0,
-                    retry_us: f[1],
-                }
-            })
-        })
+        Box::pin(batch::acquire(&self.calls, &self.lanes, endpoint, ask))
     }
 
     fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
-        Box::pin(async move {
-            let mut inv = self.invocation(&self.scripts.release, endpoint, &ask);
-            inv.arg(generation);
-            self.run::<Value>(inv).await.map(drop)
-        })
+        Box::pin(async move { self.calls.release(endpoint, &ask, generation).await })
     }
 
     fn feedback<'a>(
@@ -521,14 +565,16 @@ impl BucketStore for RedisStore {
         throttled: bool,
     ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let mut inv = self.invocation(&self.scripts.feedback, endpoint, &ask);
+            let mut inv = self
+                .calls
+                .invocation(&self.calls.scripts.feedback, endpoint, &ask);
             inv.arg(adaptive.floor)
                 .arg(adaptive.decrease)
                 .arg(micros(adaptive.default_cooldown))
                 .arg(micros(pause))
                 .arg(u8::from(throttled))
                 .arg(&self.channel);
-            self.run::<Value>(inv).await.map(drop)
+            self.calls.run::<Value>(inv).await.map(drop)
         })
     }
 
@@ -539,12 +585,14 @@ impl BucketStore for RedisStore {
         floor: Option<f64>,
     ) -> StoreFuture<'a, Option<View>> {
         Box::pin(async move {
-            let mut inv = self.invocation(&self.scripts.view, endpoint, &ask);
+            let mut inv = self
+                .calls
+                .invocation(&self.calls.scripts.view, endpoint, &ask);
             match floor {
                 Some(f) => inv.arg(f),
                 None => inv.arg(""),
             };
-            let v: Value = self.run(inv).await?;
+            let v: Value = self.calls.run(inv).await?;
             if matches!(v, Value::Nil) {
                 return Ok(None);
             }
@@ -573,13 +621,15 @@ impl BucketStore for RedisStore {
         lease: LeaseAsk,
     ) -> StoreFuture<'a, Leased> {
         Box::pin(async move {
-            let mut inv = self.invocation(&self.scripts.lease, endpoint, &ask);
+            let mut inv = self
+                .calls
+                .invocation(&self.calls.scripts.lease, endpoint, &ask);
             inv.key(self.leases_key(endpoint))
                 .arg(ask.budget_us)
                 .arg(lease.max)
                 .arg(lease.ttl_us)
                 .arg(self.member(lease.id));
-            let f = fields(self.run(inv).await?, 4)?;
+            let f = fields(self.calls.run(inv).await?, 4)?;
             let generation = f[2] as u64;
             Ok(match f[0] as u8 {
                 1 => Leased::Took(Outcome::Granted {
@@ -602,56 +652,60 @@ impl BucketStore for RedisStore {
         lease: LeaseAsk,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let mut inv = self.invocation(&self.scripts.renew, endpoint, &ask);
+            let mut inv = self
+                .calls
+                .invocation(&self.calls.scripts.renew, endpoint, &ask);
             inv.key(self.leases_key(endpoint))
                 .arg(lease.ttl_us)
                 .arg(self.member(lease.id));
-            Ok(num(&self.run::<Value>(inv).await?)? == 1.0)
+            Ok(num(&self.calls.run::<Value>(inv).await?)? == 1.0)
         })
     }
 
     fn release_lease<'a>(&'a self, endpoint: &'a str, _ask: Ask, id: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let conn = self.conn.clone();
+            let conn = self.calls.conn.clone();
             let mut cmd = redis::cmd("ZREM");
             cmd.arg(self.leases_key(endpoint)).arg(self.member(id));
-            self.timed(async move {
-                match conn {
-                    Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
-                    Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
-                    Conn::Sentinel(s) => {
-                        on_master(
-                            &s,
-                            |mut c| async move { cmd.query_async::<Value>(&mut c).await },
-                        )
-                        .await
+            self.calls
+                .timed(async move {
+                    match conn {
+                        Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
+                        Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
+                        Conn::Sentinel(s) => {
+                            on_master(
+                                &s,
+                                |mut c| async move { cmd.query_async::<Value>(&mut c).await },
+                            )
+                            .await
+                        }
                     }
-                }
-            })
-            .await
-            .map(drop)
+                })
+                .await
+                .map(drop)
         })
     }
 
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            let conn = self.conn.clone();
-            self.timed(async move {
-                let cmd = redis::cmd("PING");
-                match conn {
-                    Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
-                    Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
-                    Conn::Sentinel(s) => {
-                        on_master(
-                            &s,
-                            |mut c| async move { cmd.query_async::<Value>(&mut c).await },
-                        )
-                        .await
+            let conn = self.calls.conn.clone();
+            self.calls
+                .timed(async move {
+                    let cmd = redis::cmd("PING");
+                    match conn {
+                        Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
+                        Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
+                        Conn::Sentinel(s) => {
+                            on_master(
+                                &s,
+                                |mut c| async move { cmd.query_async::<Value>(&mut c).await },
+                            )
+                            .await
+                        }
                     }
-                }
-            })
-            .await
-            .map(drop)
+                })
+                .await
+                .map(drop)
         })
     }
 }
