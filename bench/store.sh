@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Store benchmark, side by side in one run on one private Redis:
 #   redis-benchmark EVALSHA of the acquire script, lua/bucket.lua + lua/acquire.lua (the raw ceiling) | sluice's RedisStore API
-# Both issue "acquire" decisions over 10 000 endpoints with 64 concurrent callers.
+# Both issue "acquire" decisions over 10 000 endpoints with 64 concurrent callers; sluice
+# also on one endpoint, where concurrent asks share script calls (src/limiter/batch.rs).
 # Usage: bench/store.sh [--write]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,13 +26,16 @@ ceiling() { # $1 = pipeline depth
 CEIL1=$(ceiling 1)
 CEIL=$(ceiling 16)
 OURS=$(target/release/examples/store_bench "redis://127.0.0.1:$RP/" "$SECS" 64)
+ONE=$(target/release/examples/store_bench "redis://127.0.0.1:$RP/" "$SECS" 64 1)
 RATIO=$(python3 -c "print(f'{$OURS/$CEIL:.2f}')")
+RATIO_ONE=$(python3 -c "print(f'{$ONE/$CEIL:.2f}')")
 RATIO1=$(python3 -c "print(f'{$CEIL1/$CEIL:.2f}')")
 TABLE="| path | decisions/s | ratio to ceiling |
 |---|---|---|
 | redis-benchmark EVALSHA, 64 conns, pipeline 16 (ceiling) | $CEIL | 1.00 |
 | redis-benchmark EVALSHA, 64 conns, no pipelining | $CEIL1 | $RATIO1 |
-| sluice RedisStore::acquire, 64 concurrent callers | $OURS | $RATIO |"
+| sluice RedisStore::acquire, 64 concurrent callers, 10 000 endpoints | $OURS | $RATIO |
+| sluice RedisStore::acquire, 64 concurrent callers, 1 endpoint (batched calls) | $ONE | $RATIO_ONE |"
 echo "$TABLE"
 if [ "${1:-}" = "--write" ]; then
   python3 - "$TABLE" "$(nproc)" <<'PY'
@@ -40,7 +44,7 @@ table, cpus = sys.argv[1:]
 path = "docs/BENCHMARKS.md"
 doc = open(path).read()
 block = (f"<!-- store:begin -->\nMeasured {datetime.date.today()} on this {cpus}-core machine "
-         f"(Redis, the client and the load share the cores); 64 concurrent callers, 10 000 endpoints.\n\n{table}\n<!-- store:end -->")
+         f"(Redis, the client and the load share the cores); 64 concurrent callers.\n\n{table}\n<!-- store:end -->")
 doc = re.sub(r"<!-- store:begin -->.*<!-- store:end -->", lambda m: block, doc, flags=re.S)
 open(path, "w").write(doc)
 PY

@@ -1,7 +1,10 @@
 //! Decisions per second through sluice's Redis store API (many endpoints, high
 //! concurrency), for comparison with `redis-benchmark`'s EVALSHA ceiling.
 //!
-//! `cargo run --release --example store_bench -- redis://127.0.0.1:PORT/ SECONDS CONCURRENCY`
+//! `cargo run --release --example store_bench -- redis://127.0.0.1:PORT/ SECONDS CONCURRENCY [ENDPOINTS]`
+//!
+//! With one endpoint every caller contends for one bucket, and the store sends the asks
+//! that queue behind an in-flight call together (one script call per batch).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +22,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| "redis://127.0.0.1:6379/".into());
     let secs: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
     let concurrency: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(64);
+    let endpoints: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let cfg = StoreConfig {
         backend: Backend::Redis,
         urls: vec![url],
@@ -46,7 +50,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tasks.push(tokio::spawn(async move {
             let mut i = w;
             while Instant::now() < end {
-                let ep = format!("ep{}", i % 10_000);
+                let ep = format!("ep{}", i % endpoints);
                 if store.acquire(&ep, ask).await.is_ok() {
                     done.fetch_add(1, Ordering::Relaxed);
                 }
