@@ -53,6 +53,10 @@ pub enum ForwardError {
     /// No response head within `upstream_timeout`.
     #[error("upstream did not answer within {0:?}")]
     Timeout(Duration),
+    /// The sender's request body was malformed or cut short (bad chunked framing, fewer
+    /// bytes than its `Content-Length`): the sender's fault, not the upstream's.
+    #[error("the request body from the sender was malformed or incomplete: {0}")]
+    SenderBody(String),
     /// The connection failed after the request was sent.
     #[error("upstream connection failed: {0}")]
     Other(String),
@@ -436,6 +440,9 @@ fn classify(e: &(dyn std::error::Error + 'static), connecting: bool) -> ForwardE
         }
         src = s.source();
     }
+    if let Some(fault) = sender_body_fault(e) {
+        return ForwardError::SenderBody(error_chain(fault));
+    }
     if crate::tls::upstream::find_rustls(e).is_some() {
         let reason = crate::tls::upstream::describe_failure(e);
         tracing::warn!(%reason, "upstream TLS handshake failed");
@@ -447,6 +454,24 @@ fn classify(e: &(dyn std::error::Error + 'static), connecting: bool) -> ForwardE
     } else {
         ForwardError::Other(text)
     }
+}
+
+/// The sender's body error inside a send failure: hyper reports a failing request body
+/// as a user error ("error from user's Body stream") whose source is the error reading
+/// that body from the sender's connection.
+fn sender_body_fault<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a (dyn std::error::Error + 'static)> {
+    let mut src: Option<&'a (dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = src {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            let inner = std::error::Error::source(h)?;
+            return (h.is_user() && inner.downcast_ref::<hyper::Error>().is_some())
+                .then_some(inner);
+        }
+        src = s.source();
+    }
+    None
 }
 
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

@@ -86,9 +86,33 @@ struct Target {
 }
 
 impl Target {
-    fn new(raw_host: &str, port: u16) -> Result<Target, ProxyError> {
-        let host = normalise_host(raw_host).map_err(|e| ProxyError::BadRequest(e.to_string()))?;
+    /// The target `authority` names; `default_port` when it names no port.
+    fn new(authority: &Authority, default_port: u16) -> Result<Target, ProxyError> {
+        let host = normalise_host(authority.host())
+            .map_err(|e| ProxyError::BadRequest(format!("bad host: {e}")))?;
+        let port = port_of(authority, default_port)?;
         Ok(Target { host, port })
+    }
+}
+
+/// The port `authority` names, or `default` when it names none. A port that is not a
+/// number in 1..=65535 (`80abc`, `65536`, `0`, nothing after the `:`) is a bad request,
+/// never the default: `Authority::port_u16` would quietly answer `None` for all of them.
+fn port_of(authority: &Authority, default: u16) -> Result<u16, ProxyError> {
+    let text = authority.as_str();
+    let host_port = text.rsplit_once('@').map_or(text, |(_, hp)| hp);
+    // An IPv6 literal's colons are inside its brackets.
+    let after_host = host_port
+        .rsplit_once(']')
+        .map_or(host_port, |(_, rest)| rest);
+    let Some((_, port)) = after_host.rsplit_once(':') else {
+        return Ok(default);
+    };
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 && port.bytes().all(|b| b.is_ascii_digit()) => Ok(p),
+        _ => Err(ProxyError::BadRequest(format!(
+            "bad port {port:?} in {text}: a port is a number from 1 to 65535"
+        ))),
     }
 }
 
@@ -374,7 +398,15 @@ async fn forward_request(
     let rt = app.runtime.load_full();
     let (mut parts, body) = req.into_parts();
     let uri = target_uri(&parts.uri, conn.tunnel.as_ref())?;
-    let target = Target::new(uri.host().unwrap_or_default(), 0)?;
+    let default_port = if uri.scheme() == Some(&Scheme::HTTPS) {
+        443
+    } else {
+        80
+    };
+    let authority = uri
+        .authority()
+        .ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
+    let target = Target::new(authority, default_port)?;
     trace.destination = uri.authority().cloned();
     if parts.headers.get_all(HOST).iter().count() > 1 {
         return Err(ProxyError::BadRequest("more than one Host header".into()).into());
@@ -446,10 +478,11 @@ async fn forward_request(
     ))
 }
 
-/// A send that failed after admission: when nothing left (the resolved address was
-/// refused), the token goes back.
+/// A send that failed after admission: when no whole request left (the resolved address
+/// was refused, or the sender's own body was malformed), the token goes back.
 async fn after_admission(app: &App, a: &Admitted, e: ForwardError) -> Refused {
-    if matches!(e, ForwardError::Denied(_)) && a.grant.generation != NO_TOKEN {
+    let nothing_whole_left = matches!(e, ForwardError::Denied(_) | ForwardError::SenderBody(_));
+    if nothing_whole_left && a.grant.generation != NO_TOKEN {
         app.limiter.refund(&a.ep.id, &a.ep.policy, a.grant).await;
     }
     Refused {
@@ -515,6 +548,7 @@ fn upstream_error(e: ForwardError) -> ProxyError {
     match e {
         ForwardError::Denied(d) => d.into(),
         ForwardError::Timeout(t) => ProxyError::UpstreamTimeout(t),
+        e @ ForwardError::SenderBody(_) => ProxyError::BadRequest(e.to_string()),
         other => ProxyError::Upstream(other.to_string()),
     }
 }
@@ -577,7 +611,7 @@ async fn connect(
         .authority()
         .cloned()
         .ok_or_else(|| ProxyError::BadRequest("CONNECT needs host:port".into()))?;
-    let target = Target::new(authority.host(), authority.port_u16().unwrap_or(443))?;
+    let target = Target::new(&authority, 443)?;
     trace.destination = Some(authority.clone());
     let rt = app.runtime.load_full();
     let who = identify(&rt, req.headers(), conn).await?;

@@ -402,3 +402,100 @@ async fn reload_drops_pooled_connections_to_refused_addresses() {
     assert_eq!(up.count(), 3);
     s.stop().await;
 }
+
+/// Finding 10: a sender's malformed body (bad chunked framing, or fewer bytes than its
+/// `Content-Length`) is the sender's 400, not the upstream's 502, and gives its token back.
+#[tokio::test]
+async fn a_malformed_request_body_is_a_400_and_spends_nothing() {
+    let up = Upstream::start().await;
+    let s = sluice::app::start(common::config(
+        "[[endpoints]]\nid = \"ep\"\nrate = 0.001\nburst = 3.0\nmax_wait = \"0\"\n",
+    ))
+    .await
+    .unwrap();
+    let target = up.url("/body");
+    let host = up.addr;
+    for _ in 0..5 {
+        let chunked = raw(
+            s.proxy_addr,
+            &format!(
+                "POST {target} HTTP/1.1\r\nHost: {host}\r\nX-Endpoint-Id: ep\r\n\
+                 Transfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n"
+            ),
+        )
+        .await;
+        assert!(chunked.starts_with("HTTP/1.1 400"), "{chunked}");
+        assert!(
+            chunked.contains("x-sluice-reason: bad_request"),
+            "{chunked}"
+        );
+
+        let mut short = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let head = format!(
+            "POST {target} HTTP/1.1\r\nHost: {host}\r\nX-Endpoint-Id: ep\r\n\
+             Content-Length: 100\r\n\r\nonly this"
+        );
+        short.write_all(head.as_bytes()).await.unwrap();
+        short.shutdown().await.unwrap();
+        let answer = read_head(&mut short).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    }
+    // Ten requests against a burst of three: without the refund the bucket is empty.
+    let left = common::tokens(s.admin_addr, "ep")
+        .await
+        .expect("ep has a bucket");
+    assert!(
+        left > 2.99,
+        "tokens spent on malformed bodies: {left} left of 3"
+    );
+    s.stop().await;
+}
+
+/// Finding 12: a port that is not a number from 1 to 65535 is a 400, never port 80 or
+/// 443 by default.
+#[tokio::test]
+async fn bad_ports_are_refused_never_defaulted() {
+    let up = Upstream::start().await;
+    let s = common::sluice("").await;
+    let port = up.addr.port();
+    for authority in [
+        format!("127.0.0.1:{port}abc"),
+        "127.0.0.1:65536".to_owned(),
+        "127.0.0.1:80abc".to_owned(),
+        "127.0.0.1:0".to_owned(),
+        "127.0.0.1:".to_owned(),
+        format!("127.0.0.1:+{port}"),
+    ] {
+        let plain = raw(
+            s.proxy_addr,
+            &format!(
+                "GET http://{authority}/ HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n"
+            ),
+        )
+        .await;
+        assert!(plain.starts_with("HTTP/1.1 400"), "{authority}: {plain}");
+        assert!(plain.contains("x-sluice-reason: bad_request"), "{plain}");
+        let connect = raw(
+            s.proxy_addr,
+            &format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+        )
+        .await;
+        assert!(
+            connect.starts_with("HTTP/1.1 400"),
+            "{authority}: {connect}"
+        );
+    }
+    // A good port still works.
+    let ok = raw(
+        s.proxy_addr,
+        &format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+            up.url("/ok"),
+            up.addr
+        ),
+    )
+    .await;
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    assert_eq!(up.count(), 1);
+    s.stop().await;
+}
