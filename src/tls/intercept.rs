@@ -91,11 +91,11 @@ impl Interceptor {
 
     /// Terminates TLS on `io`, a client connection already past the `CONNECT` 200.
     ///
-    /// Reads the ClientHello, picks its SNI name if present, else `authority_host` (the
-    /// CONNECT target host, without port), and completes the handshake with
-    /// [`server_config`](Self::server_config) for that name. Returns the stream and the
-    /// name used, verbatim (the SNI as sent, or `authority_host` as given): it may differ
-    /// from `authority_host`. A failed handshake gives [`MitmError::Handshake`] naming the
+    /// Reads the ClientHello and completes the handshake with
+    /// [`server_config`](Self::server_config) for `authority_host` (the CONNECT target
+    /// host, without port). A ClientHello whose SNI names another host (compared without
+    /// case, a trailing dot or IPv6 brackets) is refused. Returns the stream and
+    /// `authority_host`. A failed handshake gives [`MitmError::Handshake`] naming the
     /// host and, when the client rejected the certificate, the CA file it must trust.
     /// No timeout is applied: wrap the call in `tokio::time::timeout`.
     pub async fn accept<IO>(
@@ -109,11 +109,20 @@ impl Interceptor {
         let start = tokio_rustls::LazyConfigAcceptor::new(rustls::server::Acceptor::default(), io)
             .await
             .map_err(|e| self.handshake_error(authority_host, &e))?;
-        let host = start
-            .client_hello()
-            .server_name()
-            .unwrap_or(authority_host)
-            .to_owned();
+        // The leaf is for the host the tunnel goes to: a ClientHello naming another host
+        // would get a certificate for a host the CONNECT never asked (and was never
+        // checked) for.
+        if let Some(sni) = start.client_hello().server_name() {
+            if !same_host(sni, authority_host) {
+                return Err(MitmError::Handshake {
+                    host: authority_host.to_owned(),
+                    reason: format!(
+                        "the client's TLS server name {sni:?} is not the CONNECT host; refused"
+                    ),
+                });
+            }
+        }
+        let host = authority_host.to_owned();
         let config = self.server_config(&host)?;
         let stream = start
             .into_stream(config)
@@ -159,6 +168,19 @@ impl Interceptor {
             reason,
         }
     }
+}
+
+/// Whether an SNI name and a CONNECT host name the same host: without case, a trailing
+/// dot or IPv6 brackets.
+fn same_host(sni: &str, authority_host: &str) -> bool {
+    let bare = |h: &str| {
+        let h = h.strip_suffix('.').unwrap_or(h);
+        h.strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(h)
+            .to_ascii_lowercase()
+    };
+    bare(sni) == bare(authority_host)
 }
 
 #[cfg(test)]
@@ -255,8 +277,8 @@ mod tests {
         let config = trusting_config(tmp.path());
 
         for (authority, name, expect_host) in [
-            // SNI wins over the CONNECT authority.
-            ("ignored.example", "api.example.com", "api.example.com"),
+            // The SNI names the CONNECT host (case and a trailing dot aside).
+            ("api.example.com", "API.example.com.", "api.example.com"),
             // No SNI for IP addresses: the authority is used.
             ("127.0.0.1", "127.0.0.1", "127.0.0.1"),
             ("[::1]", "::1", "[::1]"),
@@ -279,6 +301,22 @@ mod tests {
             assert!(!parsed.is_ca());
         }
         assert_eq!(icpt.cached_hosts(), 3);
+    }
+
+    /// Hardening finding 11: a client cannot get a leaf for a host other than the one
+    /// its CONNECT named (and the destination policy checked).
+    #[tokio::test]
+    async fn an_sni_naming_another_host_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let icpt = Interceptor::new(new_ca(tmp.path()), 16, Duration::from_secs(3600));
+        let config = trusting_config(tmp.path());
+        let name = ServerName::try_from("bank.example").unwrap();
+        let hs = handshake(&icpt, "allowed.example", name, config).await;
+        assert!(hs.client.is_err(), "the client got a certificate");
+        let err = hs.server.unwrap_err();
+        assert!(matches!(err, MitmError::Handshake { .. }), "{err}");
+        assert!(err.to_string().contains("bank.example"), "{err}");
+        assert_eq!(icpt.cached_hosts(), 0, "no leaf was minted");
     }
 
     #[tokio::test]
