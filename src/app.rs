@@ -232,56 +232,20 @@ pub enum ReloadError {
 /// Validates `path` and, if good, swaps it in. Endpoint state (tokens, rate, cooldown)
 /// lives in the store and survives; in-flight requests keep the policy they started with.
 /// The users file and admin token are read again. Settings that need a restart
-/// (listeners, store, TLS) are kept and logged.
+/// (listeners, connection limits and timeouts, the store, TLS set-up; see
+/// [`keep_restart_only`]) keep their running values, and one warning names every one
+/// that changed in the file.
 pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
-    let new = Config::load(path)?;
-    let runtime = Runtime::load(Arc::new(new.clone()))?;
+    let mut new = Config::load(path)?;
     let old = app.runtime.load_full();
-    let cfg = &old.config;
-    for (what, changed) in [
-        ("proxy.listen", new.proxy.listen != cfg.proxy.listen),
-        (
-            "proxy.admin_listen",
-            new.proxy.admin_listen != cfg.proxy.admin_listen,
-        ),
-        (
-            "store",
-            new.store.backend != cfg.store.backend
-                || new.store.urls != cfg.store.urls
-                || new.store.tls != cfg.store.tls,
-        ),
-        ("tls.intercept", new.tls.intercept != cfg.tls.intercept),
-        (
-            "tls.ca_cert / tls.ca_key / tls.upstream_roots / tls.leaf_cache_size",
-            new.tls.ca_cert != cfg.tls.ca_cert
-                || new.tls.ca_key != cfg.tls.ca_key
-                || new.tls.upstream_roots != cfg.tls.upstream_roots
-                || new.tls.leaf_cache_size != cfg.tls.leaf_cache_size,
-        ),
-        (
-            "proxy.max_connections",
-            new.proxy.max_connections != cfg.proxy.max_connections,
-        ),
-        ("proxy.workers", new.proxy.workers != cfg.proxy.workers),
-        (
-            "proxy.idle_timeout",
-            new.proxy.idle_timeout != cfg.proxy.idle_timeout,
-        ),
-        (
-            "proxy.upstream_timeout",
-            new.proxy.upstream_timeout != cfg.proxy.upstream_timeout,
-        ),
-        (
-            "proxy.metrics_max_endpoints",
-            new.proxy.metrics_max_endpoints != cfg.proxy.metrics_max_endpoints,
-        ),
-    ] {
-        if changed {
-            tracing::warn!(
-                setting = what,
-                "changed in the config file but needs a restart: keeping the running value"
-            );
-        }
+    let ignored = keep_restart_only(&mut new, &old.config);
+    let runtime = Runtime::load(Arc::new(new.clone()))?;
+    if !ignored.is_empty() {
+        tracing::warn!(
+            settings = %ignored.join(", "),
+            "changed in the config file but needs a restart: keeping the running values of {}",
+            ignored.join(", ")
+        );
     }
     let policy = DestinationPolicy::new(&new.security);
     if !app.forwarder.policy().same_as(&policy) {
@@ -290,4 +254,42 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
     app.runtime.store(Arc::new(runtime));
     tracing::info!(path = %path.display(), "config reloaded");
     Ok(())
+}
+
+/// Puts the running value back into `new` for every setting that is read only at start,
+/// and returns the names of those that differed. Everything after a reload then reads
+/// the values actually in force (`/readyz` reports the running `store.on_error`).
+pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str> {
+    let mut changed = Vec::new();
+    macro_rules! keep {
+        ($($name:literal => $($field:ident).+;)*) => {$(
+            if new.$($field).+ != running.$($field).+ {
+                changed.push($name);
+                new.$($field).+ = running.$($field).+.clone();
+            }
+        )*};
+    }
+    keep! {
+        "proxy.listen" => proxy.listen;
+        "proxy.admin_listen" => proxy.admin_listen;
+        "proxy.max_connections" => proxy.max_connections;
+        "proxy.workers" => proxy.workers;
+        "proxy.idle_timeout" => proxy.idle_timeout;
+        "proxy.upstream_timeout" => proxy.upstream_timeout;
+        "proxy.metrics_max_endpoints" => proxy.metrics_max_endpoints;
+        "store.backend" => store.backend;
+        "store.urls" => store.urls;
+        "store.key_prefix" => store.key_prefix;
+        "store.timeout" => store.timeout;
+        "store.on_error" => store.on_error;
+        "store.tls_*" => store.tls;
+        "store.sentinel_master" => store.sentinel_master;
+        "store.fallback_min_replicas" => store.fallback_min_replicas;
+        "tls.intercept" => tls.intercept;
+        "tls.ca_cert" => tls.ca_cert;
+        "tls.ca_key" => tls.ca_key;
+        "tls.upstream_roots" => tls.upstream_roots;
+        "tls.leaf_cache_size" => tls.leaf_cache_size;
+    }
+    changed
 }

@@ -499,3 +499,65 @@ async fn bad_ports_are_refused_never_defaulted() {
     assert_eq!(up.count(), 1);
     s.stop().await;
 }
+
+/// Finding 13: a reload keeps the running value of every setting read only at start,
+/// names each that changed (one warning), and `/readyz` reports the `on_error` in force.
+#[tokio::test]
+async fn reload_keeps_and_names_every_restart_only_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let text = |on_error: &str, timeout: &str, max: u32, cache: u32| {
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+             upstream_timeout = \"{timeout}\"\nmax_connections = {max}\n\
+             [store]\nbackend = \"memory\"\non_error = \"{on_error}\"\n\
+             [tls]\nleaf_cache_size = {cache}\n[defaults]\nrate = 5.0\nburst = 5.0\n"
+        )
+    };
+    std::fs::write(&path, text("deny", "30s", 1000, 100)).unwrap();
+    let running = sluice::config::Config::load(&path).unwrap();
+    let s = sluice::app::start(running.clone()).await.unwrap();
+    let readyz = || async {
+        let r = reqwest::get(format!("http://{}/readyz", s.admin_addr))
+            .await
+            .unwrap();
+        r.json::<serde_json::Value>().await.unwrap()
+    };
+    assert_eq!(readyz().await["on_error"], "deny");
+
+    std::fs::write(&path, text("local", "5s", 10, 7)).unwrap();
+    let mut changed = sluice::config::Config::load(&path).unwrap();
+    let named = sluice::app::keep_restart_only(&mut changed, &running);
+    assert_eq!(
+        named,
+        [
+            "proxy.max_connections",
+            "proxy.upstream_timeout",
+            "store.on_error",
+            "tls.leaf_cache_size"
+        ]
+    );
+    assert_eq!(changed.store.on_error, running.store.on_error);
+    assert_eq!(
+        changed.proxy.upstream_timeout,
+        running.proxy.upstream_timeout
+    );
+
+    sluice::app::reload(&s.app, &path).unwrap();
+    assert_eq!(
+        readyz().await["on_error"],
+        "deny",
+        "/readyz reported the file's on_error, not the one in force"
+    );
+    let rt = s.app.runtime.load_full();
+    assert_eq!(rt.config.proxy.max_connections, 1000);
+    // A reloadable setting in the same file did change.
+    std::fs::write(
+        &path,
+        text("local", "5s", 10, 7).replace("rate = 5.0", "rate = 9.0"),
+    )
+    .unwrap();
+    sluice::app::reload(&s.app, &path).unwrap();
+    assert_eq!(s.app.runtime.load_full().config.defaults.rate, 9.0);
+    s.stop().await;
+}
