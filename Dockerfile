@@ -1,7 +1,13 @@
 # syntax=docker/dockerfile:1
-# Build: docker build -t sluice .   Run: docker run -p 8080:8080 -p 9090:9090 sluice
+# Build: docker build -t sluice .
+# Run:   docker run -v $PWD/sluice.toml:/etc/sluice/sluice.toml -e SLUICE_CONFIG=/etc/sluice/sluice.toml \
+#          -p 8080:8080 -p 9090:9090 sluice
+# There is no default config: without SLUICE_CONFIG (or --config) the image refuses to
+# start. To try it: docker run -p 8080:8080 -p 9090:9090 sluice run --config /etc/sluice/example.toml
 FROM rust:1-slim-bookworm AS build
 WORKDIR /src
+# A stripped binary without debug info.
+ENV CARGO_PROFILE_RELEASE_STRIP=symbols CARGO_PROFILE_RELEASE_DEBUG=0
 # Dependency layer: cached until Cargo.toml / Cargo.lock change.
 COPY Cargo.toml Cargo.lock ./
 RUN mkdir -p src examples && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
@@ -27,8 +33,8 @@ FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* && useradd --system --uid 10001 --no-create-home sluice
 COPY --from=build /src/target/release/sluice /usr/local/bin/sluice
-COPY --from=build /src/sluice.toml /etc/sluice/sluice.toml
+COPY --from=build /src/sluice.toml /etc/sluice/example.toml
 USER 10001
 EXPOSE 8080 9090
 ENTRYPOINT ["sluice"]
-CMD ["run", "--config", "/etc/sluice/sluice.toml"]
+CMD ["run"]

@@ -34,15 +34,15 @@ enum LogFormat {
 enum Command {
     /// Run the proxy and its admin listener.
     Run {
-        /// Config file (TOML).
+        /// Config file (TOML); required, here or in SLUICE_CONFIG.
         #[arg(long, env = "SLUICE_CONFIG")]
-        config: PathBuf,
+        config: Option<PathBuf>,
     },
     /// Validate a config file and print a one-line summary.
     Check {
-        /// Config file (TOML).
+        /// Config file (TOML); required, here or in SLUICE_CONFIG.
         #[arg(long, env = "SLUICE_CONFIG")]
-        config: PathBuf,
+        config: Option<PathBuf>,
     },
     /// Manage the interception CA.
     Ca {
@@ -92,8 +92,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logs(cli.log_format);
     let result = match cli.command {
-        Command::Check { config } => check(&config),
-        Command::Run { config } => run(&config),
+        Command::Check { config } => config_path(config).and_then(|c| check(&c)),
+        Command::Run { config } => config_path(config).and_then(|c| run(&c)),
         Command::Ca {
             command: CaCommand::Init { dir },
         } => ca_init(&dir),
@@ -112,6 +112,18 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// The config file to use: there is no default, so nothing ever runs on a config its
+/// operator did not choose (an example's limits in production, say).
+fn config_path(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    given.ok_or_else(|| {
+        anyhow::anyhow!(
+            "no config file: pass --config FILE or set SLUICE_CONFIG=FILE \
+             (to try sluice: --config config/sluice.example.toml, or in the image \
+             --config /etc/sluice/example.toml)"
+        )
+    })
 }
 
 fn init_logs(format: LogFormat) {

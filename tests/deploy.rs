@@ -1,0 +1,197 @@
+//! What ships for deployment: the Docker image refuses to start without a chosen config,
+//! and the Helm chart (`deploy/helm/sluice`) has every part operators expect. `helm lint`
+//! runs when helm is installed; otherwise `deploy/helm/check.py` turns the templates into
+//! plain YAML and the manifests are checked here.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::process::RunWithin;
+use serde_json::Value;
+
+const CHILD_DEADLINE: Duration = Duration::from_secs(60);
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn chart() -> PathBuf {
+    root().join("deploy/helm/sluice")
+}
+
+/// Chart.yaml, values.yaml and every manifest the chart can render, as JSON.
+fn rendered() -> Value {
+    let out = Command::new("python3")
+        .arg(root().join("deploy/helm/check.py"))
+        .arg(chart())
+        .run_within(CHILD_DEADLINE);
+    assert!(
+        out.status.success(),
+        "check.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn of_kind<'a>(all: &'a Value, kind: &str) -> Vec<&'a Value> {
+    all["docs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["kind"] == kind)
+        .collect()
+}
+
+#[test]
+fn the_chart_has_probes_a_service_config_secrets_and_a_service_monitor() {
+    let all = rendered();
+    assert_eq!(all["chart"]["apiVersion"], "v2");
+    assert_eq!(all["chart"]["name"], "sluice");
+    let version = all["chart"]["appVersion"].as_str().unwrap();
+    assert_eq!(
+        version,
+        env!("CARGO_PKG_VERSION"),
+        "appVersion follows the crate"
+    );
+
+    let deployments = of_kind(&all, "Deployment");
+    assert_eq!(deployments.len(), 1);
+    let pod = &deployments[0]["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let c = &pod["containers"][0];
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["port"], "admin");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    let env: Vec<&str> = c["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(env.contains(&"SLUICE_CONFIG"), "{env:?}");
+    let password = c["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "SLUICE_REDIS_PASSWORD")
+        .expect("the Redis password comes from the environment");
+    assert!(
+        password["valueFrom"]["secretKeyRef"].is_object(),
+        "the Redis password comes from a Secret: {password}"
+    );
+    let ports: Vec<&Value> = c["ports"].as_array().unwrap().iter().collect();
+    assert!(ports.iter().any(|p| p["name"] == "proxy"));
+    assert!(ports.iter().any(|p| p["name"] == "admin"));
+
+    let services = of_kind(&all, "Service");
+    assert_eq!(services.len(), 1);
+    let names: Vec<&Value> = services[0]["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| &p["name"])
+        .collect();
+    assert_eq!(names, ["proxy", "admin"]);
+    assert_eq!(of_kind(&all, "ConfigMap").len(), 1);
+    // One Secret for the Redis password, one for the interception CA.
+    let secrets = of_kind(&all, "Secret");
+    assert_eq!(secrets.len(), 2);
+    assert!(
+        secrets
+            .iter()
+            .any(|s| s["stringData"]["password"].is_string())
+    );
+    assert!(
+        secrets
+            .iter()
+            .any(|s| s["stringData"]["ca.key"].is_string())
+    );
+    let monitors = of_kind(&all, "ServiceMonitor");
+    assert_eq!(monitors.len(), 1);
+    assert_eq!(monitors[0]["spec"]["endpoints"][0]["path"], "/metrics");
+    assert_eq!(monitors[0]["spec"]["endpoints"][0]["port"], "admin");
+    assert_eq!(all["values"]["serviceMonitor"]["enabled"], false);
+}
+
+/// The config the chart ships passes `sluice check` (its secret from the environment).
+#[test]
+fn the_charts_default_config_passes_check() {
+    let all = rendered();
+    let config = all["values"]["config"].as_str().unwrap();
+    assert!(!config.contains("password ="), "no secret in the ConfigMap");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, config).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", "--config"])
+        .arg(&path)
+        .env("SLUICE_REDIS_PASSWORD", "from-the-secret")
+        .run_within(CHILD_DEADLINE);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn helm_lint_passes_where_helm_is_installed() {
+    let Ok(version) = Command::new("helm").arg("version").output() else {
+        eprintln!("helm is not installed: the chart is checked by deploy/helm/check.py only");
+        return;
+    };
+    assert!(version.status.success());
+    let out = Command::new("helm")
+        .arg("lint")
+        .arg(chart())
+        .run_within(CHILD_DEADLINE);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// The image has no default config: `run` without one says how to give it and exits 2.
+#[test]
+fn run_without_a_config_refuses_and_says_how_to_give_one() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("run")
+        .env_remove("SLUICE_CONFIG")
+        .run_within(CHILD_DEADLINE);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SLUICE_CONFIG"), "{err}");
+    assert!(err.contains("--config"), "{err}");
+}
+
+/// The Dockerfile: a stripped binary on a slim base, a non-root user, the example
+/// shipped but never run unless named.
+#[test]
+fn the_image_is_slim_non_root_and_has_no_default_config() {
+    let text = std::fs::read_to_string(root().join("Dockerfile")).unwrap();
+    let stages: Vec<&str> = text.lines().filter(|l| l.starts_with("FROM ")).collect();
+    let last = stages.last().unwrap();
+    assert!(
+        last.contains("slim") || last.contains("distroless"),
+        "{last}"
+    );
+    assert!(text.contains("CARGO_PROFILE_RELEASE_STRIP=symbols"));
+    let user = text
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("USER "))
+        .expect("a USER line");
+    assert!(
+        user.trim().parse::<u32>().is_ok_and(|uid| uid != 0),
+        "{user}"
+    );
+    let cmd = text.lines().rev().find(|l| l.starts_with("CMD ")).unwrap();
+    assert_eq!(cmd, r#"CMD ["run"]"#);
+    assert!(!text.contains("ENV SLUICE_CONFIG"));
+    assert!(text.contains("/etc/sluice/example.toml"));
+}
