@@ -23,29 +23,15 @@ refill(s)
 local out = {}
 local taken = false
 for i = 4, #ARGV - 1, 2 do
-  local budget = tonumber(ARGV[i])
   local held = ARGV[i + 1]
   local n = #out
   if held ~= '' and tonumber(held) == s.g then
     -- The reservation survived (no cooldown voided it): go, taking nothing more.
     out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, '0', s.g, 0
   else
-    local base = math.max(s.ts, now)
-    local r = effective(s, base)
-    local missing = math.max(1 - s.tk, 0)
-    local wait = base + missing / r * MICROS - now
-    if wait > budget then
-      local cool_left = s.cu - now
-      if cool_left > budget then
-        out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, str(cool_left), s.g, 1
-      else
-        out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, str(wait), s.g, 0
-      end
-    else
-      s.tk = s.tk - 1
-      taken = true
-      out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, str(math.max(wait, 0)), s.g, 0
-    end
+    local granted, us, cooldown = reserve(s, tonumber(ARGV[i]))
+    taken = taken or granted
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = granted and 1 or 0, str(us), s.g, cooldown
   end
 end
 if taken then

@@ -102,6 +102,25 @@ local function time_to_idle(s, floor)
   return math.max(until_ts + refill_time, rec, dec_window)
 end
 
+--- bucket::acquire's reservation (after refill): takes a token that starts `wait` µs
+--- from now, or refuses, taking nothing, when that is beyond `budget`. Returns
+--- granted (bool), the wait or the retry time (µs), and 1 when a cooldown is why.
+local function reserve(s, budget)
+  local base = math.max(s.ts, now)
+  local r = effective(s, base)
+  local missing = math.max(1 - s.tk, 0)
+  local wait = base + missing / r * MICROS - now
+  if wait > budget then
+    local cool_left = s.cu - now
+    if cool_left > budget then
+      return false, cool_left, 1
+    end
+    return false, wait, 0
+  end
+  s.tk = s.tk - 1
+  return true, math.max(wait, 0), 0
+end
+
 --- Writes the state and refreshes the expiry: the key vanishes on its own once idle
 --- (full, no cooldown, no decrease), never while it still carries one, plus 1 s margin.
 local function save(s)

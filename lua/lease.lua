@@ -28,19 +28,11 @@ if redis.call('ZCARD', leases) >= max then
 end
 local s = load() or fresh()
 refill(s)
-local base = math.max(s.ts, now)
-local r = effective(s, base)
-local missing = math.max(1 - s.tk, 0)
-local wait = base + missing / r * MICROS - now
-if wait > budget then
-  local cool_left = s.cu - now
-  if cool_left > budget then
-    return { 0, str(cool_left), s.g, 1 }
-  end
-  return { 0, str(wait), s.g, 0 }
+local granted, us, cooldown = reserve(s, budget)
+if not granted then
+  return { 0, str(us), s.g, cooldown }
 end
-s.tk = s.tk - 1
 save(s)
 redis.call('ZADD', leases, str(now + ttl), ARGV[7])
 redis.call('PEXPIRE', leases, math.ceil(ttl / 1000) + 1000)
-return { 1, str(math.max(wait, 0)), s.g, 0 }
+return { 1, str(us), s.g, 0 }

@@ -484,6 +484,27 @@ impl Calls {
             .collect())
     }
 
+    /// Runs one plain command (not a script), bounded and recorded like the scripts;
+    /// the answer is not needed.
+    async fn command(&self, cmd: redis::Cmd) -> Result<(), StoreError> {
+        let conn = self.conn.clone();
+        self.timed(async move {
+            match conn {
+                Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
+                Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
+                Conn::Sentinel(s) => {
+                    on_master(
+                        &s,
+                        |mut c| async move { cmd.query_async::<Value>(&mut c).await },
+                    )
+                    .await
+                }
+            }
+        })
+        .await
+        .map(drop)
+    }
+
     /// Gives back a reservation of `generation` (see `lua/release.lua`).
     pub(super) async fn release(
         &self,
@@ -664,49 +685,14 @@ impl BucketStore for RedisStore {
 
     fn release_lease<'a>(&'a self, endpoint: &'a str, _ask: Ask, id: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let conn = self.calls.conn.clone();
             let mut cmd = redis::cmd("ZREM");
             cmd.arg(self.leases_key(endpoint)).arg(self.member(id));
-            self.calls
-                .timed(async move {
-                    match conn {
-                        Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
-                        Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
-                        Conn::Sentinel(s) => {
-                            on_master(
-                                &s,
-                                |mut c| async move { cmd.query_async::<Value>(&mut c).await },
-                            )
-                            .await
-                        }
-                    }
-                })
-                .await
-                .map(drop)
+            self.calls.command(cmd).await
         })
     }
 
     fn ping(&self) -> StoreFuture<'_, ()> {
-        Box::pin(async move {
-            let conn = self.calls.conn.clone();
-            self.calls
-                .timed(async move {
-                    let cmd = redis::cmd("PING");
-                    match conn {
-                        Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
-                        Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
-                        Conn::Sentinel(s) => {
-                            on_master(
-                                &s,
-                                |mut c| async move { cmd.query_async::<Value>(&mut c).await },
-                            )
-                            .await
-                        }
-                    }
-                })
-                .await
-                .map(drop)
-        })
+        Box::pin(self.calls.command(redis::cmd("PING")))
     }
 }
 
