@@ -22,18 +22,26 @@ fn chart() -> PathBuf {
     root().join("deploy/helm/sluice")
 }
 
-/// Chart.yaml, values.yaml and every manifest the chart can render, as JSON.
-fn rendered() -> Value {
-    let out = Command::new("python3")
-        .arg(root().join("deploy/helm/check.py"))
-        .arg(chart())
-        .run_within(CHILD_DEADLINE);
+/// Runs `cmd` to completion and fails the test, with its output, unless it succeeded.
+fn succeeds(cmd: &mut Command) -> Vec<u8> {
+    let out = cmd.run_within(CHILD_DEADLINE);
     assert!(
         out.status.success(),
-        "check.py failed: {}",
+        "{cmd:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap()
+    out.stdout
+}
+
+/// Chart.yaml, values.yaml and every manifest the chart can render, as JSON.
+fn rendered() -> Value {
+    let json = succeeds(
+        Command::new("python3")
+            .arg(root().join("deploy/helm/check.py"))
+            .arg(chart()),
+    );
+    serde_json::from_slice(&json).unwrap()
 }
 
 fn of_kind<'a>(all: &'a Value, kind: &str) -> Vec<&'a Value> {
@@ -126,15 +134,11 @@ fn the_charts_default_config_passes_check() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
     std::fs::write(&path, config).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["check", "--config"])
-        .arg(&path)
-        .env("SLUICE_REDIS_PASSWORD", "from-the-secret")
-        .run_within(CHILD_DEADLINE);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeeds(
+        Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["check", "--config"])
+            .arg(&path)
+            .env("SLUICE_REDIS_PASSWORD", "from-the-secret"),
     );
 }
 
@@ -145,15 +149,7 @@ fn helm_lint_passes_where_helm_is_installed() {
         return;
     };
     assert!(version.status.success());
-    let out = Command::new("helm")
-        .arg("lint")
-        .arg(chart())
-        .run_within(CHILD_DEADLINE);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    succeeds(Command::new("helm").arg("lint").arg(chart()));
 }
 
 /// The image has no default config: `run` without one says how to give it and exits 2.
