@@ -7,7 +7,19 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, HeaderName, StatusCode};
+
+// Quota and retry headers, named once (a `&str` lookup parses the name on every call).
+const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const REMAINING: [HeaderName; 2] = [
+    HeaderName::from_static("x-ratelimit-remaining"),
+    HeaderName::from_static("ratelimit-remaining"),
+];
+const RESET: [HeaderName; 2] = [
+    HeaderName::from_static("x-ratelimit-reset"),
+    HeaderName::from_static("ratelimit-reset"),
+];
 
 /// Per-endpoint knobs this module needs (built once from config by the caller).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -70,7 +82,7 @@ fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
         .find_map(|v| parse_retry_after(v.as_bytes(), now))
         .or_else(|| {
             headers
-                .get_all("retry-after-ms")
+                .get_all(RETRY_AFTER_MS)
                 .iter()
                 .find_map(|v| parse_number(v.as_bytes()).and_then(|ms| secs(ms / 1000.0)))
         })
@@ -95,9 +107,9 @@ fn exhausted_until(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     if ietf.is_some() {
         return ietf;
     }
-    let remaining = ["x-ratelimit-remaining", "ratelimit-remaining"]
+    let remaining = REMAINING
         .iter()
-        .find_map(|h| headers.get(*h))
+        .find_map(|h| headers.get(h))
         .and_then(|v| parse_number(v.as_bytes()))?;
     if remaining > 0.0 {
         return None;
@@ -106,16 +118,16 @@ fn exhausted_until(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 }
 
 fn legacy_reset(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    ["x-ratelimit-reset", "ratelimit-reset"]
+    RESET
         .iter()
-        .find_map(|h| headers.get(*h))
+        .find_map(|h| headers.get(h))
         .and_then(|v| parse_reset(v.as_bytes(), now))
 }
 
 /// Items of the IETF `RateLimit` field: `"default";r=0;t=5, "burst";r=3;t=1` as
 /// (remaining, time-to-reset) pairs.
 fn ietf_items(headers: &HeaderMap) -> Vec<(Option<u64>, Option<Duration>)> {
-    let Some(v) = headers.get("ratelimit").and_then(|v| v.to_str().ok()) else {
+    let Some(v) = headers.get(RATELIMIT).and_then(|v| v.to_str().ok()) else {
         return Vec::new();
     };
     parse_ratelimit_field(v)
