@@ -9,8 +9,8 @@
 --          held generation ("" = none: take a token; else confirm that reservation)
 -- ARGV[6], ARGV[7]  the second ask, and so on (src/limiter/batch.rs sends one pair per
 --          request that queued while the previous call for this endpoint was in flight)
--- Returns  four entries per ask, in order: { granted 0|1, wait_us or retry_us (string),
---          generation, cooldown 0|1 }
+-- Returns  four entries per ask, in order: { granted 0|1, wait_us or retry_us (whole µs,
+--          rounded up: never early), generation, cooldown 0|1 }
 --          granted=1: start after wait_us; the reservation belongs to `generation`.
 --          granted=0: nothing was consumed for it; retry after retry_us, cooldown=1
 --          when the refusal is due to a cooldown rather than the rate.
@@ -27,11 +27,11 @@ for i = 4, #ARGV - 1, 2 do
   local n = #out
   if held ~= '' and tonumber(held) == s.g then
     -- The reservation survived (no cooldown voided it): go, taking nothing more.
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, '0', s.g, 0
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, 0, s.g, 0
   else
     local granted, us, cooldown = reserve(s, tonumber(ARGV[i]))
     taken = taken or granted
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = granted and 1 or 0, str(us), s.g, cooldown
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = granted and 1 or 0, math.ceil(us), s.g, cooldown
   end
 end
 if taken then

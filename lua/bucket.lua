@@ -44,15 +44,22 @@ local function str(x)
 end
 
 --- The stored state, or nil when the key does not exist (a fresh full bucket).
+--- `loaded` keeps the values as read, so `save` writes only what changed.
+local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl' }
+local loaded = nil
 local function load()
   local raw = redis.call('HMGET', key, 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl')
   if not raw[1] then
     return nil
   end
-  return { tk = tonumber(raw[1]), ts = tonumber(raw[2]), dr = tonumber(raw[3]),
-           da = tonumber(raw[4]), du = tonumber(raw[5]), cu = tonumber(raw[6]),
-           g = tonumber(raw[7]), th = tonumber(raw[8]), fs = tonumber(raw[9]),
-           fl = tonumber(raw[10] or '') }
+  local tk, ts, dr, da, du = tonumber(raw[1]), tonumber(raw[2]), tonumber(raw[3]),
+                             tonumber(raw[4]), tonumber(raw[5])
+  local cu, g, th, fs, fl = tonumber(raw[6]), tonumber(raw[7]), tonumber(raw[8]),
+                            tonumber(raw[9]), tonumber(raw[10] or '')
+  loaded = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
+             fl = fl }
+  return { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
+           fl = fl }
 end
 
 --- bucket::fresh
@@ -123,15 +130,20 @@ end
 
 --- Writes the state and refreshes the expiry: the key vanishes on its own once idle
 --- (full, no cooldown, no decrease), never while it still carries one, plus 1 s margin.
+--- Only fields that differ from what `load` read are written (a saturated endpoint
+--- changes `tk` and `ts` alone): formatting a double exactly is most of a call's cost.
 local function save(s)
-  local fields = { 'tk', str(s.tk), 'ts', str(s.ts), 'dr', str(s.dr), 'da', str(s.da),
-                   'du', str(s.du), 'cu', str(s.cu), 'g', str(s.g), 'th', str(s.th),
-                   'fs', str(s.fs) }
-  if s.fl then
-    fields[#fields + 1] = 'fl'
-    fields[#fields + 1] = str(s.fl)
+  local fields = {}
+  for i = 1, #FIELDS do
+    local f = FIELDS[i]
+    local v = s[f]
+    if v ~= nil and (loaded == nil or loaded[f] ~= v) then
+      fields[#fields + 1] = f
+      fields[#fields + 1] = str(v)
+    end
   end
-  redis.call('HSET', key, unpack(fields))
+  if #fields > 0 then
+    redis.call('HSET', key, unpack(fields))
+  end
   redis.call('PEXPIRE', key, math.ceil(time_to_idle(s, s.fl or rate) / 1000) + 1000)
 end
-

@@ -21,6 +21,7 @@ mod cooldowns;
 pub mod fallback;
 pub mod lease;
 pub mod memory;
+mod per_thread;
 pub mod queue;
 pub mod redis;
 mod sentinel;

@@ -4,8 +4,9 @@
 //! prepended at compile time to each of `acquire.lua`, `feedback.lua`, `release.lua`
 //! and `view.lua`, and their SHAs are computed once, when the store is built.
 //!
-//! Single node: a multiplexed [`ConnectionManager`] (concurrent requests pipeline on one
-//! socket; it reconnects with backoff on its own). Cluster: the async cluster connection,
+//! Single node: a multiplexed [`ConnectionManager`] per thread that calls the store
+//! ([`PerThread`]: concurrent requests of a worker pipeline on its socket, and replies
+//! wake no other thread; each reconnects with backoff on its own). Cluster: the async cluster connection,
 //! which follows MOVED/ASK and failovers. A NOSCRIPT answer (restarted, failed-over or
 //! flushed Redis) loads the script and retries once ([`Script::invoke_async`]; in a
 //! cluster `SCRIPT LOAD` goes to every node). Every call is bounded by `store.timeout`,
@@ -32,6 +33,7 @@ use super::batch::{self, Lanes};
 use super::bucket::{Ask, Outcome, View};
 use super::cooldowns::{CooldownWatch, follow};
 use super::lease::{LeaseAsk, Leased};
+use super::per_thread::PerThread;
 use super::sentinel::SentinelConn;
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
 use crate::config::{Adaptive, Backend, StoreConfig, StoreTls, redact};
@@ -168,10 +170,10 @@ fn pem_block(der: &[u8]) -> Vec<u8> {
     out.into_bytes()
 }
 
-/// The two connection kinds; both are cheap clones of a shared multiplexed handle.
+/// The connection kinds; each is a cheap clone of shared multiplexed handles.
 #[derive(Clone)]
 enum Conn {
-    Single(ConnectionManager),
+    Single(Arc<PerThread>),
     Cluster(ClusterConnection),
     Sentinel(Arc<SentinelConn>),
 }
@@ -326,9 +328,7 @@ impl RedisStore {
                 tokio::spawn(follow(client.clone(), channel.clone(), Arc::downgrade(&w)));
                 watch = Some(w);
                 let config = manager_config(cfg.timeout, connect_timeout);
-                let lazy = ConnectionManager::new_lazy_with_config(client, config)
-                    .map_err(|e| classify(e, cfg.timeout))?;
-                Conn::Single(lazy)
+                Conn::Single(Arc::new(PerThread::new(client, config)))
             }
         };
         let calls = Calls {
@@ -410,7 +410,11 @@ impl Calls {
         let conn = self.conn.clone();
         self.timed(async move {
             match conn {
-                Conn::Single(mut c) => inv.invoke_async(&mut c).await,
+                Conn::Single(p) => {
+                    let r = inv.invoke_async(&mut p.get()?).await;
+                    p.saw(&r);
+                    r
+                }
                 Conn::Cluster(mut c) => inv.invoke_async(&mut c).await,
                 Conn::Sentinel(s) => {
                     on_master(&s, |mut c| async move { inv.invoke_async(&mut c).await }).await
@@ -490,7 +494,11 @@ impl Calls {
         let conn = self.conn.clone();
         self.timed(async move {
             match conn {
-                Conn::Single(mut c) => cmd.query_async::<Value>(&mut c).await,
+                Conn::Single(p) => {
+                    let r = cmd.query_async::<Value>(&mut p.get()?).await;
+                    p.saw(&r);
+                    r
+                }
                 Conn::Cluster(mut c) => cmd.query_async::<Value>(&mut c).await,
                 Conn::Sentinel(s) => {
                     on_master(
