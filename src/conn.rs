@@ -10,7 +10,7 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -117,7 +117,8 @@ impl Drop for ConnSlot {
 pub struct Timeouts {
     /// A sender must finish sending a request head within this (HTTP/1.1).
     pub header_read: Duration,
-    /// Closed after this long with no bytes either way and no request in flight.
+    /// Closed after this long with no bytes either way and no request in flight (at
+    /// most half as long again: see [`Activity::idle_for`]).
     pub idle: Duration,
 }
 
@@ -195,10 +196,12 @@ async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
     }
 }
 
-/// When a connection last moved a byte, and how many of its requests are in flight.
+/// Whether a connection moved a byte lately, and how many of its requests are in flight.
+///
+/// Recording activity is one relaxed store (no clock read on every read and write);
+/// [`Activity::idle_for`] looks at it once per quarter of the limit.
 pub struct Activity {
-    epoch: Instant,
-    last_ms: AtomicU64,
+    moved: AtomicBool,
     in_flight: AtomicUsize,
 }
 
@@ -206,29 +209,33 @@ impl Activity {
     /// A tracker that saw activity now.
     pub fn new() -> Arc<Activity> {
         Arc::new(Activity {
-            epoch: Instant::now(),
-            last_ms: AtomicU64::new(0),
+            moved: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
         })
     }
 
     /// Records activity now.
     pub fn touch(&self) {
-        let ms = self.epoch.elapsed().as_millis() as u64;
-        self.last_ms.fetch_max(ms, Ordering::Relaxed);
+        self.moved.store(true, Ordering::Relaxed);
     }
 
-    /// Resolves once nothing moved for `limit` and no request is in flight.
+    /// Resolves once nothing moved for `limit` and no request is in flight: never
+    /// sooner than `limit` after the last byte, and at most half a `limit` later (the
+    /// connection is looked at every quarter of `limit`).
     pub async fn idle_for(self: Arc<Self>, limit: Duration) {
+        let step = limit / 4;
+        let mut quiet_since = Instant::now();
         loop {
-            let last = self.epoch + Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
-            let deadline = last + limit;
-            if Instant::now() >= deadline && self.in_flight.load(Ordering::Relaxed) == 0 {
+            tokio::time::sleep(step).await;
+            let now = Instant::now();
+            if self.moved.swap(false, Ordering::Relaxed)
+                || self.in_flight.load(Ordering::Relaxed) > 0
+            {
+                // Something moved during the last step: quiet from no earlier than now.
+                quiet_since = now;
+            } else if now >= quiet_since + limit {
                 return;
             }
-            // A busy connection is looked at again one full period later.
-            let next = deadline.max(Instant::now() + limit.min(Duration::from_secs(1)));
-            tokio::time::sleep_until(next).await;
         }
     }
 }

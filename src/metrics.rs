@@ -4,9 +4,9 @@
 //! `proxy.metrics_max_endpoints` other IDs seen get their own label value, the rest are
 //! counted under `endpoint="_other"`, so a sender spraying IDs cannot blow up `/metrics`.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -17,13 +17,56 @@ use prometheus_client::registry::Registry;
 
 use crate::limiter::StoreStats;
 
-/// An endpoint label value (cheap to clone).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct EndpointLabel(Arc<str>);
+/// An endpoint label value (cheap to clone), carrying the endpoint's most used series
+/// once they exist, so a request does not look them up by label again.
+#[derive(Debug, Clone)]
+pub struct EndpointLabel(Arc<Labelled>);
+
+#[derive(Debug)]
+struct Labelled {
+    id: Arc<str>,
+    /// `sluice_requests_total{outcome="forwarded"}`.
+    forwarded: OnceLock<Counter>,
+    /// `sluice_wait_seconds`.
+    wait: OnceLock<Histogram>,
+    /// `sluice_upstream_responses_total` of the first status code seen (usually the
+    /// only one).
+    first_code: OnceLock<(u16, Counter)>,
+}
+
+impl EndpointLabel {
+    fn new(id: Arc<str>) -> EndpointLabel {
+        EndpointLabel(Arc::new(Labelled {
+            id,
+            forwarded: OnceLock::new(),
+            wait: OnceLock::new(),
+            first_code: OnceLock::new(),
+        }))
+    }
+
+    /// The label value: the endpoint ID or `_other`.
+    pub fn as_str(&self) -> &str {
+        &self.0.id
+    }
+}
+
+impl PartialEq for EndpointLabel {
+    fn eq(&self, other: &EndpointLabel) -> bool {
+        self.0.id == other.0.id
+    }
+}
+
+impl Eq for EndpointLabel {}
+
+impl std::hash::Hash for EndpointLabel {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.id.hash(state);
+    }
+}
 
 impl EncodeLabelValue for EndpointLabel {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(encoder, &self.0)
+        std::fmt::Write::write_str(encoder, &self.0.id)
     }
 }
 
@@ -61,6 +104,9 @@ pub struct BuildLabels {
     pub commit: &'static str,
 }
 
+/// The outcome of a request that was sent upstream.
+pub const FORWARDED: &str = "forwarded";
+
 fn wait_histogram() -> Histogram {
     // 1 ms .. ~65 s.
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
@@ -97,7 +143,7 @@ pub struct Metrics {
     pub store: StoreStats,
     /// `sluice_build_info{version,commit}`: always 1.
     pub build_info: Family<BuildLabels, Gauge>,
-    labelled: RwLock<HashSet<Arc<str>>>,
+    labelled: RwLock<HashMap<Arc<str>, EndpointLabel>>,
     max_labels: usize,
     other: EndpointLabel,
 }
@@ -121,9 +167,13 @@ impl Metrics {
             slot_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             store: StoreStats::default(),
             build_info: Family::default(),
-            labelled: RwLock::new(configured.cloned().collect()),
+            labelled: RwLock::new(
+                configured
+                    .map(|id| (Arc::clone(id), EndpointLabel::new(Arc::clone(id))))
+                    .collect(),
+            ),
             max_labels,
-            other: EndpointLabel("_other".into()),
+            other: EndpointLabel::new("_other".into()),
             registry: Registry::default(),
         };
         m.build_info
@@ -220,18 +270,18 @@ impl Metrics {
     /// The label for an endpoint: its ID while under the cap, else `_other`.
     pub fn label(&self, id: &Arc<str>) -> EndpointLabel {
         if let Ok(set) = self.labelled.read() {
-            if set.contains(id) {
-                return EndpointLabel(Arc::clone(id));
+            if let Some(label) = set.get(id) {
+                return label.clone();
             }
             if set.len() >= self.max_labels {
                 return self.other.clone();
             }
         }
         match self.labelled.write() {
-            Ok(mut set) if set.len() < self.max_labels || set.contains(id) => {
-                set.insert(Arc::clone(id));
-                EndpointLabel(Arc::clone(id))
-            }
+            Ok(mut set) if set.len() < self.max_labels || set.contains_key(id) => set
+                .entry(Arc::clone(id))
+                .or_insert_with(|| EndpointLabel::new(Arc::clone(id)))
+                .clone(),
             _ => self.other.clone(),
         }
     }
@@ -240,7 +290,7 @@ impl Metrics {
     /// for refusals counted before a request earned a label of its own.
     pub fn existing_label(&self, id: &Arc<str>) -> EndpointLabel {
         match self.labelled.read() {
-            Ok(set) if set.contains(id) => EndpointLabel(Arc::clone(id)),
+            Ok(set) => set.get(id).cloned().unwrap_or_else(|| self.other.clone()),
             _ => self.other.clone(),
         }
     }
@@ -250,22 +300,67 @@ impl Metrics {
         self.other.clone()
     }
 
+    /// Whether `label` is `_other`.
+    pub fn is_other(&self, label: &EndpointLabel) -> bool {
+        Arc::ptr_eq(&label.0, &self.other.0)
+    }
+
     /// Endpoint IDs that have their own label (configured, then first seen).
     pub fn labelled_ids(&self) -> Vec<Arc<str>> {
         self.labelled
             .read()
-            .map(|s| s.iter().cloned().collect())
+            .map(|s| s.keys().cloned().collect())
             .unwrap_or_default()
     }
 
     /// Counts one request outcome.
     pub fn outcome(&self, endpoint: &EndpointLabel, outcome: &'static str) {
-        self.requests
-            .get_or_create(&OutcomeLabels {
-                endpoint: endpoint.clone(),
-                outcome,
+        let series = |outcome| {
+            self.requests
+                .get_or_create(&OutcomeLabels {
+                    endpoint: endpoint.clone(),
+                    outcome,
+                })
+                .clone()
+        };
+        if outcome == FORWARDED {
+            endpoint.0.forwarded.get_or_init(|| series(FORWARDED)).inc();
+        } else {
+            series(outcome).inc();
+        }
+    }
+
+    /// Records how long an enforced request waited for its token.
+    pub fn waited(&self, endpoint: &EndpointLabel, seconds: f64) {
+        endpoint
+            .0
+            .wait
+            .get_or_init(|| {
+                self.wait
+                    .get_or_create(&EndpointLabels {
+                        endpoint: endpoint.clone(),
+                    })
+                    .clone()
             })
-            .inc();
+            .observe(seconds);
+    }
+
+    /// Counts one upstream response by status code.
+    pub fn upstream_code(&self, endpoint: &EndpointLabel, code: u16) {
+        let series = || {
+            self.upstream
+                .get_or_create(&CodeLabels {
+                    endpoint: endpoint.clone(),
+                    code,
+                })
+                .clone()
+        };
+        let (first, counter) = endpoint.0.first_code.get_or_init(|| (code, series()));
+        if *first == code {
+            counter.inc();
+        } else {
+            series().inc();
+        }
     }
 
     /// Prometheus text exposition.
@@ -290,11 +385,8 @@ mod tests {
             let l = m.label(&Arc::from(format!("ep{i}")));
             m.outcome(&l, "forwarded");
         }
-        assert_eq!(
-            m.label(&Arc::from("configured")),
-            EndpointLabel("configured".into())
-        );
-        assert_eq!(m.label(&Arc::from("ep999")).0.as_ref(), "_other");
+        assert_eq!(m.label(&Arc::from("configured")).as_str(), "configured");
+        assert_eq!(m.label(&Arc::from("ep999")).as_str(), "_other");
         let text = m.render();
         let series = text
             .lines()

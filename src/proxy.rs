@@ -35,7 +35,7 @@ use crate::endpoint::{Resolved, proxy_user};
 use crate::error::{Body, ProxyError};
 use crate::forward::{ForwardError, strip_hop_by_hop, strip_sluice_headers};
 use crate::limiter::{Ask, Grant, HeldBody, Place, Refusal, Shadow, Slot};
-use crate::metrics::{CodeLabels, EndpointLabel, EndpointLabels};
+use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED};
 
 /// Names the sender for fair shares when proxy authentication does not (removed before
 /// forwarding).
@@ -212,9 +212,9 @@ async fn admission(
             .into());
         }
     }
-    let known = Some(app.metrics.existing_label(&ep.id));
+    let known = app.metrics.existing_label(&ep.id);
     let denied = |error| Refused {
-        label: known.clone(),
+        label: Some(known.clone()),
         error,
     };
     app.forwarder
@@ -228,7 +228,11 @@ async fn admission(
     } else {
         Vec::new()
     };
-    let label = app.metrics.label(&ep.id);
+    let label = if app.metrics.is_other(&known) {
+        app.metrics.label(&ep.id)
+    } else {
+        known
+    };
     let (grant, outcome, slot) = match ep.mode {
         Mode::Enforce => {
             let place = Turn::of(&ep, headers, who, peer);
@@ -239,7 +243,7 @@ async fn admission(
                         label: Some(label.clone()),
                         error,
                     })?;
-            (grant, "forwarded", slot)
+            (grant, FORWARDED, slot)
         }
         Mode::Shadow => {
             let (grant, outcome) = Box::pin(shadow(app, &ep)).await;
@@ -247,14 +251,16 @@ async fn admission(
         }
     };
     trace.waited = grant.waited;
-    let wait = match ep.mode {
-        Mode::Enforce => &app.metrics.wait,
-        Mode::Shadow => &app.metrics.shadow_wait,
-    };
-    wait.get_or_create(&EndpointLabels {
-        endpoint: label.clone(),
-    })
-    .observe(grant.waited.as_secs_f64());
+    match ep.mode {
+        Mode::Enforce => app.metrics.waited(&label, grant.waited.as_secs_f64()),
+        Mode::Shadow => app
+            .metrics
+            .shadow_wait
+            .get_or_create(&EndpointLabels {
+                endpoint: label.clone(),
+            })
+            .observe(grant.waited.as_secs_f64()),
+    }
     Ok(Admitted {
         ep,
         label,
@@ -334,7 +340,7 @@ const NO_TOKEN: u64 = u64::MAX;
 /// Shadow mode: what enforcing would have done, without waiting or refusing.
 async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
     match app.limiter.shadow(&ep.id, &ep.policy).await {
-        Shadow::Wait(grant) => (grant, "forwarded"),
+        Shadow::Wait(grant) => (grant, FORWARDED),
         Shadow::Refuse(r) => {
             let outcome = match r {
                 Refusal::RateLimited { .. } => "shadow_rate_limited",
@@ -450,13 +456,7 @@ async fn forward_request(
         slot,
         ..
     } = admitted;
-    app.metrics
-        .upstream
-        .get_or_create(&CodeLabels {
-            endpoint: label.clone(),
-            code: resp.status().as_u16(),
-        })
-        .inc();
+    app.metrics.upstream_code(&label, resp.status().as_u16());
     app.metrics.outcome(&label, outcome);
     if let Some(adaptive) = ep.policy.adaptive {
         Box::pin(observe(
