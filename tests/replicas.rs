@@ -837,3 +837,30 @@ async fn saturated_waiters_cost_one_store_call_per_grant() {
         r.stop().await;
     }
 }
+
+/// docs/operations.md: on a single Redis a replica holds one connection per worker thread,
+/// one for its background work and one subscription — `workers + 2` — however many
+/// senders and requests it serves.
+#[tokio::test]
+async fn a_replica_holds_workers_plus_two_redis_connections() {
+    let redis = common::redis::RedisServer::start();
+    let config = common::config(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\n[defaults]\nrate = 1000.0\nburst = 1000.0\n",
+        redis.url()
+    ));
+    // As `sluice run` serves: sender connections on worker threads.
+    let workers = Arc::new(sluice::workers::Workers::start(2).unwrap());
+    let s = sluice::app::start_on(config, Some(workers))
+        .await
+        .expect("sluice starts");
+    let up = Upstream::start().await;
+    let served = load(std::slice::from_ref(&s), &up, &["a", "b"], 16, 10).await;
+    assert_eq!(served, 160);
+    let list = redis.cli(&["CLIENT", "LIST"]).unwrap_or_default();
+    // Everything but the redis-cli asking.
+    let held = list
+        .lines()
+        .filter(|l| !l.contains("cmd=client|list"))
+        .count();
+    assert_eq!(held, 2 + 2, "connections for 2 workers:\n{list}");
+}
