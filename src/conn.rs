@@ -383,3 +383,38 @@ impl Drop for InFlight {
         self.0.touch();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Idle is declared no sooner than `limit` after the last byte and at most half a
+    /// `limit` later, wherever the byte falls between two looks; a request in flight
+    /// holds it off however long it takes.
+    #[tokio::test(start_paused = true)]
+    async fn idle_comes_between_the_limit_and_half_again_after_the_last_byte() {
+        let limit = Duration::from_secs(8);
+        for offset_ms in [0u64, 1, 500, 1999, 2000, 2001, 3999] {
+            let a = Activity::new();
+            let idle = tokio::spawn(Arc::clone(&a).idle_for(limit));
+            tokio::time::sleep(Duration::from_millis(4000 + offset_ms)).await;
+            a.touch();
+            let last = Instant::now();
+            idle.await.unwrap();
+            let quiet = Instant::now() - last;
+            assert!(
+                quiet >= limit && quiet <= limit + limit / 2,
+                "byte at +{offset_ms} ms: idle after {quiet:?}"
+            );
+        }
+        let a = Activity::new();
+        a.in_flight.fetch_add(1, Ordering::Relaxed);
+        let idle = tokio::spawn(Arc::clone(&a).idle_for(limit));
+        tokio::time::sleep(limit * 10).await;
+        assert!(!idle.is_finished(), "idle while a request was in flight");
+        a.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let done = Instant::now();
+        idle.await.unwrap();
+        assert!(Instant::now() - done >= limit - limit / 4);
+    }
+}
