@@ -395,6 +395,33 @@ mod tests {
         assert!(series <= 11, "{series} series");
     }
 
+    /// The series a label carries render exactly as looked-up ones would, and a second
+    /// status code gets its own series.
+    #[test]
+    fn carried_series_count_like_looked_up_ones() {
+        let m = Metrics::new(10, std::iter::empty());
+        let l = m.label(&Arc::from("ep"));
+        for _ in 0..3 {
+            m.outcome(&l, FORWARDED);
+        }
+        m.outcome(&m.label(&Arc::from("ep")), "rate_limited");
+        m.upstream_code(&l, 200);
+        m.upstream_code(&m.existing_label(&Arc::from("ep")), 200);
+        m.upstream_code(&l, 429);
+        m.waited(&l, 0.5);
+        m.waited(&m.label(&Arc::from("ep")), 0.5);
+        let text = m.render();
+        for want in [
+            "sluice_requests_total{endpoint=\"ep\",outcome=\"forwarded\"} 3",
+            "sluice_requests_total{endpoint=\"ep\",outcome=\"rate_limited\"} 1",
+            "sluice_upstream_responses_total{endpoint=\"ep\",code=\"200\"} 2",
+            "sluice_upstream_responses_total{endpoint=\"ep\",code=\"429\"} 1",
+            "sluice_wait_seconds_count{endpoint=\"ep\"} 2",
+        ] {
+            assert!(text.contains(want), "no {want} in\n{text}");
+        }
+    }
+
     #[test]
     fn build_info_names_version_and_commit() {
         let m = Metrics::new(10, std::iter::empty());

@@ -21,6 +21,8 @@ use std::thread::ThreadId;
 use redis::RedisError;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
+use super::redis::connection_lost;
+
 /// A [`ConnectionManager`] per calling thread, opened lazily on that thread (so its
 /// task runs there) and reconnecting on its own like any manager.
 pub(super) struct PerThread {
@@ -61,14 +63,8 @@ impl PerThread {
     /// Notes a call's result: a failure of the connection itself retires every
     /// thread's connection.
     pub(super) fn saw<T>(&self, result: &Result<T, RedisError>) {
-        if let Err(e) = result {
-            if e.is_io_error()
-                || e.is_connection_dropped()
-                || e.is_connection_refusal()
-                || e.is_unrecoverable_error()
-            {
-                self.generation.fetch_add(1, Ordering::AcqRel);
-            }
+        if matches!(result, Err(e) if connection_lost(e)) {
+            self.generation.fetch_add(1, Ordering::AcqRel);
         }
     }
 }

@@ -6,8 +6,8 @@
 //!
 //! Single node: a multiplexed [`ConnectionManager`] per thread that calls the store
 //! ([`PerThread`]: concurrent requests of a worker pipeline on its socket, and replies
-//! wake no other thread; each reconnects with backoff on its own). Cluster: the async cluster connection,
-//! which follows MOVED/ASK and failovers. A NOSCRIPT answer (restarted, failed-over or
+//! wake no other thread; each reconnects with backoff on its own). Cluster: the async
+//! cluster connection, which follows MOVED/ASK and failovers. A NOSCRIPT answer (restarted, failed-over or
 //! flushed Redis) loads the script and retries once ([`Script::invoke_async`]; in a
 //! cluster `SCRIPT LOAD` goes to every node). Every call is bounded by `store.timeout`,
 //! latency and failures are recorded in [`StoreStats`], and errors are classified once,
@@ -219,11 +219,7 @@ pub struct RedisStore {
 fn classify(e: RedisError, timeout: Duration) -> StoreError {
     if e.is_timeout() {
         StoreError::Timeout(timeout)
-    } else if e.is_io_error()
-        || e.is_connection_dropped()
-        || e.is_connection_refusal()
-        || e.is_unrecoverable_error()
-    {
+    } else if connection_lost(&e) {
         StoreError::Unreachable(e.to_string())
     } else if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) {
         StoreError::Unreachable(format!("a replica answered, not the master: {e}"))
@@ -232,6 +228,15 @@ fn classify(e: RedisError, timeout: Duration) -> StoreError {
     } else {
         StoreError::Protocol(e.to_string())
     }
+}
+
+/// Whether `e` means the connection itself failed (dropped, refused, broken), rather
+/// than Redis answering with an error.
+pub(super) fn connection_lost(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
 }
 
 impl RedisStore {
