@@ -19,6 +19,14 @@
 --   tk tokens   ts time of tk (µs)   dr decreased rate (0 = none)   da climb start (µs)
 --   du no decrease before (µs)   cu cooldown end (µs)   g generation   th throttles
 --   fs at floor since (µs)   fl floor last given by feedback (for the key's TTL only)
+--   cr tokens taken ahead by replicas (`store.prefetch`) and not yet expired
+--   ce when those end (µs)
+--
+-- Tokens taken ahead (Redis only; the memory store never takes any): acquire.lua may
+-- hand a replica `cr` tokens to spend without asking, until `ce`. Until then the bucket
+-- refills only up to burst - cr, so what is in the bucket plus what replicas hold never
+-- exceeds the burst: sends in any window stay within rate x window + burst whether they
+-- spend tokens asked for or tokens taken ahead.
 --
 -- Clock: Redis TIME only (never a replica's), in µs relative to a fixed epoch
 -- (2023-11-14) so timestamps stay small and exact in a double. Writes after TIME need
@@ -45,7 +53,7 @@ end
 
 --- The stored state, or nil when the key does not exist (a fresh full bucket).
 --- `loaded` keeps the values as read, so `save` writes only what changed.
-local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl' }
+local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce' }
 local loaded = nil
 local function load()
   local raw = redis.call('HMGET', key, unpack(FIELDS))
@@ -56,15 +64,25 @@ local function load()
                              tonumber(raw[4]), tonumber(raw[5])
   local cu, g, th, fs, fl = tonumber(raw[6]), tonumber(raw[7]), tonumber(raw[8]),
                             tonumber(raw[9]), tonumber(raw[10] or '')
+  local cr, ce = tonumber(raw[11] or '0'), tonumber(raw[12] or '0')
   loaded = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-             fl = fl }
+             fl = fl, cr = cr, ce = ce }
   return { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-           fl = fl }
+           fl = fl, cr = cr, ce = ce }
 end
 
 --- bucket::fresh
 local function fresh()
-  return { tk = burst, ts = now, dr = 0, da = 0, du = 0, cu = 0, g = 0, th = 0, fs = 0 }
+  return { tk = burst, ts = now, dr = 0, da = 0, du = 0, cu = 0, g = 0, th = 0, fs = 0,
+           cr = 0, ce = 0 }
+end
+
+--- Tokens replicas hold ahead that may still be spent (0 once their time is over).
+local function held_ahead(s)
+  if s.ce > now then
+    return s.cr
+  end
+  return 0
 end
 
 --- bucket::effective_rate
@@ -83,7 +101,7 @@ local function refill(s)
     return
   end
   local r0, r1 = effective(s, s.ts), effective(s, now)
-  s.tk = math.min(s.tk + (now - s.ts) / MICROS * (r0 + r1) / 2, burst)
+  s.tk = math.min(s.tk + (now - s.ts) / MICROS * (r0 + r1) / 2, burst - held_ahead(s))
   s.ts = now
   if s.dr > 0 and now - s.da >= recovery then
     s.dr = 0
@@ -106,7 +124,9 @@ local function time_to_idle(s, floor)
     rec = math.max(s.da + recovery - now, 0)
   end
   local dec_window = math.max(s.du - now, 0)
-  return math.max(until_ts + refill_time, rec, dec_window)
+  -- Never forget tokens held ahead while they may be spent: a fresh bucket is full.
+  local ahead = math.max(s.ce - now, 0)
+  return math.max(until_ts + refill_time, rec, dec_window, ahead)
 end
 
 --- bucket::acquire's reservation (after refill): takes a token that starts `wait` µs

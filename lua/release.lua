@@ -4,6 +4,9 @@
 -- KEYS[1]  "<prefix>{<endpoint>}"
 -- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
 -- ARGV[4]  generation of the reservation
+-- ARGV[5]  tokens given back (absent: 1)
+-- ARGV[6]  "1" when they were taken ahead (`store.prefetch`) and not spent: they no
+--          longer count as held ahead
 -- Returns  1 when refunded; 0 when a cooldown voided it (other generation) or the key
 --          is gone (an expired key is a fresh full bucket: nothing to give back).
 --
@@ -15,6 +18,10 @@ if not s or tonumber(ARGV[4]) ~= s.g then
   return 0
 end
 refill(s)
-s.tk = math.min(s.tk + 1, burst)
+local n = tonumber(ARGV[5] or '1')
+if ARGV[6] == '1' and s.ce > now then
+  s.cr = math.max(s.cr - n, 0)
+end
+s.tk = math.min(s.tk + n, burst - held_ahead(s))
 save(s)
 return 1

@@ -285,6 +285,7 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "store.tls_*" => store.tls;
         "store.sentinel_master" => store.sentinel_master;
         "store.fallback_min_replicas" => store.fallback_min_replicas;
+        "store.prefetch" => store.prefetch;
         "tls.intercept" => tls.intercept;
         "tls.ca_cert" => tls.ca_cert;
         "tls.ca_key" => tls.ca_key;

@@ -1,5 +1,6 @@
-//! One behaviour suite for every bucket store: memory, a single Redis, a 3-master Redis
-//! Cluster. Each test function runs unchanged against each store.
+//! One behaviour suite for every bucket store: memory, a single Redis (also with
+//! `store.prefetch` on), a 3-master Redis Cluster, Sentinel. Each test function runs
+//! unchanged against each store.
 //!
 //! The memory store runs in virtual time (`start_paused`): time moves only when every
 //! task waits, to the next timer, so every grant time is exact. Redis runs in real time —
@@ -78,6 +79,28 @@ async fn redis() -> Subject {
     let server = common::redis::RedisServer::start();
     let store = RedisStore::connect(
         &store_config(Backend::Redis, vec![server.url()]),
+        StoreStats::default(),
+    )
+    .await
+    .unwrap();
+    Subject {
+        store: Arc::new(store),
+        clock: Clock::Real,
+        single: Some(server),
+        cluster: None,
+        sentinel: None,
+    }
+}
+
+/// A single Redis with `store.prefetch` on: every behaviour above must hold unchanged
+/// (tokens are taken ahead only far from the limit, which these tests are not).
+async fn redis_prefetch() -> Subject {
+    let server = common::redis::RedisServer::start();
+    let store = RedisStore::connect(
+        &StoreConfig {
+            prefetch: true,
+            ..store_config(Backend::Redis, vec![server.url()])
+        },
         StoreStats::default(),
     )
     .await
@@ -617,6 +640,7 @@ macro_rules! every_store {
         mod on_memory { use super::*; $( #[tokio::test(start_paused = true)] async fn $name() { super::$name(memory()).await } )* }
         /// Real time: the server's clock.
         mod on_redis { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(redis().await).await } )* }
+        mod on_redis_prefetch { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(redis_prefetch().await).await } )* }
         mod on_cluster { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(cluster().await).await } )* }
         mod on_sentinel { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(sentinel().await).await } )* }
     };

@@ -295,6 +295,10 @@ pub struct StoreConfig {
     /// `fallback_min_replicas`: during an outage the local fallback enforces
     /// `rate / N` per replica, N = the replicas last seen alive, at least this many.
     pub fallback_min_replicas: usize,
+    /// `prefetch` (Redis stores): while an endpoint is busy and its bucket at least half
+    /// full, a replica takes a batch's worth of tokens ahead and spends them without a
+    /// round trip (see `crate::limiter::credit`). Off by default.
+    pub prefetch: bool,
 }
 
 /// `[store] tls_*`: files for TLS to Redis (`rediss://` URLs). Read at start and by
@@ -328,6 +332,7 @@ impl Default for StoreConfig {
             tls: StoreTls::default(),
             sentinel_master: None,
             fallback_min_replicas: 1,
+            prefetch: false,
         }
     }
 }

@@ -158,6 +158,7 @@ impl Reader<'_> {
                 "tls_key_file",
                 "sentinel_master",
                 "fallback_min_replicas",
+                "prefetch",
             ],
         );
         let backend = self.enumerated(
@@ -211,6 +212,7 @@ impl Reader<'_> {
             tls,
             sentinel_master,
             fallback_min_replicas: self.count(t, p, "fallback_min_replicas", 1),
+            prefetch: self.boolean(t, p, "prefetch", false),
             backend,
             urls,
             key_prefix: self

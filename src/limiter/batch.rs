@@ -13,6 +13,9 @@
 //! lane owns, so a request that hangs up never strands the ones queued behind it. A
 //! queued ask whose request hung up before its batch left is not sent; one that hung up
 //! while its batch was in flight has its reservation given back.
+//!
+//! With `store.prefetch`, a busy endpoint's calls also ask for tokens ahead, and the
+//! requests after them spend those without queueing at all (see [`super::credit`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -21,6 +24,7 @@ use tokio::sync::oneshot;
 
 use super::StoreError;
 use super::bucket::{Ask, Outcome};
+use super::credit::{Credits, Leftover};
 use super::redis::Calls;
 
 /// At most this many asks go in one script call (the rest in the next).
@@ -32,14 +36,37 @@ struct Waiter {
     reply: oneshot::Sender<Result<Outcome, StoreError>>,
 }
 
-/// Every endpoint with an acquire in flight, and what queued behind it. An endpoint is
-/// in the map exactly while a call for it is in flight.
+/// Every endpoint with an acquire in flight, and what queued behind it (an endpoint is
+/// in the map exactly while a call for it is in flight); with `store.prefetch`, the
+/// tokens held ahead.
 #[derive(Default)]
-pub(super) struct Lanes(Mutex<HashMap<Box<str>, Vec<Waiter>>>);
+pub(super) struct Lanes {
+    queues: Mutex<HashMap<Box<str>, Vec<Waiter>>>,
+    ahead: Option<Credits>,
+}
 
 impl Lanes {
+    /// Lanes that ask for tokens ahead when `prefetch` is on.
+    pub(super) fn new(prefetch: bool) -> Lanes {
+        Lanes {
+            queues: Mutex::default(),
+            ahead: prefetch.then(Credits::default),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<Box<str>, Vec<Waiter>>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets the tokens `endpoint` holds ahead (it answered 429).
+    pub(super) fn throttled(&self, endpoint: &str) {
+        if let Some(ahead) = &self.ahead {
+            ahead.drop_endpoint(endpoint);
+        }
+    }
+
+    fn wanted(&self, endpoint: &str, batch: usize) -> u32 {
+        self.ahead.as_ref().map_or(0, |a| a.wanted(endpoint, batch))
     }
 
     /// The next batch for `endpoint`, or `None` (and the lane closed) when none queued.
@@ -74,6 +101,12 @@ pub(super) async fn acquire(
     endpoint: &str,
     ask: Ask,
 ) -> Result<Outcome, StoreError> {
+    if let Some(generation) = lanes.ahead.as_ref().and_then(|a| a.spend(endpoint, &ask)) {
+        return Ok(Outcome::Granted {
+            wait_us: 0.0,
+            generation,
+        });
+    }
     let queued = {
         let mut map = lanes.lock();
         match map.get_mut(endpoint) {
@@ -102,10 +135,59 @@ pub(super) async fn acquire(
         lanes,
         endpoint,
     };
-    let mut outcomes = calls.acquire(endpoint, &[ask]).await?;
+    let mut outcomes = call(calls, lanes, endpoint, &[ask]).await?;
     outcomes
         .pop()
         .ok_or_else(|| StoreError::Protocol("acquire answered no outcome".to_owned()))
+}
+
+/// One script call for `asks`, asking tokens ahead when the endpoint is busy; keeps the
+/// tokens it got and arranges for the unspent ones to be given back at their end.
+async fn call(
+    calls: &Arc<Calls>,
+    lanes: &Arc<Lanes>,
+    endpoint: &str,
+    asks: &[Ask],
+) -> Result<Vec<Outcome>, StoreError> {
+    let want = lanes.wanted(endpoint, asks.len());
+    let sent = tokio::time::Instant::now();
+    let (outcomes, got) = calls.acquire(endpoint, asks, want).await?;
+    if let (Some(ahead), Some(ask), Some(Outcome::Granted { generation, .. })) =
+        (&lanes.ahead, asks.first(), outcomes.last())
+    {
+        if got > 0 {
+            let (serial, until, stale) = ahead.keep(endpoint, ask, got, *generation, sent);
+            let (calls, lanes, endpoint, ask) = (
+                Arc::clone(calls),
+                Arc::clone(lanes),
+                Box::<str>::from(endpoint),
+                *ask,
+            );
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    if let Some(stale) = stale {
+                        give_back_ahead(&calls, &endpoint, &ask, stale).await;
+                    }
+                    tokio::time::sleep_until(until).await;
+                    let left = lanes
+                        .ahead
+                        .as_ref()
+                        .and_then(|a| a.expire(&endpoint, serial));
+                    if let Some(left) = left {
+                        give_back_ahead(&calls, &endpoint, &ask, left).await;
+                    }
+                });
+            }
+        }
+    }
+    Ok(outcomes)
+}
+
+/// Tokens taken ahead and never spent: back into the bucket.
+async fn give_back_ahead(calls: &Calls, endpoint: &str, ask: &Ask, (n, generation): Leftover) {
+    if let Err(e) = calls.give_back_ahead(endpoint, ask, generation, n).await {
+        tracing::debug!(endpoint, error = %e, "could not give back tokens held ahead");
+    }
 }
 
 /// Hands a lane's queue to a task when the call that opened it ends.
@@ -135,7 +217,7 @@ async fn drain(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, first: 
     let mut batch = first;
     loop {
         let asks: Vec<Ask> = batch.iter().map(|w| w.ask).collect();
-        match calls.acquire(&endpoint, &asks).await {
+        match call(&calls, &lanes, &endpoint, &asks).await {
             Ok(outcomes) if outcomes.len() == batch.len() => {
                 for (w, outcome) in batch.into_iter().zip(outcomes) {
                     if w.reply.send(Ok(outcome)).is_err() {

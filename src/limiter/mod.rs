@@ -18,6 +18,7 @@
 mod batch;
 pub mod bucket;
 mod cooldowns;
+mod credit;
 pub mod fallback;
 pub mod lease;
 pub mod memory;

@@ -32,6 +32,7 @@ use tokio::time::Instant;
 use super::batch::{self, Lanes};
 use super::bucket::{Ask, Outcome, View};
 use super::cooldowns::{CooldownWatch, follow};
+use super::credit;
 use super::lease::{LeaseAsk, Leased};
 use super::per_thread::PerThread;
 use super::sentinel::SentinelConn;
@@ -353,7 +354,7 @@ impl RedisStore {
         };
         Ok(RedisStore {
             calls: Arc::new(calls),
-            lanes: Arc::default(),
+            lanes: Arc::new(Lanes::new(cfg.prefetch)),
             replica: format!(
                 "{:016x}",
                 std::hash::RandomState::new().hash_one(std::process::id())
@@ -459,15 +460,20 @@ impl Calls {
 
     /// One `acquire.lua` call deciding `asks` in order, as separate calls at one instant
     /// would. They share the first ask's rate, burst and recovery (one endpoint's policy).
+    ///
+    /// `ahead`: tokens wanted ahead (`store.prefetch`); the second value is how many
+    /// the script handed out (see `lua/acquire.lua`).
     pub(super) async fn acquire(
         &self,
         endpoint: &str,
         asks: &[Ask],
-    ) -> Result<Vec<Outcome>, StoreError> {
+        ahead: u32,
+    ) -> Result<(Vec<Outcome>, u32), StoreError> {
         let Some(first) = asks.first() else {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), 0));
         };
         let mut inv = self.invocation(&self.scripts.acquire, endpoint, first);
+        inv.arg(ahead).arg(micros(credit::LIFETIME));
         for ask in asks {
             inv.arg(ask.budget_us);
             match ask.held {
@@ -475,8 +481,15 @@ impl Calls {
                 None => inv.arg(""),
             };
         }
-        let f = fields(self.run(inv).await?, 4 * asks.len())?;
-        Ok(f.chunks_exact(4)
+        let f = fields(self.run(inv).await?, 4 * asks.len() + 1)?;
+        let got = f[4 * asks.len()];
+        if !(0.0..=f64::from(ahead)).contains(&got) {
+            return Err(StoreError::Protocol(format!(
+                "acquire handed out {got} tokens ahead, {ahead} were asked"
+            )));
+        }
+        let outcomes = f[..4 * asks.len()]
+            .chunks_exact(4)
             .map(|f| {
                 if f[0] == 1.0 {
                     Outcome::Granted {
@@ -490,7 +503,8 @@ impl Calls {
                     }
                 }
             })
-            .collect())
+            .collect();
+        Ok((outcomes, got as u32))
     }
 
     /// Runs one plain command (not a script), bounded and recorded like the scripts;
@@ -527,6 +541,19 @@ impl Calls {
     ) -> Result<(), StoreError> {
         let mut inv = self.invocation(&self.scripts.release, endpoint, ask);
         inv.arg(generation);
+        self.run::<Value>(inv).await.map(drop)
+    }
+
+    /// Gives back `n` tokens taken ahead of `generation` and never spent.
+    pub(super) async fn give_back_ahead(
+        &self,
+        endpoint: &str,
+        ask: &Ask,
+        generation: u64,
+        n: u32,
+    ) -> Result<(), StoreError> {
+        let mut inv = self.invocation(&self.scripts.release, endpoint, ask);
+        inv.arg(generation).arg(n).arg(1);
         self.run::<Value>(inv).await.map(drop)
     }
 }
@@ -599,6 +626,9 @@ impl BucketStore for RedisStore {
         throttled: bool,
     ) -> StoreFuture<'a, ()> {
         Box::pin(async move {
+            if throttled {
+                self.lanes.throttled(endpoint);
+            }
             let mut inv = self
                 .calls
                 .invocation(&self.calls.scripts.feedback, endpoint, &ask);

@@ -1,0 +1,230 @@
+//! Tokens a replica holds ahead (`store.prefetch`, Redis stores only).
+//!
+//! When a busy endpoint's batch goes out while its bucket is far from binding,
+//! `acquire.lua` may hand the replica a few tokens more than the batch asked for. The
+//! replica spends them on the next requests without a round trip, until [`LIFETIME`]
+//! after it *sent* the call (so never after the server's own end for them, which is
+//! counted from when the script ran). The script refills the bucket only up to
+//! `burst − tokens held ahead` while they may be spent, so the bucket and every replica's
+//! held tokens together never exceed the burst: no window sees more than
+//! `rate × W + burst`, exactly as without prefetching.
+//!
+//! Tokens still unspent at the end are given back (`release.lua`), so a burst that stops
+//! loses nothing; tokens of an endpoint that answered 429 are dropped (its cooldown
+//! voids them anyway).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::bucket::Ask;
+
+/// How long tokens taken ahead may be spent, from when their call was sent.
+pub(super) const LIFETIME: Duration = Duration::from_millis(5);
+/// At most this many tokens are asked ahead at once.
+const MOST: u32 = 256;
+/// A batch of `n` asks asks this many times `n` ahead.
+const PER_ASK: u32 = 4;
+
+/// What one endpoint holds ahead.
+struct Held {
+    /// Tokens left to spend.
+    left: u32,
+    /// How many were taken (the size of the next ask when these run out in time).
+    size: u32,
+    /// Spendable until then.
+    until: Instant,
+    /// The bucket generation they belong to (a cooldown voids them).
+    generation: u64,
+    /// The policy they were taken under: an ask under another (a reload) does not spend them.
+    policy: (f64, f64, f64),
+    /// Which grant this is, so a late expiry of an earlier one leaves it alone.
+    serial: u64,
+}
+
+/// Leftovers to give back: `(tokens, generation)`.
+pub(super) type Leftover = (u32, u64);
+
+/// Every endpoint's tokens held ahead by this replica.
+#[derive(Default)]
+pub(super) struct Credits {
+    held: Mutex<HashMap<Box<str>, Held>>,
+    serial: std::sync::atomic::AtomicU64,
+}
+
+fn policy_of(ask: &Ask) -> (f64, f64, f64) {
+    (ask.rate, ask.burst, ask.recovery_us)
+}
+
+impl Credits {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Held>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Spends one held token of `endpoint` for `ask`; its generation, or `None` when
+    /// none is left, they are over, or the ask is a confirmation or under another policy.
+    pub(super) fn spend(&self, endpoint: &str, ask: &Ask) -> Option<u64> {
+        if ask.held.is_some() {
+            return None;
+        }
+        let mut held = self.lock();
+        let h = held.get_mut(endpoint)?;
+        if h.left == 0 || Instant::now() >= h.until || h.policy != policy_of(ask) {
+            return None;
+        }
+        h.left -= 1;
+        Some(h.generation)
+    }
+
+    /// How many to ask ahead in a call for `batch` asks of `endpoint`: a batch of two or
+    /// more (concurrent demand), or an endpoint whose last tokens ran out before their
+    /// end (demand beyond them), asks ahead; a lone request on a quiet endpoint does not.
+    pub(super) fn wanted(&self, endpoint: &str, batch: usize) -> u32 {
+        let from_batch = if batch >= 2 {
+            PER_ASK.saturating_mul(u32::try_from(batch).unwrap_or(MOST))
+        } else {
+            0
+        };
+        let from_use = self
+            .lock()
+            .get(endpoint)
+            .filter(|h| h.left == 0 && Instant::now() < h.until)
+            .map_or(0, |h| h.size);
+        from_batch.max(from_use).min(MOST)
+    }
+
+    /// Keeps `n` tokens taken ahead by a call sent at `sent`. Returns the grant's serial
+    /// and its end (for [`expire`](Self::expire)), and any earlier leftovers that cannot
+    /// join them (over, or of another generation or policy) and must be given back now.
+    pub(super) fn keep(
+        &self,
+        endpoint: &str,
+        ask: &Ask,
+        n: u32,
+        generation: u64,
+        sent: Instant,
+    ) -> (u64, Instant, Option<Leftover>) {
+        let serial = self
+            .serial
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let until = sent + LIFETIME;
+        let policy = policy_of(ask);
+        let mut held = self.lock();
+        let mut left = n;
+        let mut leftover = None;
+        if let Some(old) = held.get(endpoint) {
+            let joins =
+                Instant::now() < old.until && old.generation == generation && old.policy == policy;
+            if joins {
+                // Still spendable: the script counted them in this grant's hold too.
+                left += old.left;
+            } else if old.left > 0 {
+                leftover = Some((old.left, old.generation));
+            }
+        }
+        held.insert(
+            endpoint.into(),
+            Held {
+                left,
+                size: left,
+                until,
+                generation,
+                policy,
+                serial,
+            },
+        );
+        (serial, until, leftover)
+    }
+
+    /// At the end of grant `serial`: removes it and returns what is left to give back
+    /// (`None` when a later grant replaced it or nothing is left).
+    pub(super) fn expire(&self, endpoint: &str, serial: u64) -> Option<Leftover> {
+        let mut held = self.lock();
+        if held.get(endpoint).is_none_or(|h| h.serial != serial) {
+            return None;
+        }
+        let h = held.remove(endpoint)?;
+        (h.left > 0).then_some((h.left, h.generation))
+    }
+
+    /// Forgets what `endpoint` holds (it answered 429: its cooldown voids them).
+    pub(super) fn drop_endpoint(&self, endpoint: &str) {
+        self.lock().remove(endpoint);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(rate: f64) -> Ask {
+        Ask {
+            rate,
+            burst: 100.0,
+            budget_us: 0.0,
+            recovery_us: 0.0,
+            held: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn held_tokens_are_spent_until_their_end_and_the_rest_comes_back() {
+        let c = Credits::default();
+        let sent = Instant::now();
+        let (serial, until, leftover) = c.keep("e", &ask(10.0), 3, 7, sent);
+        assert_eq!((until, leftover), (sent + LIFETIME, None));
+        assert_eq!(c.spend("e", &ask(10.0)), Some(7));
+        // Another policy (a reload) or a confirmation does not spend them.
+        assert_eq!(c.spend("e", &ask(11.0)), None);
+        let confirm = Ask {
+            held: Some(7),
+            ..ask(10.0)
+        };
+        assert_eq!(c.spend("e", &confirm), None);
+        tokio::time::advance(LIFETIME).await;
+        assert_eq!(c.spend("e", &ask(10.0)), None, "over at their end");
+        assert_eq!(c.expire("e", serial), Some((2, 7)), "two were never spent");
+        assert_eq!(c.expire("e", serial), None, "given back once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn demand_decides_how_many_are_asked_ahead() {
+        let c = Credits::default();
+        assert_eq!(c.wanted("e", 1), 0, "a lone request on a quiet endpoint");
+        assert_eq!(c.wanted("e", 3), 12);
+        assert_eq!(c.wanted("e", 1000), MOST);
+        let (_, _, _) = c.keep("e", &ask(10.0), 2, 0, Instant::now());
+        assert_eq!(c.wanted("e", 1), 0, "tokens left: no need yet");
+        c.spend("e", &ask(10.0)).unwrap();
+        c.spend("e", &ask(10.0)).unwrap();
+        assert_eq!(c.wanted("e", 1), 2, "ran out in time: ask as many again");
+        tokio::time::advance(LIFETIME).await;
+        assert_eq!(c.wanted("e", 1), 0, "demand is over");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_grant_joins_live_tokens_and_hands_back_stale_ones() {
+        let c = Credits::default();
+        let (first, _, _) = c.keep("e", &ask(10.0), 2, 1, Instant::now());
+        let (_, _, leftover) = c.keep("e", &ask(10.0), 3, 1, Instant::now());
+        assert_eq!(leftover, None);
+        assert_eq!(
+            c.expire("e", first),
+            None,
+            "replaced: its expiry leaves the new alone"
+        );
+        let mut spent = 0;
+        while c.spend("e", &ask(10.0)).is_some() {
+            spent += 1;
+        }
+        assert_eq!(spent, 5);
+        // A cooldown in between (another generation): the old ones go back, not along.
+        let (_, _, _) = c.keep("f", &ask(10.0), 2, 1, Instant::now());
+        let (_, _, leftover) = c.keep("f", &ask(10.0), 3, 2, Instant::now());
+        assert_eq!(leftover, Some((2, 1)));
+        c.drop_endpoint("f");
+        assert_eq!(c.spend("f", &ask(10.0)), None);
+    }
+}

@@ -1,0 +1,303 @@
+//! `store.prefetch`: replicas that take tokens ahead on a busy endpoint still keep every
+//! window within `rate × W + burst`, give back what they did not spend, and spare Redis
+//! most of its script calls while the endpoint is far from its limit.
+//!
+//! Real Redis servers on free ports, real time; bounds come from the contract, widened
+//! only by the longest store call the test itself measured (a grant is decided somewhere
+//! inside its call).
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sluice::config::{Backend, Config, OnError, Policy, StoreConfig};
+use sluice::limiter::redis::RedisStore;
+use sluice::limiter::{Ask, BucketStore, Outcome, StoreStats};
+use tokio::time::Instant;
+
+fn config(url: String, prefetch: bool) -> StoreConfig {
+    StoreConfig {
+        backend: Backend::Redis,
+        urls: vec![url],
+        timeout: Duration::from_millis(500),
+        on_error: OnError::Deny,
+        prefetch,
+        ..StoreConfig::default()
+    }
+}
+
+async fn store(server: &common::redis::RedisServer, prefetch: bool) -> Arc<RedisStore> {
+    Arc::new(
+        RedisStore::connect(&config(server.url(), prefetch), StoreStats::default())
+            .await
+            .unwrap(),
+    )
+}
+
+fn policy(rate: f64, burst: f64) -> Policy {
+    Policy {
+        rate,
+        burst,
+        adaptive: Config::parse("").unwrap().defaults.adaptive,
+        ..Policy::default()
+    }
+}
+
+/// Calls of any script Redis has run so far.
+fn evalsha_calls(server: &common::redis::RedisServer) -> u64 {
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|l| l.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// Two replicas, sixteen busy senders each, on one endpoint: first far from the limit
+/// (tokens taken ahead), then saturated. Every window of start times holds at most
+/// `rate × (W + longest call) + burst`, and the whole run at most `rate × T + burst`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_taking_tokens_ahead_never_exceed_rate_and_burst() {
+    let server = common::redis::RedisServer::start();
+    let replicas = [store(&server, true).await, store(&server, true).await];
+    let (rate, burst) = (400.0, 100.0);
+    let ask = Ask::new(&policy(rate, burst), 50_000.0, None);
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let longest = Arc::new(Mutex::new(Duration::ZERO));
+    let t0 = Instant::now();
+    let run = Duration::from_millis(1500);
+    let mut tasks = Vec::new();
+    for r in &replicas {
+        for _ in 0..16 {
+            let (store, starts, longest) = (Arc::clone(r), starts.clone(), longest.clone());
+            tasks.push(tokio::spawn(async move {
+                // Bounded: at most 2 000 asks per sender, and the run's end.
+                for _ in 0..2_000 {
+                    if t0.elapsed() >= run {
+                        break;
+                    }
+                    let asked = Instant::now();
+                    let outcome = store.acquire("ahead", ask).await.unwrap();
+                    let answered = Instant::now();
+                    {
+                        let mut l = longest.lock().unwrap();
+                        *l = (*l).max(answered - asked);
+                    }
+                    match outcome {
+                        Outcome::Granted { wait_us, .. } => {
+                            let start = answered + Duration::from_secs_f64(wait_us / 1e6);
+                            starts.lock().unwrap().push(start);
+                            tokio::time::sleep_until(start).await;
+                        }
+                        Outcome::Refused { retry_us, .. } => {
+                            tokio::time::sleep(Duration::from_secs_f64(retry_us / 1e6)).await;
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut starts = starts.lock().unwrap().clone();
+    starts.sort();
+    let lag = longest.lock().unwrap().as_secs_f64();
+    let span = starts.last().unwrap().duration_since(t0).as_secs_f64();
+    let n = starts.len() as f64;
+    println!(
+        "{n} starts over {span:.3} s; longest store call {:.1} ms",
+        lag * 1e3
+    );
+    // The whole run: everything the bucket had and made, and no more.
+    assert!(
+        n <= rate * (span + lag) + burst,
+        "{n} starts in {span:.3} s: more than rate × T + burst"
+    );
+    // Utilization: a saturated endpoint gets what the rate gives (half of it at least,
+    // whatever the machine's load: the bound that matters is the upper one).
+    assert!(
+        n >= burst + rate * span * 0.5,
+        "only {n} starts in {span:.3} s"
+    );
+    for w_ms in [50u64, 200, 500] {
+        let w = Duration::from_millis(w_ms);
+        let most = rate * (w.as_secs_f64() + lag) + burst;
+        let mut j = 0;
+        for i in 0..starts.len() {
+            while starts[j] + w < starts[i] {
+                j += 1;
+            }
+            let inside = (i - j + 1) as f64;
+            assert!(
+                inside <= most,
+                "{inside} starts within {w_ms} ms (at most {most:.1})"
+            );
+        }
+    }
+}
+
+/// Tokens taken ahead and never spent go back into the bucket at their end: a burst
+/// that stops loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unspent_tokens_held_ahead_come_back() {
+    let server = common::redis::RedisServer::start();
+    let s = store(&server, true).await;
+    // 1 token/s: refill during the test is a few tokens at most.
+    let p = policy(1.0, 1_000.0);
+    let ask = Ask::new(&p, 0.0, None);
+    let t0 = Instant::now();
+    let n = 40;
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move { s.acquire("back", ask).await.unwrap() })
+        })
+        .collect();
+    for t in tasks {
+        assert!(matches!(t.await.unwrap(), Outcome::Granted { .. }));
+    }
+    let tokens = || async { s.view("back", ask, None).await.unwrap().unwrap().tokens };
+    let held = tokens().await;
+    assert!(
+        held < 1_000.0 - f64::from(n) - 1.0,
+        "{n} concurrent acquires took nothing ahead ({held} tokens left)"
+    );
+    let expected = 1_000.0 - f64::from(n);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = tokens().await;
+        let refill = t0.elapsed().as_secs_f64();
+        assert!(
+            left <= expected + refill + 1e-6,
+            "{left} tokens: more than given"
+        );
+        if left >= expected - 1e-6 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{left} tokens, expected {expected}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A busy endpoint far from its limit: with prefetch, far fewer script calls for the
+/// same acquires than without (same server, same load, one after the other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetch_spares_script_calls_far_from_the_limit() {
+    let server = common::redis::RedisServer::start();
+    let p = policy(1e6, 1e6);
+    let ask = Ask::new(&p, 0.0, None);
+    let mut calls = Vec::new();
+    for prefetch in [false, true] {
+        let s = store(&server, prefetch).await;
+        // Load the script first (a cold Redis answers NOSCRIPT to concurrent calls).
+        s.acquire("warm", ask).await.unwrap();
+        let before = evalsha_calls(&server);
+        let tasks: Vec<_> = (0..32)
+            .map(|_| {
+                let s = Arc::clone(&s);
+                tokio::spawn(async move {
+                    for _ in 0..100 {
+                        let o = s.acquire("busy", ask).await.unwrap();
+                        assert!(matches!(o, Outcome::Granted { wait_us: 0.0, .. }));
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        calls.push(evalsha_calls(&server) - before);
+        server.cli(&["DEL", "sluice:{busy}"]).unwrap();
+    }
+    println!(
+        "3200 acquires: {} script calls without prefetch, {} with",
+        calls[0], calls[1]
+    );
+    assert!(
+        calls[1] * 2 < calls[0],
+        "prefetch: {} calls, without: {}",
+        calls[1],
+        calls[0]
+    );
+}
+
+/// An endpoint that answered 429 spends no token it held ahead: the feedback drops them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_endpoint_spends_no_token_held_ahead() {
+    let server = common::redis::RedisServer::start();
+    let s = store(&server, true).await;
+    let p = policy(1.0, 1_000.0);
+    let ask = Ask::new(&p, 0.0, None);
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move { s.acquire("429", ask).await.unwrap() })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let adaptive = p.adaptive.expect("adaptive by default");
+    s.feedback("429", ask, adaptive, Duration::from_secs(2), true)
+        .await
+        .unwrap();
+    match s.acquire("429", ask).await.unwrap() {
+        Outcome::Refused { cooldown, .. } => assert!(cooldown),
+        o => panic!("a token held ahead was spent during the cooldown: {o:?}"),
+    }
+}
+
+/// While replicas hold tokens ahead, the bucket refills only up to the burst minus what
+/// they hold; once their time is over, up to the burst again. The state is written
+/// straight into Redis, on its own clock, so the check does not depend on timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bucket_and_the_tokens_held_ahead_never_exceed_the_burst() {
+    let server = common::redis::RedisServer::start();
+    let s = store(&server, true).await;
+    let p = policy(1_000.0, 100.0);
+    let ask = Ask::new(&p, 0.0, None);
+    // Redis' clock in the scripts' unit: µs since 2023-11-14 (lua/bucket.lua).
+    let now_us = || {
+        let t = server.cli(&["TIME"]).unwrap();
+        let mut parts = t.lines().map(|l| l.trim().parse::<f64>().unwrap());
+        let (secs, micros) = (parts.next().unwrap(), parts.next().unwrap());
+        (secs - 1_700_000_000.0) * 1e6 + micros
+    };
+    let set = |held_until: f64| {
+        let now = now_us();
+        // 50 tokens a second ago at 1 000/s: a full refill is due; 40 held ahead.
+        let fields = [
+            ("tk", 50.0),
+            ("ts", now - 1e6),
+            ("dr", 0.0),
+            ("da", 0.0),
+            ("du", 0.0),
+            ("cu", 0.0),
+            ("g", 0.0),
+            ("th", 0.0),
+            ("fs", 0.0),
+            ("cr", 40.0),
+            ("ce", held_until),
+        ];
+        let mut args = vec!["HSET".to_owned(), "sluice:{held}".to_owned()];
+        for (k, v) in fields {
+            args.push(k.to_owned());
+            args.push(format!("{v}"));
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        server.cli(&args).unwrap();
+        now
+    };
+    let tokens = || async { s.view("held", ask, None).await.unwrap().unwrap().tokens };
+    let now = set(0.0);
+    set(now + 60e6);
+    assert_eq!(tokens().await, 60.0, "refilled past burst − held ahead");
+    // Their time over: the cap is the burst again.
+    set(now_us() - 1.0);
+    assert_eq!(tokens().await, 100.0);
+}
