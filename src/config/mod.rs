@@ -703,6 +703,13 @@ mod tests {
         assert_eq!(c.store.backend, Backend::Memory);
         assert_eq!(c.store.timeout, Duration::from_millis(100));
         assert_eq!(c.store.on_error, OnError::Local);
+        assert!(!c.store.prefetch, "taking tokens ahead is opt-in");
+        assert!(
+            Config::parse("[store]\nprefetch = true")
+                .unwrap()
+                .store
+                .prefetch
+        );
         assert_eq!(*c.defaults, Policy::default());
         assert_eq!(c.unknown, UnknownEndpoints::Default);
         assert!(!c.tls.intercept && !c.security.allow_private_destinations);
@@ -781,6 +788,7 @@ mod tests {
             ),
             ("[store]\nurls = [\"http://x/\"]", "store.urls"),
             ("[store]\non_error = \"panic\"", "store.on_error"),
+            ("[store]\nprefetch = \"yes\"", "store.prefetch"),
             (
                 "[store]\nfallback_min_replicas = 0",
                 "store.fallback_min_replicas",
