@@ -760,8 +760,8 @@ async fn redis_killed_under_load_each_replica_falls_back_to_its_share() {
 }
 
 /// Acquires sluice asked for, from a MONITOR log: (reservations, confirmations, script
-/// calls). An acquire call is `EVALSHA <acquire sha> 1 key rate burst recovery` followed
-/// by one `budget held` pair per ask (several when concurrent asks were batched); a
+/// calls). An acquire call is `EVALSHA <acquire sha> 1 key rate burst recovery ahead
+/// ahead_us` followed by one `budget held` pair per ask (several when concurrent asks were batched); a
 /// confirmation carries a held generation, a reservation `""`.
 fn acquires(monitor: &str) -> (usize, usize, usize) {
     let sha = redis::Script::new(concat!(
@@ -782,7 +782,7 @@ fn acquires(monitor: &str) -> (usize, usize, usize) {
             continue;
         }
         calls.2 += 1;
-        for pair in words[7..].chunks(2) {
+        for pair in words[9..].chunks(2) {
             if pair.get(1) == Some(&"\"\"") {
                 calls.0 += 1;
             } else {
