@@ -162,6 +162,10 @@ pub async fn serve<I, S, B>(
             .timer(TokioTimer::new())
             .header_read_timeout(timeouts.header_read)
             .max_buf_size(MAX_HEAD_BYTES)
+            // One flat buffer per write instead of an iovec per piece: webhook heads
+            // and bodies are small, and copying them is cheaper than a vectored write
+            // (A/B in docs/BENCHMARKS.md: about 1 µs of CPU per request).
+            .writev(false)
             .keep_alive(true)
             .serve_connection(io, svc)
             .with_upgrades();

@@ -336,7 +336,10 @@ impl Forwarder {
             .await
             .map_err(|e| classify(&*e, true))?;
         let io = connector.call(uri).await.map_err(|e| classify(&*e, true))?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(io)
+        // Flat writes, as on the sender side (src/conn.rs).
+        let (sender, conn) = hyper::client::conn::http1::Builder::new()
+            .writev(false)
+            .handshake(io)
             .await
             .map_err(|e| classify(&e, true))?;
         tokio::spawn(async move {
