@@ -2,7 +2,10 @@
 //! plain HTTP through sluice | intercepted HTTPS over kept-alive tunnels | intercepted
 //! HTTPS with a fresh tunnel and handshake per request.
 //!
-//! `cargo build --release --bin sluice --example tls_bench && target/release/examples/tls_bench [SECONDS]`
+//! `cargo build --release --bin sluice --example tls_bench && target/release/examples/tls_bench [SECONDS [ROUNDS]]`
+//!
+//! Rounds (default 3) are interleaved with the order rotated; each row is its scenario's
+//! median round, and the ratio compares medians.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -104,6 +107,11 @@ async fn main() -> Result<(), BoxError> {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(5);
+    let rounds: usize = std::env::args()
+        .nth(2)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3)
+        .max(1);
     let dir = tempfile_dir()?;
     let sluice_ca = sluice::tls::generate_ca(&dir.join("sluice-ca"))?;
     let up_ca = sluice::tls::generate_ca(&dir.join("up-ca"))?;
@@ -166,41 +174,35 @@ async fn main() -> Result<(), BoxError> {
             .build()
             .unwrap()
     };
-    let rows = [
-        (
-            "plain HTTP via sluice (keep-alive)",
-            load(
-                http_client,
-                format!("http://127.0.0.1:{plain_port}/"),
-                32,
-                secs,
-                false,
-            )
-            .await,
-        ),
-        (
-            "intercepted HTTPS (keep-alive tunnel)",
-            load(
-                tls_client.clone(),
-                format!("https://localhost:{tls_port}/"),
-                32,
-                secs,
-                false,
-            )
-            .await,
-        ),
-        (
-            "intercepted HTTPS, fresh tunnel + handshake",
-            load(
-                tls_client,
-                format!("https://localhost:{tls_port}/"),
-                8,
-                secs,
-                true,
-            )
-            .await,
-        ),
+    // Interleaved rounds, the order rotated each round: noise on a shared machine hits
+    // every scenario alike; each scenario reports its median round.
+    let names = [
+        "plain HTTP via sluice (keep-alive)",
+        "intercepted HTTPS (keep-alive tunnel)",
+        "intercepted HTTPS, fresh tunnel + handshake",
     ];
+    let plain_url = format!("http://127.0.0.1:{plain_port}/");
+    let tls_url = format!("https://localhost:{tls_port}/");
+    let mut runs: [Vec<(f64, Duration, Duration)>; 3] = Default::default();
+    for round in 0..rounds {
+        for k in 0..3 {
+            let i = (k + round) % 3;
+            let r = match i {
+                0 => load(http_client.clone(), plain_url.clone(), 32, secs, false).await,
+                1 => load(tls_client.clone(), tls_url.clone(), 32, secs, false).await,
+                _ => load(tls_client.clone(), tls_url.clone(), 8, secs, true).await,
+            };
+            runs[i].push(r);
+        }
+    }
+    let rows: Vec<(&str, (f64, Duration, Duration))> = names
+        .iter()
+        .zip(runs)
+        .map(|(name, mut r)| {
+            r.sort_by(|a, b| a.0.total_cmp(&b.0));
+            (*name, r[r.len() / 2])
+        })
+        .collect();
     let base = rows[0].1.0;
     println!("| scenario | req/s | p50 | p99 | req/s vs plain HTTP |\n|---|---|---|---|---|");
     for (name, (rps, p50, p99)) in rows {

@@ -122,6 +122,18 @@ pub struct Timeouts {
     pub idle: Duration,
 }
 
+/// How HTTP/1.1 answers are written to the socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Writes {
+    /// One flat buffer per write: cheaper than an iovec per piece on plain TCP, where
+    /// webhook heads and bodies are small (about 1 µs of CPU per request,
+    /// docs/BENCHMARKS.md).
+    Flat,
+    /// hyper's default (vectored when the stream supports it): under TLS, flat writes
+    /// cost intercepted HTTPS a fifth of its throughput in the same A/B.
+    Default,
+}
+
 /// Serves one connection until it closes, stays idle longer than `timeouts.idle`, or
 /// shutdown asks it to finish its in-flight work: HTTP/1.1 (with CONNECT upgrades) for
 /// `Version::HTTP_11`, HTTP/2 for `Version::HTTP_2` (an intercepted tunnel whose sender
@@ -131,6 +143,7 @@ pub async fn serve<I, S, B>(
     svc: S,
     protocol: Version,
     timeouts: Timeouts,
+    writes: Writes,
     mut shutdown: watch::Receiver<bool>,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
@@ -158,14 +171,14 @@ pub async fn serve<I, S, B>(
             .serve_connection(io, svc);
         drive(conn, |c| c.graceful_shutdown(), idle, &mut shutdown).await;
     } else {
-        let conn = http1::Builder::new()
+        let mut builder = http1::Builder::new();
+        if writes == Writes::Flat {
+            builder.writev(false);
+        }
+        let conn = builder
             .timer(TokioTimer::new())
             .header_read_timeout(timeouts.header_read)
             .max_buf_size(MAX_HEAD_BYTES)
-            // One flat buffer per write instead of an iovec per piece: webhook heads
-            // and bodies are small, and copying them is cheaper than a vectored write
-            // (A/B in docs/BENCHMARKS.md: about 1 µs of CPU per request).
-            .writev(false)
             .keep_alive(true)
             .serve_connection(io, svc)
             .with_upgrades();

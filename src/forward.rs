@@ -336,9 +336,12 @@ impl Forwarder {
             .await
             .map_err(|e| classify(&*e, true))?;
         let io = connector.call(uri).await.map_err(|e| classify(&*e, true))?;
-        // Flat writes, as on the sender side (src/conn.rs).
-        let (sender, conn) = hyper::client::conn::http1::Builder::new()
-            .writev(false)
+        // Flat writes on plain TCP, hyper's default under TLS (see `conn::Writes`).
+        let mut builder = hyper::client::conn::http1::Builder::new();
+        if !key.https {
+            builder.writev(false);
+        }
+        let (sender, conn) = builder
             .handshake(io)
             .await
             .map_err(|e| classify(&e, true))?;

@@ -731,7 +731,8 @@ impl Intercepted {
             idle: cfg.proxy.idle_timeout,
         };
         let stop = self.app.lifecycle.signal();
-        crate::conn::serve(TokioIo::new(tls), svc, protocol, timeouts, stop).await;
+        let writes = crate::conn::Writes::Default;
+        crate::conn::serve(TokioIo::new(tls), svc, protocol, timeouts, writes, stop).await;
     }
 }
 

@@ -18,7 +18,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
-use crate::conn::{ConnSlot, Timeouts, serve, until_down};
+use crate::conn::{ConnSlot, Timeouts, Writes, serve, until_down};
 use crate::core::App;
 use crate::proxy::Conn;
 use crate::workers::Workers;
@@ -111,6 +111,7 @@ async fn accept_proxy(
                 svc,
                 Version::HTTP_11,
                 timeouts,
+                Writes::Flat,
                 signal,
             )
         },
@@ -142,6 +143,7 @@ async fn accept_admin(app: &Arc<App>, listener: TcpListener, stop: watch::Receiv
                     svc,
                     Version::HTTP_11,
                     ADMIN_TIMEOUTS,
+                    Writes::Flat,
                     signal,
                 )
                 .await
