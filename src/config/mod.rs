@@ -705,7 +705,7 @@ mod tests {
         assert_eq!(c.store.on_error, OnError::Local);
         assert!(!c.store.prefetch, "taking tokens ahead is opt-in");
         assert!(
-            Config::parse("[store]\nprefetch = true")
+            Config::parse("[store]\nbackend = \"redis\"\nprefetch = true")
                 .unwrap()
                 .store
                 .prefetch
@@ -789,6 +789,7 @@ mod tests {
             ("[store]\nurls = [\"http://x/\"]", "store.urls"),
             ("[store]\non_error = \"panic\"", "store.on_error"),
             ("[store]\nprefetch = \"yes\"", "store.prefetch"),
+            ("[store]\nprefetch = true", "store.prefetch"),
             (
                 "[store]\nfallback_min_replicas = 0",
                 "store.fallback_min_replicas",

@@ -212,7 +212,7 @@ impl Reader<'_> {
             tls,
             sentinel_master,
             fallback_min_replicas: self.count(t, p, "fallback_min_replicas", 1),
-            prefetch: self.boolean(t, p, "prefetch", false),
+            prefetch: self.prefetch(t, backend),
             backend,
             urls,
             key_prefix: self
@@ -276,6 +276,21 @@ impl Reader<'_> {
             }
             (_, None) => None,
         }
+    }
+
+    /// `prefetch`: Redis backends only (the memory store has no round trip to spare).
+    fn prefetch(&mut self, t: &Table<'_>, backend: Backend) -> bool {
+        let on = self.boolean(t, "store", "prefetch", false);
+        if on && backend == Backend::Memory {
+            let at = t.get("prefetch").map_or(0, |v| v.span().start);
+            self.issue(
+                at,
+                "store.prefetch",
+                "only used with a Redis backend (\"redis\", \"redis-cluster\", \"redis-sentinel\")"
+                    .into(),
+            );
+        }
+        on
     }
 
     /// `tls_ca_file`, `tls_cert_file`, `tls_key_file`: paths only (their contents are
