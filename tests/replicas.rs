@@ -321,6 +321,40 @@ async fn three_replicas_on_one_redis_never_overdraw() {
     .await;
 }
 
+/// `store.prefetch` on, end to end: a burst big enough that the replicas first take
+/// tokens ahead, then a saturated endpoint. Arrivals at the upstream stay within
+/// `rate·W + burst` in every window, each request arrives exactly once, and the rate is
+/// used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_taking_tokens_ahead_never_overdraw() {
+    let redis = common::redis::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\nprefetch = true\n",
+        redis.url()
+    );
+    let (rate, burst) = (200.0, 600.0);
+    let policy = format!("[defaults]\nrate = {rate:.1}\nburst = {burst:.1}\nmax_wait = \"30s\"\n");
+    let rs = replicas(&store, &policy, 3).await;
+    let up = Upstream::start().await;
+    let sent = load(&rs, &up, &["ahead"], 48, 25).await;
+    let times = times_of(&up, "ahead");
+    assert_eq!(
+        times.len(),
+        sent,
+        "every granted request arrived exactly once"
+    );
+    assert_no_overdraw(&times, rate, burst);
+    let achieved = sustained_rate(&times, burst as usize);
+    eprintln!(
+        "3 replicas with prefetch: {:.1}% of {rate}/s",
+        achieved / rate * 100.0
+    );
+    assert!(achieved >= 0.95 * rate, "{achieved:.1}/s");
+    for r in rs {
+        r.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_a_redis_cluster_never_overdraw() {
     let cluster = common::redis::RedisCluster::start();
