@@ -616,7 +616,8 @@ pub struct Monitor {
 }
 
 impl Monitor {
-    fn text(&self) -> String {
+    /// What it has logged so far.
+    pub fn text(&self) -> String {
         std::fs::read_to_string(self.file.path()).unwrap_or_default()
     }
 
