@@ -2,7 +2,8 @@
 # Store benchmark, side by side in one run on one private Redis:
 #   redis-benchmark EVALSHA of the acquire script, lua/bucket.lua + lua/acquire.lua (the raw ceiling) | sluice's RedisStore API
 # Both issue "acquire" decisions over 10 000 endpoints with 64 concurrent callers; sluice
-# also on one endpoint, where concurrent asks share script calls (src/limiter/batch.rs).
+# also on one endpoint, where concurrent asks share script calls (src/limiter/batch.rs),
+# with and without store.prefetch (tokens taken ahead, src/limiter/credit.rs).
 # Usage: bench/store.sh [--write]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,8 @@ CEIL1=$(ceiling 1)
 CEIL=$(ceiling 16)
 OURS=$(target/release/examples/store_bench "redis://127.0.0.1:$RP/" "$SECS" 64)
 ONE=$(target/release/examples/store_bench "redis://127.0.0.1:$RP/" "$SECS" 64 1)
+AHEAD=$(target/release/examples/store_bench "redis://127.0.0.1:$RP/" "$SECS" 64 1 prefetch)
+RATIO_AHEAD=$(python3 -c "print(f'{$AHEAD/$CEIL:.2f}')")
 RATIO=$(python3 -c "print(f'{$OURS/$CEIL:.2f}')")
 RATIO_ONE=$(python3 -c "print(f'{$ONE/$CEIL:.2f}')")
 RATIO1=$(python3 -c "print(f'{$CEIL1/$CEIL:.2f}')")
@@ -35,7 +38,8 @@ TABLE="| path | decisions/s | ratio to ceiling |
 | redis-benchmark EVALSHA, 64 conns, pipeline 16 (ceiling) | $CEIL | 1.00 |
 | redis-benchmark EVALSHA, 64 conns, no pipelining | $CEIL1 | $RATIO1 |
 | sluice RedisStore::acquire, 64 concurrent callers, 10 000 endpoints | $OURS | $RATIO |
-| sluice RedisStore::acquire, 64 concurrent callers, 1 endpoint (batched calls) | $ONE | $RATIO_ONE |"
+| sluice RedisStore::acquire, 64 concurrent callers, 1 endpoint (batched calls) | $ONE | $RATIO_ONE |
+| sluice RedisStore::acquire, 64 concurrent callers, 1 endpoint, store.prefetch on | $AHEAD | $RATIO_AHEAD |"
 echo "$TABLE"
 if [ "${1:-}" = "--write" ]; then
   python3 - "$TABLE" "$(nproc)" <<'PY'

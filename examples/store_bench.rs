@@ -1,7 +1,7 @@
 //! Decisions per second through sluice's Redis store API (many endpoints, high
 //! concurrency), for comparison with `redis-benchmark`'s EVALSHA ceiling.
 //!
-//! `cargo run --release --example store_bench -- redis://127.0.0.1:PORT/ SECONDS CONCURRENCY [ENDPOINTS]`
+//! `cargo run --release --example store_bench -- redis://127.0.0.1:PORT/ SECONDS CONCURRENCY [ENDPOINTS [prefetch]]`
 //!
 //! With one endpoint every caller contends for one bucket, and the store sends the asks
 //! that queue behind an in-flight call together (one script call per batch).
@@ -23,12 +23,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let secs: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
     let concurrency: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(64);
     let endpoints: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let prefetch = args.next().as_deref() == Some("prefetch");
     let cfg = StoreConfig {
         backend: Backend::Redis,
         urls: vec![url],
         key_prefix: "bench:".into(),
         timeout: Duration::from_secs(2),
         on_error: OnError::Deny,
+        prefetch,
         ..StoreConfig::default()
     };
     let store = Arc::new(RedisStore::connect(&cfg, StoreStats::default()).await?);
