@@ -44,16 +44,6 @@ fn policy(rate: f64, burst: f64) -> Policy {
     }
 }
 
-/// Calls of any script Redis has run so far.
-fn evalsha_calls(server: &common::redis::RedisServer) -> u64 {
-    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
-    stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|l| l.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 /// Two replicas, sixteen busy senders each, on one endpoint: first far from the limit
 /// (tokens taken ahead), then saturated. Every window of start times holds at most
 /// `rate × (W + longest call) + burst`, and the whole run at most `rate × T + burst`.
@@ -184,26 +174,6 @@ async fn unspent_tokens_held_ahead_come_back() {
     }
 }
 
-/// Asks Redis decided, from a MONITOR log: one per `budget held` pair of each
-/// `acquire.lua` call (`EVALSHA sha 1 key rate burst recovery ahead ahead_us pairs…`).
-fn asks_decided(monitor: &str) -> usize {
-    let sha = redis::Script::new(concat!(
-        include_str!("../lua/bucket.lua"),
-        include_str!("../lua/acquire.lua")
-    ))
-    .get_hash()
-    .to_owned();
-    let quoted = format!("\"{sha}\"");
-    monitor
-        .lines()
-        .filter(|l| !l.contains("lua]"))
-        .filter_map(|l| l.split_once("] ").map(|(_, c)| c))
-        .map(|c| c.split_whitespace().collect::<Vec<_>>())
-        .filter(|w| w.first() == Some(&"\"EVALSHA\"") && w.get(1) == Some(&quoted.as_str()))
-        .map(|w| w.len().saturating_sub(9) / 2)
-        .sum()
-}
-
 /// A busy endpoint far from its limit: with prefetch, part of the acquires are answered
 /// from tokens held ahead and never reach Redis; without, every one does. (How many
 /// calls that spares depends on the machine's load against the 5 ms lifetime: about
@@ -219,7 +189,7 @@ async fn prefetch_spares_script_calls_far_from_the_limit() {
         let s = store(&server, prefetch).await;
         // Load the script first (a cold Redis answers NOSCRIPT to concurrent calls).
         s.acquire("warm", ask).await.unwrap();
-        let before = evalsha_calls(&server);
+        let before = common::redis::evalsha_calls(&server);
         let monitor = server.monitor();
         let tasks: Vec<_> = (0..32)
             .map(|_| {
@@ -235,13 +205,14 @@ async fn prefetch_spares_script_calls_far_from_the_limit() {
         for t in tasks {
             t.await.unwrap();
         }
-        let calls = evalsha_calls(&server) - before;
+        let calls = common::redis::evalsha_calls(&server) - before;
         // Every command so far is in the log once a marker sent after them is.
         server.cli(&["ECHO", "load-done"]).unwrap();
         common::redis::wait_until("MONITOR caught up", Duration::from_secs(10), || {
             monitor.text().contains("load-done")
         });
-        let asks = asks_decided(&monitor.stop());
+        let (reserved, confirmed, _) = common::redis::acquires(&monitor.stop());
+        let asks = reserved + confirmed;
         println!(
             "{n} acquires, prefetch {prefetch}: {calls} script calls, {asks} asks decided by Redis"
         );

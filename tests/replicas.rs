@@ -793,40 +793,6 @@ async fn redis_killed_under_load_each_replica_falls_back_to_its_share() {
     }
 }
 
-/// Acquires sluice asked for, from a MONITOR log: (reservations, confirmations, script
-/// calls). An acquire call is `EVALSHA <acquire sha> 1 key rate burst recovery ahead
-/// ahead_us` followed by one `budget held` pair per ask (several when concurrent asks were batched); a
-/// confirmation carries a held generation, a reservation `""`.
-fn acquires(monitor: &str) -> (usize, usize, usize) {
-    let sha = redis::Script::new(concat!(
-        include_str!("../lua/bucket.lua"),
-        include_str!("../lua/acquire.lua")
-    ))
-    .get_hash()
-    .to_owned();
-    let mut calls = (0, 0, 0);
-    for line in monitor.lines().filter(|l| !l.contains("lua]")) {
-        let Some(cmd) = line.split_once("] ").map(|(_, c)| c) else {
-            continue;
-        };
-        let words: Vec<&str> = cmd.split_whitespace().collect();
-        if words.first() != Some(&"\"EVALSHA\"")
-            || words.get(1) != Some(&format!("\"{sha}\"").as_str())
-        {
-            continue;
-        }
-        calls.2 += 1;
-        for pair in words[9..].chunks(2) {
-            if pair.get(1) == Some(&"\"\"") {
-                calls.0 += 1;
-            } else {
-                calls.1 += 1;
-            }
-        }
-    }
-    calls
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn saturated_waiters_cost_one_store_call_per_grant() {
     let redis = common::redis::RedisServer::start();
@@ -853,7 +819,7 @@ async fn saturated_waiters_cost_one_store_call_per_grant() {
     let monitor = redis.monitor();
     // 3 replicas × 50 waiters, one request each, all queued at once.
     let sent = load(&rs, &up, &["calls"], 150, 1).await;
-    let (reserve, confirm, calls) = acquires(&monitor.stop());
+    let (reserve, confirm, calls) = common::redis::acquires(&monitor.stop());
     let per_grant = (reserve + confirm) as f64 / sent as f64;
     eprintln!(
         "3 replicas × 50 waiters: {reserve} reservations + {confirm} confirmations for {sent} \

@@ -76,29 +76,20 @@ fn memory() -> Subject {
 }
 
 async fn redis() -> Subject {
-    let server = common::redis::RedisServer::start();
-    let store = RedisStore::connect(
-        &store_config(Backend::Redis, vec![server.url()]),
-        StoreStats::default(),
-    )
-    .await
-    .unwrap();
-    Subject {
-        store: Arc::new(store),
-        clock: Clock::Real,
-        single: Some(server),
-        cluster: None,
-        sentinel: None,
-    }
+    single_redis(false).await
 }
 
 /// A single Redis with `store.prefetch` on: every behaviour above must hold unchanged
 /// (tokens are taken ahead only far from the limit, which these tests are not).
 async fn redis_prefetch() -> Subject {
+    single_redis(true).await
+}
+
+async fn single_redis(prefetch: bool) -> Subject {
     let server = common::redis::RedisServer::start();
     let store = RedisStore::connect(
         &StoreConfig {
-            prefetch: true,
+            prefetch,
             ..store_config(Backend::Redis, vec![server.url()])
         },
         StoreStats::default(),
@@ -658,16 +649,6 @@ every_store!(
     concurrent_acquires_decide_as_back_to_back_calls,
 );
 
-/// Calls of the acquire script Redis has run so far.
-fn evalsha_calls(server: &common::redis::RedisServer) -> u64 {
-    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
-    stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|l| l.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 /// Acquires that queue while one is in flight for their endpoint go to Redis together:
 /// far fewer script calls than requests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -678,7 +659,7 @@ async fn concurrent_acquires_share_script_calls() {
     let ask = Ask::new(&p, 1e6, None);
     // Load the script first (a cold Redis answers NOSCRIPT to every concurrent call).
     s.store.acquire("shared", ask).await.unwrap();
-    let before = evalsha_calls(server);
+    let before = common::redis::evalsha_calls(server);
     let n = 200;
     let tasks: Vec<_> = (0..n)
         .map(|_| {
@@ -689,7 +670,7 @@ async fn concurrent_acquires_share_script_calls() {
     for t in tasks {
         assert!(matches!(t.await.unwrap(), Outcome::Granted { .. }));
     }
-    let calls = evalsha_calls(server) - before;
+    let calls = common::redis::evalsha_calls(server) - before;
     println!("{n} concurrent acquires: {calls} script calls");
     assert!(calls < n / 2, "{calls} script calls for {n} acquires");
 }

@@ -633,3 +633,47 @@ impl Monitor {
         }
     }
 }
+
+/// Calls of any script (`EVALSHA`) `server` has run so far, from `INFO commandstats`.
+pub fn evalsha_calls(server: &RedisServer) -> u64 {
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|l| l.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// What `acquire.lua` calls asked Redis, from a MONITOR log:
+/// `(reservations, confirmations, script calls)`. A call is `EVALSHA <acquire sha> 1 key
+/// rate burst recovery ahead ahead_us` followed by one `budget held` pair per ask
+/// (several when concurrent asks were batched); a confirmation carries a held
+/// generation, a reservation `""`.
+pub fn acquires(monitor: &str) -> (usize, usize, usize) {
+    let sha = redis::Script::new(concat!(
+        include_str!("../../lua/bucket.lua"),
+        include_str!("../../lua/acquire.lua")
+    ))
+    .get_hash()
+    .to_owned();
+    let quoted = format!("\"{sha}\"");
+    let mut calls = (0, 0, 0);
+    for line in monitor.lines().filter(|l| !l.contains("lua]")) {
+        let Some(cmd) = line.split_once("] ").map(|(_, c)| c) else {
+            continue;
+        };
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        if words.first() != Some(&"\"EVALSHA\"") || words.get(1) != Some(&quoted.as_str()) {
+            continue;
+        }
+        calls.2 += 1;
+        for pair in words[9..].chunks(2) {
+            if pair.get(1) == Some(&"\"\"") {
+                calls.0 += 1;
+            } else {
+                calls.1 += 1;
+            }
+        }
+    }
+    calls
+}
