@@ -268,7 +268,10 @@ impl Forwarder {
         };
         let generation = self.generation.load(Ordering::SeqCst);
         let sender = match affinity.plan(&key, generation) {
-            Plan::Pool => return Box::pin(self.send(req)).await,
+            Plan::Pool => {
+                let pooled = Box::pin(self.send(req));
+                return pooled.await;
+            }
             Plan::Reuse(sender) => Some(sender),
             Plan::Open => None,
         };
@@ -306,11 +309,17 @@ impl Forwarder {
                 Ok(resp) => return Ok((resp, sender)),
                 Err(mut e) => match e.take_message() {
                     // Never written: the kept-alive connection had closed.
-                    Some(req) => (Box::pin(self.open(key)).await?, req),
+                    Some(req) => {
+                        let opening = Box::pin(self.open(key));
+                        (opening.await?, req)
+                    }
                     None => return Err(classify(e.error(), false)),
                 },
             },
-            None => (Box::pin(self.open(key)).await?, req),
+            None => {
+                let opening = Box::pin(self.open(key));
+                (opening.await?, req)
+            }
         };
         match sender.send_request(req).await {
             Ok(resp) => Ok((resp, sender)),

@@ -161,10 +161,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
     let result = if method == Method::CONNECT && conn.tunnel.is_none() {
         // Boxed: a tunnel's set-up is rare and its future large; every plain request
         // would otherwise carry (and copy) its size.
-        Box::pin(connect(&app, req, &conn, &mut trace)).await
+        let connecting = Box::pin(connect(&app, req, &conn, &mut trace));
+        connecting.await
     } else {
         // Boxed once here rather than copied whole at every hand-over on the way in.
-        Box::pin(forward_request(&app, req, &conn, &mut trace)).await
+        let forwarding = Box::pin(forward_request(&app, req, &conn, &mut trace));
+        forwarding.await
     };
     match result {
         Ok(resp) => {
@@ -222,9 +224,8 @@ async fn admission(
         .check_host(&target.host)
         .map_err(|d| denied(d.into()))?;
     let addrs = if resolve_dns {
-        Box::pin(app.forwarder.resolve(&target.host, target.port))
-            .await
-            .map_err(|e| denied(upstream_error(e)))?
+        let resolving = Box::pin(app.forwarder.resolve(&target.host, target.port));
+        resolving.await.map_err(|e| denied(upstream_error(e)))?
     } else {
         Vec::new()
     };
@@ -246,7 +247,8 @@ async fn admission(
             (grant, FORWARDED, slot)
         }
         Mode::Shadow => {
-            let (grant, outcome) = Box::pin(shadow(app, &ep)).await;
+            let shadowing = Box::pin(shadow(app, &ep));
+            let (grant, outcome) = shadowing.await;
             (grant, outcome, None)
         }
     };
@@ -320,9 +322,8 @@ async fn enforce(
     let labels = EndpointLabels {
         endpoint: label.clone(),
     };
-    let admitted = Box::pin(app.limiter.admit_queued(&ep.id, &ep.policy, place))
-        .await
-        .map_err(|r| refusal(ep, r))?;
+    let queued = Box::pin(app.limiter.admit_queued(&ep.id, &ep.policy, place));
+    let admitted = queued.await.map_err(|r| refusal(ep, r))?;
     let mut slot = admitted.slot;
     if let Some(s) = &mut slot {
         s.track(app.metrics.in_flight.get_or_create(&labels).clone());
@@ -375,9 +376,8 @@ async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who,
     let from_user = rt.resolver.uses_proxy_user();
     match &rt.users {
         Some(users) => {
-            let id = Box::pin(users.authenticate(headers))
-                .await
-                .map_err(|_| ProxyError::ProxyAuthRequired)?;
+            let checking = Box::pin(users.authenticate(headers));
+            let id = checking.await.map_err(|_| ProxyError::ProxyAuthRequired)?;
             let endpoint_hint = id
                 .endpoint
                 .as_deref()
@@ -438,13 +438,14 @@ async fn forward_request(
     parts.uri = uri;
     parts.version = Version::HTTP_11;
     let sent = tokio::time::Instant::now();
-    let resp = match app
-        .forwarder
-        .send_via(&conn.upstream, Request::from_parts(parts, body))
-        .await
-    {
+    let req = Request::from_parts(parts, body);
+    let sending = app.forwarder.send_via(&conn.upstream, req);
+    let resp = match sending.await {
         Ok(r) => r,
-        Err(e) => return Err(Box::pin(after_admission(app, &admitted, e)).await),
+        Err(e) => {
+            let failing = Box::pin(after_admission(app, &admitted, e));
+            return Err(failing.await);
+        }
     };
     trace.upstream = Some(sent.elapsed());
     trace.status = Some(resp.status().as_u16());
@@ -459,15 +460,15 @@ async fn forward_request(
     app.metrics.upstream_code(&label, resp.status().as_u16());
     app.metrics.outcome(&label, outcome);
     if let Some(adaptive) = ep.policy.adaptive {
-        Box::pin(observe(
+        let observing = Box::pin(observe(
             app,
             &ep,
             &label,
             &adaptive,
             resp.status(),
             resp.headers(),
-        ))
-        .await;
+        ));
+        observing.await;
     }
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
