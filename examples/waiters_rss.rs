@@ -1,6 +1,7 @@
-//! Memory per waiting request: starts the sluice binary (memory store, 1 token/s, long
-//! `max_wait`), parks N requests on one endpoint (one connection each), and reads the
-//! process's resident set (`VmRSS`) before and after.
+//! Memory per waiting request: starts the sluice binary (memory store, one token per
+//! 1 000 s, a `max_wait` long enough for all N to wait), parks N requests on one endpoint
+//! (one connection each), and reads the process's resident set (`VmRSS`) before and
+//! after. It reports only once every request holds its reservation, and fails otherwise.
 //!
 //! `cargo build --release --bin sluice --example waiters_rss &&
 //!  target/release/examples/waiters_rss target/release/sluice 10000`
@@ -63,10 +64,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(&dir)?;
     let cfg = dir.join("sluice.toml");
     let mut f = std::fs::File::create(&cfg)?;
+    // The last of N waits N × 1 000 s: every one must fit in max_wait, or it is refused
+    // at once and the figure would count refused connections, not waiters.
+    let max_wait_h = (n as u64 + 1) * 1000 / 3600 + 1;
     write!(
         f,
         "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nworkers = 1\n\
-         [log]\ndecisions = false\n[defaults]\nrate = 0.001\nburst = 1.0\nmax_wait = \"1h\"\n\
+         [log]\ndecisions = false\n[defaults]\nrate = 0.001\nburst = 1.0\nmax_wait = \"{max_wait_h}h\"\n\
          [defaults.adaptive]\nenabled = false\n[security]\nallow_private_destinations = true\n"
     )?;
     let mut child = Command::new(&bin)
@@ -107,6 +111,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let waiting = -tokens(admin).await.unwrap_or(0.0);
+    if waiting < n as f64 - 0.5 {
+        let _ = child.kill();
+        return Err(format!("only {waiting:.0} of {n} requests are waiting").into());
     }
     let after = rss_kib(pid);
     let per = (after.saturating_sub(before)) as f64 * 1024.0 / n as f64;
