@@ -88,12 +88,6 @@ enum CaCommand {
     },
 }
 
-/// mimalloc: a proxy allocates and frees small buffers and header maps on every request,
-/// across worker threads; mimalloc's thread-local free lists make that cheaper than
-/// glibc's arenas (docs/BENCHMARKS.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logs(cli.log_format);
