@@ -42,14 +42,28 @@ pub struct Feedback {
 /// Longest pause any header may ask for before clamping (guards float conversions).
 const MAX_SECS: f64 = 365.0 * 86_400.0;
 
+/// Whether a response can carry anything for the limiter: a 429, a 503, or a header
+/// whose name holds `ratelimit` (every quota header read here does). One pass over the
+/// names, no hashing: this runs on every forwarded response.
+pub fn worth_reading(status: StatusCode, headers: &HeaderMap) -> bool {
+    status == StatusCode::TOO_MANY_REQUESTS
+        || status == StatusCode::SERVICE_UNAVAILABLE
+        || headers
+            .keys()
+            .any(|k| k.as_str().as_bytes().windows(9).any(|w| w == b"ratelimit"))
+}
+
 /// Reads a response; `None` when it carries nothing for the limiter (the common case:
-/// a 2xx without quota headers costs two header lookups).
+/// a 2xx without quota headers costs one pass over the header names).
 pub fn feedback(
     status: StatusCode,
     headers: &HeaderMap,
     now: SystemTime,
     policy: &CooldownPolicy,
 ) -> Option<Feedback> {
+    if !worth_reading(status, headers) {
+        return None;
+    }
     let clamp = |d: Duration| d.min(policy.max_cooldown);
     if status == StatusCode::TOO_MANY_REQUESTS {
         let pause = retry_after(headers, now)
@@ -214,6 +228,27 @@ mod tests {
 
     fn now() -> SystemTime {
         UNIX_EPOCH + Duration::from_secs(1_780_000_000)
+    }
+
+    /// The quick check in front of `feedback` never hides a header `feedback` reads.
+    #[test]
+    fn every_quota_header_is_worth_reading() {
+        let ok = StatusCode::OK;
+        let mut plain = HeaderMap::new();
+        plain.insert("content-type", HeaderValue::from_static("text/plain"));
+        plain.insert("x-rate", HeaderValue::from_static("1"));
+        assert!(!worth_reading(ok, &plain));
+        assert!(worth_reading(StatusCode::TOO_MANY_REQUESTS, &plain));
+        assert!(worth_reading(StatusCode::SERVICE_UNAVAILABLE, &plain));
+        for name in REMAINING.iter().chain(RESET.iter()).chain([&RATELIMIT]) {
+            let mut h = plain.clone();
+            h.insert(name.clone(), HeaderValue::from_static("0"));
+            assert!(worth_reading(ok, &h), "{name}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert("x-ratelimit-remaining", HeaderValue::from_static("0"));
+        h.insert("x-ratelimit-reset", HeaderValue::from_static("7"));
+        assert!(feedback(ok, &h, now(), &POLICY).is_some());
     }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {

@@ -144,7 +144,7 @@ pub async fn serve<I, S, B>(
     protocol: Version,
     timeouts: Timeouts,
     writes: Writes,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     S: Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
@@ -169,7 +169,7 @@ pub async fn serve<I, S, B>(
             .timer(TokioTimer::new())
             .max_header_list_size(MAX_HEAD_BYTES as u32)
             .serve_connection(io, svc);
-        drive(conn, |c| c.graceful_shutdown(), idle, &mut shutdown).await;
+        drive(conn, |c| c.graceful_shutdown(), idle, shutdown).await;
     } else {
         let mut builder = http1::Builder::new();
         if writes == Writes::Flat {
@@ -182,34 +182,84 @@ pub async fn serve<I, S, B>(
             .keep_alive(true)
             .serve_connection(io, svc)
             .with_upgrades();
-        drive(conn, |c| c.graceful_shutdown(), idle, &mut shutdown).await;
+        drive(conn, |c| c.graceful_shutdown(), idle, shutdown).await;
     }
 }
 
 /// Runs a served connection until it ends on its own (sender closed, error), goes idle,
 /// or shutdown begins; then `graceful` asks it to finish its in-flight work, and it is
 /// awaited.
+///
+/// Idleness and shutdown are watched by a task of their own, which raises a flag: the
+/// connection's task, woken for every read and write, then looks at one atomic instead
+/// of polling a timer and a watch channel each time (about 600 instructions per
+/// request, docs/BENCHMARKS.md).
 async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
     conn: C,
     graceful: impl FnOnce(Pin<&mut C>),
-    idle: impl Future<Output = ()>,
-    shutdown: &mut watch::Receiver<bool>,
+    idle: impl Future<Output = ()> + Send + 'static,
+    mut shutdown: watch::Receiver<bool>,
 ) {
+    let stop = Arc::new(Stop::default());
+    let watcher = tokio::spawn({
+        let stop = Arc::clone(&stop);
+        async move {
+            let why = tokio::select! {
+                _ = idle => Stop::IDLE,
+                _ = until_down(&mut shutdown) => Stop::DOWN,
+            };
+            stop.raise(why);
+        }
+    });
+    // Aborted however this ends (the connection closed, or this future was dropped).
+    let _watcher = AbortOnDrop(watcher);
     tokio::pin!(conn);
-    let result = tokio::select! {
-        r = conn.as_mut() => r,
-        // Quiet for too long with nothing in flight: nothing is lost by closing.
-        _ = idle => {
-            tracing::debug!("closing idle connection");
-            return;
+    let mut graceful = Some(graceful);
+    let result = std::future::poll_fn(|cx| {
+        stop.waker.register(cx.waker());
+        match stop.flag.load(Ordering::Acquire) {
+            // Quiet for too long with nothing in flight: nothing is lost by closing.
+            Stop::IDLE => return Poll::Ready(None),
+            Stop::DOWN => {
+                if let Some(g) = graceful.take() {
+                    g(conn.as_mut());
+                }
+            }
+            _ => {}
         }
-        _ = until_down(shutdown) => {
-            graceful(conn.as_mut());
-            conn.await
-        }
-    };
-    if let Err(e) = result {
-        tracing::debug!(error = %e, "connection ended with an error");
+        conn.as_mut().poll(cx).map(Some)
+    })
+    .await;
+    match result {
+        None => tracing::debug!("closing idle connection"),
+        Some(Err(e)) => tracing::debug!(error = %e, "connection ended with an error"),
+        Some(Ok(())) => {}
+    }
+}
+
+/// Why a connection should stop, raised by its watcher task.
+#[derive(Default)]
+struct Stop {
+    flag: std::sync::atomic::AtomicU8,
+    waker: futures_util::task::AtomicWaker,
+}
+
+impl Stop {
+    const IDLE: u8 = 1;
+    const DOWN: u8 = 2;
+
+    fn raise(&self, why: u8) {
+        self.flag.store(why, Ordering::Release);
+        self.waker.wake();
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -368,24 +418,40 @@ struct Counted<S> {
 impl<S, B> Service<Request<Incoming>> for Counted<S>
 where
     S: Service<Request<Incoming>, Response = Response<B>>,
-    S::Future: Send + 'static,
 {
     type Response = Response<B>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<B>, S::Error>> + Send>>;
+    type Future = CountedFuture<S::Future>;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         let guard = InFlight::enter(Arc::clone(&self.activity));
-        let fut = self.inner.call(req);
-        Box::pin(async move {
-            let r = fut.await;
-            drop(guard);
-            r
-        })
+        CountedFuture {
+            inner: self.inner.call(req),
+            _guard: guard,
+        }
     }
 }
 
-struct InFlight(Arc<Activity>);
+pin_project_lite::pin_project! {
+    /// A request's future that counts as in flight until it is done or dropped (not
+    /// boxed: hyper keeps it in its own slot, one allocation per connection).
+    pub struct CountedFuture<F> {
+        #[pin]
+        inner: F,
+        _guard: InFlight,
+    }
+}
+
+impl<F: Future> Future for CountedFuture<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        self.project().inner.poll(cx)
+    }
+}
+
+/// One request in flight on a connection (until dropped).
+pub struct InFlight(Arc<Activity>);
 
 impl InFlight {
     fn enter(a: Arc<Activity>) -> InFlight {

@@ -58,8 +58,12 @@ impl DestinationPolicy {
                 why: "not in security.allowed_hosts".into(),
             });
         }
-        if let Ok(ip) = bare.parse::<IpAddr>() {
-            self.check_ip(bare, ip)?;
+        // With private destinations allowed, an address passes whatever it is: no
+        // parse on every request.
+        if !self.allow_private {
+            if let Ok(ip) = bare.parse::<IpAddr>() {
+                self.check_ip(bare, ip)?;
+            }
         }
         Ok(())
     }
@@ -135,8 +139,12 @@ pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
         let ip: Ipv6Addr = inner.parse().map_err(|_| BadHost("not an IPv6 address"))?;
         return Ok(ip.to_string());
     }
-    if let Ok(ip) = raw.parse::<Ipv6Addr>() {
-        return Ok(ip.to_string());
+    // Only an IPv6 address has a colon (a name with one is refused below): names and
+    // IPv4 addresses skip the IPv6 parser, on every request.
+    if raw.contains(':') {
+        if let Ok(ip) = raw.parse::<Ipv6Addr>() {
+            return Ok(ip.to_string());
+        }
     }
     let name = raw.strip_suffix('.').unwrap_or(raw);
     if name.is_empty() {
@@ -145,21 +153,27 @@ pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
     if name.len() > MAX_NAME {
         return Err(BadHost("longer than 253 characters"));
     }
-    for label in name.split('.') {
-        if label.is_empty() {
-            return Err(BadHost("empty label"));
-        }
-        if label.len() > MAX_LABEL {
-            return Err(BadHost("a label is longer than 63 characters"));
-        }
-        if !label
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        {
+    // One pass over the bytes, label by label.
+    let mut label = 0usize;
+    for &b in name.as_bytes() {
+        if b == b'.' {
+            if label == 0 {
+                return Err(BadHost("empty label"));
+            }
+            label = 0;
+        } else if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+            label += 1;
+            if label > MAX_LABEL {
+                return Err(BadHost("a label is longer than 63 characters"));
+            }
+        } else {
             return Err(BadHost(
                 "only letters, digits, '-', '_' and '.' are allowed",
             ));
         }
+    }
+    if label == 0 {
+        return Err(BadHost("empty label"));
     }
     Ok(name.to_ascii_lowercase())
 }
@@ -278,6 +292,7 @@ mod tests {
         assert_eq!(normalise_host("[::1]").unwrap(), "::1");
         assert_eq!(normalise_host("10.0.0.1").unwrap(), "10.0.0.1");
         assert_eq!(normalise_host("my_host-1").unwrap(), "my_host-1");
+        assert_eq!(normalise_host("2001:DB8::1").unwrap(), "2001:db8::1");
         for bad in [
             "",
             ".",
@@ -288,6 +303,9 @@ mod tests {
             "[::1",
             "[nope]",
             "a@b.com",
+            "a:b",
+            "a.com:80",
+            ".a.com",
         ] {
             assert!(normalise_host(bad).is_err(), "{bad:?} must be refused");
         }

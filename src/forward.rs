@@ -139,6 +139,8 @@ enum Held {
         key: Key,
         generation: u64,
         sender: SendRequest<Incoming>,
+        /// The `Host` its requests carry (made once per connection, not per request).
+        host: HeaderValue,
         last: Key,
     },
 }
@@ -146,7 +148,7 @@ enum Held {
 /// What one request does with its connection's [`Affinity`].
 enum Plan {
     Pool,
-    Reuse(SendRequest<Incoming>),
+    Reuse(SendRequest<Incoming>, HeaderValue),
     Open,
 }
 
@@ -162,16 +164,18 @@ impl Affinity {
                 key: k,
                 generation: g,
                 sender,
+                host,
                 last,
             } => {
                 if &k == key && g == generation && sender.is_ready() {
-                    (Plan::Reuse(sender), Held::Busy)
+                    (Plan::Reuse(sender, host), Held::Busy)
                 } else if &k == key && g == generation && !sender.is_closed() {
                     // Still busy with an earlier response (HTTP/2 streams in a tunnel).
                     let idle = Held::Idle {
                         key: k,
                         generation: g,
                         sender,
+                        host,
                         last,
                     };
                     (Plan::Pool, idle)
@@ -183,6 +187,7 @@ impl Affinity {
                         key: k,
                         generation: g,
                         sender,
+                        host,
                         last: key.clone(),
                     };
                     (Plan::Pool, idle)
@@ -193,13 +198,14 @@ impl Affinity {
         plan
     }
 
-    fn keep(&self, key: Key, generation: u64, sender: SendRequest<Incoming>) {
+    fn keep(&self, key: Key, generation: u64, sender: SendRequest<Incoming>, host: HeaderValue) {
         let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
         *held = Held::Idle {
             last: key.clone(),
             key,
             generation,
             sender,
+            host,
         };
     }
 
@@ -272,7 +278,7 @@ impl Forwarder {
                 let pooled = Box::pin(self.send(req));
                 return pooled.await;
             }
-            Plan::Reuse(sender) => Some(sender),
+            Plan::Reuse(sender, host) => Some((sender, host)),
             Plan::Open => None,
         };
         // Boxed: the hyper send futures are large, and an unboxed one would be copied
@@ -280,8 +286,8 @@ impl Forwarder {
         let held = Box::pin(self.send_held(&key, sender, req));
         let sent = tokio::time::timeout(self.timeout, held).await;
         match sent {
-            Ok(Ok((resp, sender))) => {
-                affinity.keep(key, generation, sender);
+            Ok(Ok((resp, sender, host))) => {
+                affinity.keep(key, generation, sender, host);
                 Ok(resp)
             }
             Ok(Err(e)) => {
@@ -300,13 +306,17 @@ impl Forwarder {
     async fn send_held(
         &self,
         key: &Key,
-        sender: Option<SendRequest<Incoming>>,
+        held: Option<(SendRequest<Incoming>, HeaderValue)>,
         req: Request<Incoming>,
-    ) -> Result<(Response<Incoming>, SendRequest<Incoming>), ForwardError> {
-        let req = origin_form(key, req)?;
+    ) -> Result<(Response<Incoming>, SendRequest<Incoming>, HeaderValue), ForwardError> {
+        let (sender, host) = match held {
+            Some((sender, host)) => (Some(sender), host),
+            None => (None, host_of(key)?),
+        };
+        let req = origin_form(req, host.clone());
         let (mut sender, req) = match sender {
             Some(mut sender) => match sender.try_send_request(req).await {
-                Ok(resp) => return Ok((resp, sender)),
+                Ok(resp) => return Ok((resp, sender, host)),
                 Err(mut e) => match e.take_message() {
                     // Never written: the kept-alive connection had closed.
                     Some(req) => {
@@ -322,7 +332,7 @@ impl Forwarder {
             }
         };
         match sender.send_request(req).await {
-            Ok(resp) => Ok((resp, sender)),
+            Ok(resp) => Ok((resp, sender, host)),
             Err(e) => Err(classify(&e, false)),
         }
     }
@@ -391,16 +401,20 @@ impl Forwarder {
     }
 }
 
-/// What a connection of its own needs that the pool does itself: `Host` from the
-/// target's authority (its port only when not the scheme's default) and an origin-form
-/// request line.
-fn origin_form<B>(key: &Key, req: Request<B>) -> Result<Request<B>, ForwardError> {
-    let (mut parts, body) = req.into_parts();
+/// The `Host` a connection of its own sends (the pool sets it itself): the target's
+/// authority, its port only when not the scheme's default.
+fn host_of(key: &Key) -> Result<HeaderValue, ForwardError> {
     let host = match (key.authority.port_u16(), key.https) {
         (Some(443), true) | (Some(80), false) | (None, _) => key.authority.host().to_owned(),
         (Some(port), _) => format!("{}:{port}", key.authority.host()),
     };
-    let host = HeaderValue::from_str(&host).map_err(|e| ForwardError::Other(e.to_string()))?;
+    HeaderValue::from_str(&host).map_err(|e| ForwardError::Other(e.to_string()))
+}
+
+/// A request as a connection of its own sends it: `host` (from [`host_of`]) and an
+/// origin-form request line.
+fn origin_form<B>(req: Request<B>, host: HeaderValue) -> Request<B> {
+    let (mut parts, body) = req.into_parts();
     parts.headers.insert(HOST, host);
     let path = parts
         .uri
@@ -408,7 +422,7 @@ fn origin_form<B>(key: &Key, req: Request<B>) -> Result<Request<B>, ForwardError
         .cloned()
         .unwrap_or_else(|| PathAndQuery::from_static("/"));
     parts.uri = Uri::from(path);
-    Ok(Request::from_parts(parts, body))
+    Request::from_parts(parts, body)
 }
 
 /// The connector the pool and [`Affinity`] connections use: names resolve through
@@ -502,27 +516,54 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 /// Removes hop-by-hop headers (RFC 9110 §7.6.1), the headers `Connection` names, and
 /// `Proxy-*` credentials: none of them may cross a proxy.
 pub fn strip_hop_by_hop(h: &mut HeaderMap) {
-    // One pass over the names present (usually none of them): cheaper than a removal,
-    // each hashing its name, for every name that could be there.
-    let mut gone: Vec<HeaderName> = h.keys().filter(|k| is_hop_by_hop(k)).cloned().collect();
-    if gone.contains(&CONNECTION) {
-        gone.extend(
-            h.get_all(CONNECTION)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|s| s.split(','))
-                .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok()),
-        );
+    strip_hop_by_hop_and(h, &[]);
+}
+
+/// [`strip_hop_by_hop`], and the headers `also` names (at most 32), in the same pass.
+pub fn strip_hop_by_hop_and(h: &mut HeaderMap, also: &[&HeaderName]) {
+    // One pass over the names present marks which listed names occur (usually one or
+    // two); only those are removed. Cheaper than a removal, each hashing its name, for
+    // every name that could be there, and nothing is allocated.
+    debug_assert!(HOP_BY_HOP.len() + also.len() <= 64);
+    let mut present = 0u64;
+    for k in h.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|n| n == k) {
+            present |= 1 << i;
+        } else if let Some(i) = also.iter().position(|n| *n == k) {
+            present |= 1 << (HOP_BY_HOP.len() + i);
+        }
     }
-    for n in gone {
-        h.remove(n);
+    if present == 0 {
+        return;
+    }
+    // Names listed in `Connection` go too (rare: read only when it is there).
+    if present & 1 != 0 {
+        let named: Vec<HeaderName> = h
+            .get_all(CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|s| s.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        for n in named {
+            h.remove(n);
+        }
+    }
+    while present != 0 {
+        let i = present.trailing_zeros() as usize;
+        present &= present - 1;
+        match HOP_BY_HOP.get(i) {
+            Some(n) => h.remove(n),
+            None => h.remove(also[i - HOP_BY_HOP.len()]),
+        };
     }
 }
 
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
-/// Headers that never cross a proxy (RFC 9110 §7.6.1, and `Proxy-*` credentials).
+/// Headers that never cross a proxy (RFC 9110 §7.6.1, and `Proxy-*` credentials);
+/// `Connection` first.
 static HOP_BY_HOP: [HeaderName; 9] = [
     CONNECTION,
     TE,
@@ -534,10 +575,6 @@ static HOP_BY_HOP: [HeaderName; 9] = [
     KEEP_ALIVE,
     PROXY_CONNECTION,
 ];
-
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(name)
-}
 
 /// Removes `X-Sluice-*` headers from an upstream response: only sluice's own answers
 /// carry them, so a receiver cannot forge a refusal a sender would requeue on.
@@ -599,6 +636,28 @@ mod tests {
         assert!(h.contains_key("x-keep"));
     }
 
+    #[test]
+    fn listed_headers_go_with_the_hop_by_hop_ones() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("host", "sender.example"),
+            ("x-endpoint-id", "a"),
+            ("te", "trailers"),
+            ("x-keep", "1"),
+        ] {
+            h.append(k, v.parse().unwrap());
+        }
+        h.append("x-endpoint-id", "b".parse().unwrap());
+        let id = HeaderName::from_static("x-endpoint-id");
+        let absent = HeaderName::from_static("x-sluice-sender");
+        strip_hop_by_hop_and(&mut h, &[&id, &absent, &HOST]);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-keep"));
+        // Nothing listed present: nothing changes.
+        strip_hop_by_hop_and(&mut h, &[&id]);
+        assert_eq!(h.len(), 1);
+    }
+
     fn key(uri: &str) -> Key {
         Key::of(&uri.parse().unwrap()).unwrap()
     }
@@ -616,7 +675,7 @@ mod tests {
             let mut req = Request::new(());
             *req.uri_mut() = target.parse().unwrap();
             req.headers_mut().insert(HOST, "forged".parse().unwrap());
-            let req = origin_form(&key(target), req).unwrap();
+            let req = origin_form(req, host_of(&key(target)).unwrap());
             assert_eq!(req.headers()[HOST], host, "{target}");
             assert_eq!(req.uri().to_string(), path, "{target}");
         }
@@ -650,17 +709,18 @@ mod tests {
         // While it is in use, concurrent requests go to the pool.
         assert!(matches!(aff.plan(&a, 0), Plan::Pool));
         let (sender, _l) = ready_sender().await;
-        aff.keep(a.clone(), 0, sender);
-        let Plan::Reuse(sender) = aff.plan(&a, 0) else {
+        aff.keep(a.clone(), 0, sender, HeaderValue::from_static("a.example"));
+        let Plan::Reuse(sender, host) = aff.plan(&a, 0) else {
             panic!("the held connection is reused")
         };
-        aff.keep(a.clone(), 0, sender);
+        assert_eq!(host, "a.example");
+        aff.keep(a.clone(), 0, sender, host);
         // One request elsewhere goes to the pool and keeps the held connection...
         assert!(matches!(aff.plan(&b, 0), Plan::Pool));
-        let Plan::Reuse(sender) = aff.plan(&a, 0) else {
+        let Plan::Reuse(sender, host) = aff.plan(&a, 0) else {
             panic!("still held after one request elsewhere")
         };
-        aff.keep(a.clone(), 0, sender);
+        aff.keep(a.clone(), 0, sender, host);
         // ...two in a row replace it.
         assert!(matches!(aff.plan(&b, 0), Plan::Pool));
         assert!(matches!(aff.plan(&b, 0), Plan::Open));
@@ -671,7 +731,7 @@ mod tests {
         let a = key("http://a.example/");
         let aff = Affinity::default();
         let (sender, _l) = ready_sender().await;
-        aff.keep(a.clone(), 0, sender);
+        aff.keep(a.clone(), 0, sender, HeaderValue::from_static("a.example"));
         // Generation 1: checked against an older policy, so never reused.
         assert!(matches!(aff.plan(&a, 1), Plan::Open));
     }

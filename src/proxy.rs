@@ -39,7 +39,7 @@ use crate::decision::{self, Trace};
 use crate::destination::normalise_host;
 use crate::endpoint::{Resolved, proxy_user};
 use crate::error::{Body, ProxyError};
-use crate::forward::{ForwardError, strip_hop_by_hop, strip_sluice_headers};
+use crate::forward::{ForwardError, strip_hop_by_hop, strip_hop_by_hop_and, strip_sluice_headers};
 use crate::limiter::{Ask, Grant, HeldBody, Place, Refusal, Shadow, Slot};
 use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED};
 
@@ -94,28 +94,34 @@ struct Target {
 impl Target {
     /// The target `authority` names; `default_port` when it names no port.
     fn new(authority: &Authority, default_port: u16) -> Result<Target, ProxyError> {
-        let host = normalise_host(authority.host())
-            .map_err(|e| ProxyError::BadRequest(format!("bad host: {e}")))?;
-        let port = port_of(authority, default_port)?;
+        let (host, port) = host_and_port(authority, default_port)?;
+        let host =
+            normalise_host(host).map_err(|e| ProxyError::BadRequest(format!("bad host: {e}")))?;
         Ok(Target { host, port })
     }
 }
 
-/// The port `authority` names, or `default` when it names none. A port that is not a
-/// number in 1..=65535 (`80abc`, `65536`, `0`, nothing after the `:`) is a bad request,
-/// never the default: `Authority::port_u16` would quietly answer `None` for all of them.
-fn port_of(authority: &Authority, default: u16) -> Result<u16, ProxyError> {
+/// The host (an IPv6 literal in its brackets) and the port `authority` names, or
+/// `default` when it names none. A port that is not a number in 1..=65535 (`80abc`,
+/// `65536`, `0`, nothing after the `:`) is a bad request, never the default:
+/// `Authority::port_u16` would quietly answer `None` for all of them. One pass over the
+/// text, for every request.
+fn host_and_port(authority: &Authority, default: u16) -> Result<(&str, u16), ProxyError> {
     let text = authority.as_str();
     let host_port = text.rsplit_once('@').map_or(text, |(_, hp)| hp);
     // An IPv6 literal's colons are inside its brackets.
-    let after_host = host_port
-        .rsplit_once(']')
-        .map_or(host_port, |(_, rest)| rest);
+    let (host, after_host) = match host_port.rfind(']') {
+        Some(i) if host_port.starts_with('[') => host_port.split_at(i + 1),
+        _ => match host_port.rfind(':') {
+            Some(i) => host_port.split_at(i),
+            None => (host_port, ""),
+        },
+    };
     let Some((_, port)) = after_host.rsplit_once(':') else {
-        return Ok(default);
+        return Ok((host, default));
     };
     match port.parse::<u16>() {
-        Ok(p) if p != 0 && port.bytes().all(|b| b.is_ascii_digit()) => Ok(p),
+        Ok(p) if p != 0 && port.bytes().all(|b| b.is_ascii_digit()) => Ok((host, p)),
         _ => Err(ProxyError::BadRequest(format!(
             "bad port {port:?} in {text}: a port is a number from 1 to 65535"
         ))),
@@ -435,12 +441,14 @@ async fn forward_request(
     };
     let admitted = admission(app, &rt, ask, trace).await?;
 
-    strip_hop_by_hop(&mut parts.headers);
-    parts.headers.remove(rt.resolver.header());
-    parts.headers.remove(SENDER_HEADER);
-    parts.headers.remove(PRIORITY_HEADER);
     // The upstream's Host comes from the target we checked, never from the sender.
-    parts.headers.remove(HOST);
+    let own = [
+        rt.resolver.header(),
+        &SENDER_HEADER,
+        &PRIORITY_HEADER,
+        &HOST,
+    ];
+    strip_hop_by_hop_and(&mut parts.headers, &own);
     parts.uri = uri;
     parts.version = Version::HTTP_11;
     let sent = tokio::time::Instant::now();
@@ -465,7 +473,8 @@ async fn forward_request(
     } = admitted;
     app.metrics.upstream_code(&label, resp.status().as_u16());
     app.metrics.outcome(&label, outcome);
-    if let Some(adaptive) = ep.policy.adaptive {
+    let worth_reading = adapt::worth_reading(resp.status(), resp.headers());
+    if let (Some(adaptive), true) = (ep.policy.adaptive, worth_reading) {
         let observing = Box::pin(observe(
             app,
             &ep,
@@ -754,4 +763,45 @@ fn handle_boxed(
 
 fn ok_empty() -> Response<Body> {
     Response::new(Either::Right(Full::new(bytes::Bytes::new())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_and_ports_are_read_from_the_authority() {
+        let ok = |a: &str, default: u16| {
+            let auth: Authority = a.parse().unwrap();
+            host_and_port(&auth, default)
+                .map(|(h, p)| (h.to_owned(), p))
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(ok("a.example", 80), Ok(("a.example".into(), 80)));
+        assert_eq!(ok("a.example:8080", 80), Ok(("a.example".into(), 8080)));
+        assert_eq!(ok("u:p@a.example:81", 80), Ok(("a.example".into(), 81)));
+        assert_eq!(ok("[::1]", 443), Ok(("[::1]".into(), 443)));
+        assert_eq!(ok("[::1]:9000", 443), Ok(("[::1]".into(), 9000)));
+        assert_eq!(ok("10.0.0.1:1", 80), Ok(("10.0.0.1".into(), 1)));
+        for bad in [
+            "a.example:0",
+            "a.example:65536",
+            "a.example:",
+            "[::1]:",
+            "[::1]:0",
+        ] {
+            assert!(ok(bad, 80).is_err(), "{bad} must be refused");
+        }
+        // What the http crate itself calls the host, for every accepted form.
+        for a in [
+            "a.example",
+            "a.example:8080",
+            "u:p@a.example:81",
+            "[::1]:9000",
+            "[::1]",
+        ] {
+            let auth: Authority = a.parse().unwrap();
+            assert_eq!(host_and_port(&auth, 1).unwrap().0, auth.host(), "{a}");
+        }
+    }
 }

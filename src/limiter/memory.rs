@@ -209,6 +209,10 @@ impl BucketStore for MemoryStore {
         Box::pin(std::future::ready(Ok(out)))
     }
 
+    fn acquire_at_once(&self, endpoint: &str, ask: Ask) -> Option<Outcome> {
+        Some(self.acquire_now(endpoint, ask))
+    }
+
     fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
         self.release_now(endpoint, ask, generation);
         Box::pin(std::future::ready(Ok(())))

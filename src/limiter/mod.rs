@@ -73,6 +73,13 @@ pub enum StoreHealth {
 pub trait BucketStore: Send + Sync {
     /// Refill, then reserve a token (or confirm `ask.held`) or refuse with the exact wait.
     fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome>;
+    /// [`acquire`](Self::acquire) answered in place, for a store that never waits to
+    /// decide (the memory store): no boxed future on every request. `None` (the
+    /// default) sends the caller to `acquire`.
+    fn acquire_at_once(&self, endpoint: &str, ask: Ask) -> Option<Outcome> {
+        let _ = (endpoint, ask);
+        None
+    }
     /// Gives back a reservation of `generation` whose sender went away.
     fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()>;
     /// Applies upstream feedback: a pause and, when `throttled`, a decrease.
@@ -214,7 +221,10 @@ impl Limiter {
     ///
     /// Cancel-safe: dropping the future while it waits gives the reservation back.
     pub async fn admit(&self, endpoint: &str, policy: &Policy) -> Result<Grant, Refusal> {
-        self.settle(endpoint, policy, Instant::now(), None).await
+        let started = Instant::now();
+        let ask = Ask::new(policy, micros(policy.max_wait), None);
+        let first = self.store.acquire_at_once(endpoint, ask);
+        self.settle(endpoint, policy, started, first).await
     }
 
     /// Takes the first decision (`first`, or a fresh acquire), then sleeps until the
