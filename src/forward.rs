@@ -251,8 +251,9 @@ impl Forwarder {
         self.policy.load_full()
     }
 
-    /// Sends a prepared request (absolute URI, hop-by-hop headers removed) and waits for
-    /// the response head; the body streams afterwards.
+    /// Sends a prepared request (absolute URI, hop-by-hop headers and the sender's
+    /// `Host` removed: the pool sets it from the URI) and waits for the response head;
+    /// the body streams afterwards.
     pub async fn send(&self, req: Request<Incoming>) -> Result<Response<Incoming>, ForwardError> {
         let client = self.client.load();
         match tokio::time::timeout(self.timeout, client.request(req)).await {
@@ -263,18 +264,21 @@ impl Forwarder {
     }
 
     /// Sends like [`Forwarder::send`], on the sender connection's own upstream
-    /// connection when it has one for this destination (see [`Affinity`]).
+    /// connection when it has one for this destination (see [`Affinity`]). The request
+    /// may still carry the sender's `Host`: it is replaced by the target's.
     pub async fn send_via(
         &self,
         affinity: &Affinity,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
     ) -> Result<Response<Incoming>, ForwardError> {
         let Some(key) = Key::of(req.uri()) else {
+            req.headers_mut().remove(HOST);
             return self.send(req).await;
         };
         let generation = self.generation.load(Ordering::SeqCst);
         let sender = match affinity.plan(&key, generation) {
             Plan::Pool => {
+                req.headers_mut().insert(HOST, host_of(&key)?);
                 let pooled = Box::pin(self.send(req));
                 return pooled.await;
             }
@@ -527,9 +531,10 @@ pub fn strip_hop_by_hop_and(h: &mut HeaderMap, also: &[&HeaderName]) {
     debug_assert!(HOP_BY_HOP.len() + also.len() <= 64);
     let mut present = 0u64;
     for k in h.keys() {
-        if let Some(i) = HOP_BY_HOP.iter().position(|n| n == k) {
+        let name = k.as_str();
+        if let Some(i) = hop_by_hop_index(name) {
             present |= 1 << i;
-        } else if let Some(i) = also.iter().position(|n| *n == k) {
+        } else if let Some(i) = also.iter().position(|n| n.as_str() == name) {
             present |= 1 << (HOP_BY_HOP.len() + i);
         }
     }
@@ -557,6 +562,23 @@ pub fn strip_hop_by_hop_and(h: &mut HeaderMap, also: &[&HeaderName]) {
             None => h.remove(also[i - HOP_BY_HOP.len()]),
         };
     }
+}
+
+/// Where `name` is in [`HOP_BY_HOP`]: a `match` on the text, half the instructions of
+/// comparing `HeaderName`s one by one.
+fn hop_by_hop_index(name: &str) -> Option<usize> {
+    Some(match name {
+        "connection" => 0,
+        "te" => 1,
+        "trailer" => 2,
+        "transfer-encoding" => 3,
+        "upgrade" => 4,
+        "proxy-authorization" => 5,
+        "proxy-authenticate" => 6,
+        "keep-alive" => 7,
+        "proxy-connection" => 8,
+        _ => return None,
+    })
 }
 
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
@@ -634,6 +656,14 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-keep"));
+    }
+
+    #[test]
+    fn the_hop_by_hop_index_matches_the_list() {
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            assert_eq!(hop_by_hop_index(name.as_str()), Some(i), "{name}");
+        }
+        assert_eq!(hop_by_hop_index("host"), None);
     }
 
     #[test]

@@ -441,14 +441,10 @@ async fn forward_request(
     };
     let admitted = admission(app, &rt, ask, trace).await?;
 
-    // The upstream's Host comes from the target we checked, never from the sender.
-    let own = [
-        rt.resolver.header(),
-        &SENDER_HEADER,
-        &PRIORITY_HEADER,
-        &HOST,
-    ];
+    let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
     strip_hop_by_hop_and(&mut parts.headers, &own);
+    // The upstream's Host comes from the target we checked, never from the sender:
+    // `send_via` replaces it.
     parts.uri = uri;
     parts.version = Version::HTTP_11;
     let sent = tokio::time::Instant::now();
