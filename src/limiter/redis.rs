@@ -454,7 +454,9 @@ impl Calls {
         ask: &Ask,
     ) -> ScriptInvocation<'s> {
         let mut inv = script.key(self.key(endpoint));
-        inv.arg(ask.rate).arg(ask.burst).arg(ask.recovery_us);
+        inv.arg(Num(ask.rate))
+            .arg(Num(ask.burst))
+            .arg(Num(ask.recovery_us));
         inv
     }
 
@@ -473,9 +475,9 @@ impl Calls {
             return Ok((Vec::new(), 0));
         };
         let mut inv = self.invocation(&self.scripts.acquire, endpoint, first);
-        inv.arg(ahead).arg(micros(credit::LIFETIME));
+        inv.arg(ahead).arg(Num(micros(credit::LIFETIME)));
         for ask in asks {
-            inv.arg(ask.budget_us);
+            inv.arg(Num::whole_micros(ask.budget_us));
             match ask.held {
                 Some(g) => inv.arg(g),
                 None => inv.arg(""),
@@ -588,6 +590,34 @@ fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// A number as a script argument: a whole one (rates, bursts and µs values mostly are)
+/// as integer text, several times cheaper to write than a float's shortest form on every
+/// call; any other as a float. Lua reads both alike.
+#[derive(Debug, Clone, Copy)]
+struct Num(f64);
+
+impl Num {
+    /// A wait budget in whole µs, rounded down: never longer than the budget asked.
+    fn whole_micros(us: f64) -> Num {
+        Num(us.floor())
+    }
+}
+
+impl redis::ToRedisArgs for Num {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        // Below 2^53 every whole f64 is exact as an i64.
+        const EXACT: f64 = 9_007_199_254_740_992.0;
+        if self.0.fract() == 0.0 && self.0.abs() < EXACT {
+            (self.0 as i64).write_redis_args(out);
+        } else {
+            self.0.write_redis_args(out);
+        }
+    }
+}
+
 fn num(v: &Value) -> Result<f64, StoreError> {
     let text = match v {
         Value::Int(i) => return Ok(*i as f64),
@@ -689,7 +719,7 @@ impl BucketStore for RedisStore {
                 .calls
                 .invocation(&self.calls.scripts.lease, endpoint, &ask);
             inv.key(self.leases_key(endpoint))
-                .arg(ask.budget_us)
+                .arg(Num::whole_micros(ask.budget_us))
                 .arg(lease.max)
                 .arg(lease.ttl_us)
                 .arg(self.member(lease.id));
@@ -742,6 +772,24 @@ impl BucketStore for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use redis::ToRedisArgs;
+
+    /// Whole numbers go as integers, others keep every digit a float has.
+    #[test]
+    fn numbers_are_written_as_lua_reads_them() {
+        let text = |n: Num| String::from_utf8(n.to_redis_args().remove(0)).unwrap();
+        assert_eq!(text(Num(1_000_000_000.0)), "1000000000");
+        assert_eq!(text(Num(5000.0)), "5000");
+        assert_eq!(text(Num(0.0)), "0");
+        assert_eq!(text(Num(-3.0)), "-3");
+        assert_eq!(text(Num(0.5)), "0.5");
+        // Beyond 2^53 a whole number is written as a float, read back exactly.
+        assert_eq!(text(Num(2.5e20)).parse::<f64>().unwrap(), 2.5e20);
+        assert_eq!(text(Num::whole_micros(29_999_871.9)), "29999871");
+        for x in [0.1, 12.345, 1e-7, 123456.789] {
+            assert_eq!(text(Num(x)).parse::<f64>().unwrap(), x);
+        }
+    }
 
     #[test]
     fn every_script_opens_with_the_shared_prelude_and_its_contract() {
