@@ -2,7 +2,8 @@
 # Whole-process HTTP benchmark, side by side in one run:
 #   direct to a local upstream | HAProxy 2.6 (nbthread 1, forwarding by the request
 #   target: set-dst url_ip / url_port) | a bare hyper forwarder (examples/bare_forward.rs:
-#   the proxy hop alone, no limiting) | sluice (memory store) | sluice (Redis store) |
+#   the proxy hop alone, no limiting; pooled client, and "held": sluice's shape on one
+#   thread) | sluice (memory store) | sluice (Redis store) |
 #   sluice (Redis store, store.prefetch on) | sluice (memory store, proxy authentication on)
 # The limit is set far above the load so it never binds: this measures forwarding cost.
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
@@ -31,6 +32,8 @@ UP=$(free_port); target/release/examples/upstream "127.0.0.1:$UP" 2>/dev/null & 
 PORT_OF[direct]=$UP
 BF=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BF" 2>/dev/null & PIDS+=($!); wait_port "$BF"
 PORT_OF[bare-hyper-forwarder]=$BF; PID_OF[bare-hyper-forwarder]=$!
+BH=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BH" held 2>/dev/null & PIDS+=($!); wait_port "$BH"
+PORT_OF[bare-hyper-held]=$BH; PID_OF[bare-hyper-held]=$!
 RP=$(free_port); redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$RP"
 
 HP=$(free_port)
@@ -103,7 +106,7 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy bare-hyper-forwarder sluice-memory sluice-memory-1worker sluice-redis sluice-redis-prefetch; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+for s in haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-prefetch; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -125,7 +128,7 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request"
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy bare-hyper-forwarder sluice-memory sluice-memory-1worker sluice-redis sluice-redis-prefetch sluice-memory-auth)
+NAMES=(direct haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-prefetch sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do
