@@ -155,6 +155,15 @@ enum Plan {
 impl Affinity {
     fn plan(&self, key: &Key, generation: u64) -> Plan {
         let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        // The common case first, looked at in place: the held connection, ready, for
+        // this destination.
+        let reuse = matches!(&*held, Held::Idle { key: k, generation: g, sender, .. }
+            if *g == generation && k == key && sender.is_ready());
+        if reuse {
+            if let Held::Idle { sender, host, .. } = std::mem::replace(&mut *held, Held::Busy) {
+                return Plan::Reuse(sender, host);
+            }
+        }
         let (plan, next) = match std::mem::take(&mut *held) {
             Held::Busy => (Plan::Pool, Held::Busy),
             Held::Nothing => (Plan::Pool, Held::Last(key.clone())),
