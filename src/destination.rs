@@ -141,7 +141,7 @@ pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
     }
     // Only an IPv6 address has a colon (a name with one is refused below): names and
     // IPv4 addresses skip the IPv6 parser, on every request.
-    if raw.contains(':') {
+    if raw.as_bytes().contains(&b':') {
         if let Ok(ip) = raw.parse::<Ipv6Addr>() {
             return Ok(ip.to_string());
         }
