@@ -179,9 +179,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
         let connecting = Box::pin(connect(&app, req, &conn, &mut trace));
         connecting.await
     } else {
-        // Boxed once here rather than copied whole at every hand-over on the way in.
-        let forwarding = Box::pin(forward_request(&app, req, &conn, &mut trace));
-        forwarding.await
+        forward_request(&app, req, &conn, &mut trace).await
     };
     match result {
         Ok(resp) => {
