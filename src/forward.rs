@@ -294,9 +294,7 @@ impl Forwarder {
             Plan::Reuse(sender, host) => Some((sender, host)),
             Plan::Open => None,
         };
-        // Boxed: the hyper send futures are large, and an unboxed one would be copied
-        // with every request future that holds it.
-        let held = Box::pin(self.send_held(&key, sender, req));
+        let held = self.send_held(&key, sender, req);
         let sent = tokio::time::timeout(self.timeout, held).await;
         match sent {
             Ok(Ok((resp, sender, host))) => {

@@ -13,11 +13,14 @@
 //! for 429 feedback. Nothing is spent before step 6, and a token whose request never
 //! left (the resolved address was refused) is refunded.
 //!
-//! Boxed steps are bound to a local before they are awaited (`let f = Box::pin(step());
-//! f.await`), here and in [`crate::forward`]: written as `Box::pin(step()).await`, the
-//! unboxed step stays in the caller's future for the whole wait once the release build
-//! inlines, and the per-request future grew from 1 008 to 7 560 bytes, copied on every
-//! request (docs/BENCHMARKS.md).
+//! The hot path (a plain request on a held upstream connection) is awaited in place:
+//! hyper keeps each request's future in one slot per connection, so a box per step
+//! would only add an allocation and a copy per request (callgrind, docs/BENCHMARKS.md).
+//! Cold or rare steps (CONNECT, shadow mode, queued endpoints, authentication, 429
+//! feedback, failures) are boxed so their size does not weigh on every request, and a
+//! boxed step is bound to a local before it is awaited (`let f = Box::pin(step());
+//! f.await`): written as `Box::pin(step()).await`, the unboxed step stays in the
+//! caller's future for the whole wait once the release build inlines.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
