@@ -66,6 +66,54 @@ pub struct Conn {
     pub tunnel: Option<Tunnel>,
     /// Its own upstream connection, when it keeps sending to one destination.
     pub upstream: crate::forward::Affinity,
+    /// The endpoint its last request named by header, resolved and labelled.
+    pub endpoint: LastEndpoint,
+}
+
+/// The endpoint a connection's last request named in the endpoint header, with its
+/// metric label: the next request naming the same endpoint under the same
+/// configuration skips resolution and the label lookups (a sender usually names one
+/// endpoint for a whole connection). Only the header case is kept: its resolution
+/// depends on nothing but the header's bytes and the configuration.
+#[derive(Default)]
+pub struct LastEndpoint(std::sync::Mutex<Option<Remembered>>);
+
+struct Remembered {
+    /// The configuration it was resolved under. A weak reference keeps the allocation,
+    /// so no later configuration can reuse its address.
+    runtime: std::sync::Weak<Runtime>,
+    header: http::HeaderValue,
+    ep: Resolved,
+    label: EndpointLabel,
+}
+
+impl LastEndpoint {
+    /// The remembered endpoint when `header` names it again under `rt`.
+    fn recall(
+        &self,
+        rt: &Arc<Runtime>,
+        header: &http::HeaderValue,
+    ) -> Option<(Resolved, EndpointLabel)> {
+        let last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let r = last.as_ref()?;
+        (std::ptr::eq(r.runtime.as_ptr(), Arc::as_ptr(rt)) && r.header == *header)
+            .then(|| (r.ep.clone(), r.label.clone()))
+    }
+
+    fn remember(
+        &self,
+        rt: &Arc<Runtime>,
+        header: &http::HeaderValue,
+        ep: &Resolved,
+        label: &EndpointLabel,
+    ) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Remembered {
+            runtime: Arc::downgrade(rt),
+            header: header.clone(),
+            ep: ep.clone(),
+            label: label.clone(),
+        });
+    }
 }
 
 /// Context of an intercepted CONNECT tunnel, for the requests inside it.
@@ -145,6 +193,8 @@ struct Asking<'a> {
     resolve_dns: bool,
     /// The sender's address (the fair-share sender of last resort).
     peer: IpAddr,
+    /// The sender connection's last endpoint named by header.
+    last: &'a LastEndpoint,
 }
 
 /// A request admitted to leave.
@@ -205,7 +255,7 @@ fn refuse(app: &App, r: Refused, peer: SocketAddr, method: &str, trace: &Trace) 
 /// Steps 3–6 of the module doc, the same for every form of request.
 async fn admission(
     app: &App,
-    rt: &Runtime,
+    rt: &Arc<Runtime>,
     ask: Asking<'_>,
     trace: &mut Trace,
 ) -> Result<Admitted, Refused> {
@@ -216,10 +266,21 @@ async fn admission(
         path,
         resolve_dns,
         peer,
+        last,
     } = ask;
-    let ep = rt
-        .resolver
-        .resolve(headers, who.endpoint_hint.as_deref(), &target.host, path)?;
+    let named = headers.get(rt.resolver.header());
+    let recalled = named.and_then(|h| last.recall(rt, h));
+    let remember = named.filter(|_| recalled.is_none());
+    let (ep, known) = match recalled {
+        Some(hit) => hit,
+        None => {
+            let ep =
+                rt.resolver
+                    .resolve(headers, who.endpoint_hint.as_deref(), &target.host, path)?;
+            let known = app.metrics.existing_label(&ep.id);
+            (ep, known)
+        }
+    };
     trace.endpoint = Some(Arc::clone(&ep.id));
     if let (Some(users), Some(id)) = (&rt.users, &who.identity) {
         if !users.may_spend(&id.user, &ep.id) {
@@ -230,7 +291,6 @@ async fn admission(
             .into());
         }
     }
-    let known = app.metrics.existing_label(&ep.id);
     let denied = |error| Refused {
         label: Some(known.clone()),
         error,
@@ -250,6 +310,10 @@ async fn admission(
     } else {
         known
     };
+    // Labels are never taken back, so the pair stays right for this configuration.
+    if let Some(h) = remember {
+        last.remember(rt, h, &ep, &label);
+    }
     let (grant, outcome, slot) = match ep.mode {
         Mode::Enforce => {
             let place = Turn::of(&ep, headers, who, peer);
@@ -442,6 +506,7 @@ async fn forward_request(
         path: uri.path(),
         resolve_dns: false,
         peer: conn.peer.ip(),
+        last: &conn.endpoint,
     };
     let admitted = admission(app, &rt, ask, trace).await?;
 
@@ -663,6 +728,7 @@ async fn connect(
         path: "",
         resolve_dns: true,
         peer: conn.peer.ip(),
+        last: &conn.endpoint,
     };
     let admitted = admission(app, &rt, ask, trace).await?;
     let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
@@ -736,6 +802,7 @@ impl Intercepted {
             slot: self.slot,
             tunnel: Some(self.tunnel),
             upstream: Default::default(),
+            endpoint: Default::default(),
         });
         let app = Arc::clone(&self.app);
         let svc = hyper::service::service_fn(move |req| {
@@ -768,6 +835,40 @@ fn ok_empty() -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
+    use crate::metrics::Metrics;
+
+    fn runtime(text: &str) -> Arc<Runtime> {
+        Arc::new(Runtime::load(Arc::new(Config::parse(text).unwrap())).unwrap())
+    }
+
+    /// A remembered endpoint is reused only for the same header bytes under the same
+    /// configuration: a reload (a new runtime) resolves afresh, with the new policy.
+    #[test]
+    fn the_last_endpoint_is_reused_only_under_its_configuration() {
+        let before = runtime("[[endpoints]]\nid = \"a\"\nrate = 5.0\n");
+        let after = runtime("[[endpoints]]\nid = \"a\"\nrate = 7.0\n");
+        let metrics = Metrics::new(10, std::iter::empty());
+        let mut headers = HeaderMap::new();
+        headers.insert("x-endpoint-id", http::HeaderValue::from_static("a"));
+        let h = headers.get("x-endpoint-id").unwrap();
+        let ep = before
+            .resolver
+            .resolve(&headers, None, "x.example", "/")
+            .unwrap();
+        let label = metrics.label(&ep.id);
+        let last = LastEndpoint::default();
+        assert!(last.recall(&before, h).is_none(), "nothing remembered yet");
+        last.remember(&before, h, &ep, &label);
+        let (again, _) = last.recall(&before, h).expect("same header, same config");
+        assert_eq!((&*again.id, again.policy.rate), ("a", 5.0));
+        let other = http::HeaderValue::from_static("b");
+        assert!(last.recall(&before, &other).is_none(), "another endpoint");
+        assert!(last.recall(&after, h).is_none(), "a reloaded configuration");
+        // The old configuration gone: its address cannot come back to match.
+        drop(before);
+        assert!(last.recall(&after, h).is_none());
+    }
 
     #[test]
     fn hosts_and_ports_are_read_from_the_authority() {

@@ -100,6 +100,7 @@ async fn accept_proxy(
                 slot,
                 tunnel: None,
                 upstream: Default::default(),
+                endpoint: Default::default(),
             });
             let signal = app.lifecycle.signal();
             let svc = service_fn(move |req| {
