@@ -10,8 +10,10 @@
 --          held generation ("" = none: take a token; else confirm that reservation)
 -- ARGV[8], ARGV[9]  the second ask, and so on (src/limiter/batch.rs sends one pair per
 --          request that queued while the previous call for this endpoint was in flight)
--- Returns  four entries per ask, in order: { granted 0|1, wait_us or retry_us (whole µs,
---          rounded up: never early), generation, cooldown 0|1 }
+-- Returns  one string of space-separated whole numbers (one bulk reply: far cheaper for
+--          a client to parse than an array of integers), four per ask, in order:
+--          granted 0|1, wait_us or retry_us (whole µs, rounded up: never early),
+--          generation, cooldown 0|1
 --          granted=1: start after wait_us; the reservation belongs to `generation`.
 --          granted=0: nothing was consumed for it; retry after retry_us, cooldown=1
 --          when the refusal is due to a cooldown rather than the rate.
@@ -58,4 +60,4 @@ out[#out + 1] = ahead
 if taken then
   save(s)
 end
-return out
+return table.concat(out, ' ')

@@ -8,8 +8,8 @@
 //! ([`PerThread`]: concurrent requests of a worker pipeline on its socket, and replies
 //! wake no other thread; each reconnects with backoff on its own). Cluster: the async
 //! cluster connection, which follows MOVED/ASK and failovers. A NOSCRIPT answer (restarted, failed-over or
-//! flushed Redis) loads the script and retries once ([`Script::invoke_async`]; in a
-//! cluster `SCRIPT LOAD` goes to every node). Every call is bounded by `store.timeout`,
+//! flushed Redis) loads the script and retries once (`ScriptCall`; in a cluster
+//! `SCRIPT LOAD` goes to every node). Every call is bounded by `store.timeout`,
 //! latency and failures are recorded in [`StoreStats`], and errors are classified once,
 //! in [`classify`]. Bucket times come from Redis `TIME` (the server clock, shared by
 //! every replica); only the call latency is measured on tokio's clock here.
@@ -25,7 +25,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{
-    ClientTlsConfig, FromRedisValue, RedisError, Script, ScriptInvocation, TlsCertificates, Value,
+    ClientTlsConfig, FromRedisValue, RedisError, RedisResult, Script, TlsCertificates, ToRedisArgs,
+    Value,
 };
 use tokio::time::Instant;
 
@@ -377,7 +378,8 @@ impl RedisStore {
 
     /// Registers replica `id` as alive for `ttl` and returns how many replicas are.
     pub async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<usize, StoreError> {
-        let mut inv = self.calls.scripts.replicas.key(self.replicas_key());
+        let key = self.replicas_key();
+        let mut inv = ScriptCall::new(&self.calls.scripts.replicas, &[&key], 2);
         inv.arg(id).arg(ttl.as_millis() as u64);
         self.calls.run::<usize>(inv).await
     }
@@ -411,8 +413,8 @@ impl Calls {
         k
     }
 
-    /// Runs one script invocation, bounded by the timeout, recording latency and errors.
-    async fn run<T: FromRedisValue>(&self, inv: ScriptInvocation<'_>) -> Result<T, StoreError> {
+    /// Runs one script call, bounded by the timeout, recording latency and errors.
+    async fn run<T: FromRedisValue>(&self, inv: ScriptCall<'_>) -> Result<T, StoreError> {
         let conn = self.conn.clone();
         self.timed(async move {
             match conn {
@@ -446,14 +448,25 @@ impl Calls {
         result
     }
 
-    /// An invocation of `script` on the endpoint's key with the common ARGV[1..3].
+    /// A call of `script` on the endpoint's key (and `leases`: its leases key too) with
+    /// the common ARGV[1..3]; `more` is a hint of how many arguments follow.
     fn invocation<'s>(
         &self,
         script: &'s Script,
         endpoint: &str,
+        leases: bool,
         ask: &Ask,
-    ) -> ScriptInvocation<'s> {
-        let mut inv = script.key(self.key(endpoint));
+        more: usize,
+    ) -> ScriptCall<'s> {
+        let key = self.key(endpoint);
+        let mut inv = if leases {
+            let mut l = String::with_capacity(key.len() + 7);
+            l.push_str(&key);
+            l.push_str(":leases");
+            ScriptCall::new(script, &[&key, &l], 3 + more)
+        } else {
+            ScriptCall::new(script, &[&key], 3 + more)
+        };
         inv.arg(Num(ask.rate))
             .arg(Num(ask.burst))
             .arg(Num(ask.recovery_us));
@@ -474,7 +487,13 @@ impl Calls {
         let Some(first) = asks.first() else {
             return Ok((Vec::new(), 0));
         };
-        let mut inv = self.invocation(&self.scripts.acquire, endpoint, first);
+        let mut inv = self.invocation(
+            &self.scripts.acquire,
+            endpoint,
+            false,
+            first,
+            2 + 2 * asks.len(),
+        );
         inv.arg(ahead).arg(Num(micros(credit::LIFETIME)));
         for ask in asks {
             inv.arg(Num::whole_micros(ask.budget_us));
@@ -483,7 +502,7 @@ impl Calls {
                 None => inv.arg(""),
             };
         }
-        let f = fields(self.run(inv).await?, 4 * asks.len() + 1)?;
+        let f = words(&self.run(inv).await?, 4 * asks.len() + 1)?;
         let got = f[4 * asks.len()];
         if !(0.0..=f64::from(ahead)).contains(&got) {
             return Err(StoreError::Protocol(format!(
@@ -541,7 +560,7 @@ impl Calls {
         ask: &Ask,
         generation: u64,
     ) -> Result<(), StoreError> {
-        let mut inv = self.invocation(&self.scripts.release, endpoint, ask);
+        let mut inv = self.invocation(&self.scripts.release, endpoint, false, ask, 1);
         inv.arg(generation);
         self.run::<Value>(inv).await.map(drop)
     }
@@ -554,9 +573,50 @@ impl Calls {
         generation: u64,
         n: u32,
     ) -> Result<(), StoreError> {
-        let mut inv = self.invocation(&self.scripts.release, endpoint, ask);
+        let mut inv = self.invocation(&self.scripts.release, endpoint, false, ask, 3);
         inv.arg(generation).arg(n).arg(1);
         self.run::<Value>(inv).await.map(drop)
+    }
+}
+
+/// One `EVALSHA`, its arguments written straight into one command buffer (redis's
+/// `ScriptInvocation` first copies each argument into a `Vec` of its own, then all of
+/// them into the command). A NOSCRIPT answer (restarted, failed-over or flushed Redis)
+/// loads the script and retries once; in a cluster `SCRIPT LOAD` goes to every node.
+struct ScriptCall<'s> {
+    script: &'s Script,
+    cmd: redis::Cmd,
+}
+
+impl<'s> ScriptCall<'s> {
+    /// A call of `script` on `keys`, with room for about `args` arguments.
+    fn new(script: &'s Script, keys: &[&str], args: usize) -> ScriptCall<'s> {
+        let data = 50 + keys.iter().map(|k| k.len()).sum::<usize>() + 12 * args;
+        let mut cmd = redis::Cmd::with_capacity(3 + keys.len() + args, data);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+        for k in keys {
+            cmd.arg(*k);
+        }
+        ScriptCall { script, cmd }
+    }
+
+    /// Appends an argument (ARGV, in order).
+    fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.cmd.arg(arg);
+        self
+    }
+
+    async fn invoke_async<T: FromRedisValue>(
+        &self,
+        con: &mut impl redis::aio::ConnectionLike,
+    ) -> RedisResult<T> {
+        match self.cmd.query_async(con).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.script.load_async(con).await?;
+                self.cmd.query_async(con).await
+            }
+            r => r,
+        }
     }
 }
 
@@ -629,6 +689,33 @@ fn num(v: &Value) -> Result<f64, StoreError> {
         .ok_or_else(|| StoreError::Protocol(format!("script answered {v:?}, not a number")))
 }
 
+/// The `n` numbers of a script's one-string answer (whole numbers separated by spaces;
+/// `lua/acquire.lua`), parsed without a float parser when they are plain digits.
+fn words(v: &Value, n: usize) -> Result<Vec<f64>, StoreError> {
+    let bad = || StoreError::Protocol(format!("unexpected script reply {v:?}"));
+    let Value::BulkString(text) = v else {
+        return Err(bad());
+    };
+    let mut out = Vec::with_capacity(n);
+    for word in text.split(|&b| b == b' ') {
+        let digits = !word.is_empty() && word.len() <= 15 && word.iter().all(u8::is_ascii_digit);
+        let x = if digits {
+            word.iter()
+                .fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0')) as f64
+        } else {
+            std::str::from_utf8(word)
+                .ok()
+                .and_then(|w| w.parse::<f64>().ok())
+                .ok_or_else(bad)?
+        };
+        out.push(x);
+    }
+    if out.len() != n {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
 fn fields(v: Value, n: usize) -> Result<Vec<f64>, StoreError> {
     match v {
         Value::Array(items) if items.len() == n => items.iter().map(num).collect(),
@@ -659,9 +746,9 @@ impl BucketStore for RedisStore {
             if throttled {
                 self.lanes.throttled(endpoint);
             }
-            let mut inv = self
-                .calls
-                .invocation(&self.calls.scripts.feedback, endpoint, &ask);
+            let mut inv =
+                self.calls
+                    .invocation(&self.calls.scripts.feedback, endpoint, false, &ask, 6);
             inv.arg(adaptive.floor)
                 .arg(adaptive.decrease)
                 .arg(micros(adaptive.default_cooldown))
@@ -681,7 +768,7 @@ impl BucketStore for RedisStore {
         Box::pin(async move {
             let mut inv = self
                 .calls
-                .invocation(&self.calls.scripts.view, endpoint, &ask);
+                .invocation(&self.calls.scripts.view, endpoint, false, &ask, 1);
             match floor {
                 Some(f) => inv.arg(f),
                 None => inv.arg(""),
@@ -717,9 +804,8 @@ impl BucketStore for RedisStore {
         Box::pin(async move {
             let mut inv = self
                 .calls
-                .invocation(&self.calls.scripts.lease, endpoint, &ask);
-            inv.key(self.leases_key(endpoint))
-                .arg(Num::whole_micros(ask.budget_us))
+                .invocation(&self.calls.scripts.lease, endpoint, true, &ask, 4);
+            inv.arg(Num::whole_micros(ask.budget_us))
                 .arg(lease.max)
                 .arg(lease.ttl_us)
                 .arg(self.member(lease.id));
@@ -748,10 +834,8 @@ impl BucketStore for RedisStore {
         Box::pin(async move {
             let mut inv = self
                 .calls
-                .invocation(&self.calls.scripts.renew, endpoint, &ask);
-            inv.key(self.leases_key(endpoint))
-                .arg(lease.ttl_us)
-                .arg(self.member(lease.id));
+                .invocation(&self.calls.scripts.renew, endpoint, true, &ask, 2);
+            inv.arg(lease.ttl_us).arg(self.member(lease.id));
             Ok(num(&self.calls.run::<Value>(inv).await?)? == 1.0)
         })
     }
@@ -773,6 +857,29 @@ impl BucketStore for RedisStore {
 mod tests {
     use super::*;
     use redis::ToRedisArgs;
+
+    /// The one-string answer of `acquire.lua`: digits, and Lua's other number forms.
+    #[test]
+    fn one_string_answers_are_read_in_order_and_checked() {
+        let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        assert_eq!(
+            words(&v("1 0 7 0 0"), 5).unwrap(),
+            vec![1.0, 0.0, 7.0, 0.0, 0.0]
+        );
+        // Lua writes numbers of 1e14 and above with an exponent.
+        assert_eq!(
+            words(&v("0 1e+15 3 1 2"), 5).unwrap(),
+            vec![0.0, 1e15, 3.0, 1.0, 2.0]
+        );
+        assert_eq!(
+            words(&v("123456789012345"), 1).unwrap(),
+            vec![123456789012345.0]
+        );
+        for bad in ["1 0 7 0", "1 0 7 0 0 0", "1 0 x 0 0", "1  0 7 0", ""] {
+            assert!(words(&v(bad), 5).is_err(), "{bad:?} accepted");
+        }
+        assert!(words(&Value::Array(vec![Value::Int(1)]), 1).is_err());
+    }
 
     /// Whole numbers go as integers, others keep every digit a float has.
     #[test]
