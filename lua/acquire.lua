@@ -10,16 +10,16 @@
 --          held generation ("" = none: take a token; else confirm that reservation)
 -- ARGV[8], ARGV[9]  the second ask, and so on (src/limiter/batch.rs sends one pair per
 --          request that queued while the previous call for this endpoint was in flight)
--- Returns  one string of space-separated whole numbers (one bulk reply: far cheaper for
---          a client to parse than an array of integers), four per ask, in order:
---          granted 0|1, wait_us or retry_us (whole µs, rounded up: never early),
---          generation, cooldown 0|1
---          granted=1: start after wait_us; the reservation belongs to `generation`.
---          granted=0: nothing was consumed for it; retry after retry_us, cooldown=1
---          when the refusal is due to a cooldown rather than the rate.
---          Then one more entry: the tokens taken ahead (0 or more), which the replica may
---          spend without asking until ARGV[5] µs after it sent this call. Only when every
---          ask went at once, no cooldown or decrease is in force, and the bucket keeps at
+-- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
+--          here, where turning a number into text is the costly part):
+--            "<generation> <ahead> <ask 1> <ask 2> ..."
+--          each ask one word: "G" granted now, "G<µs>" granted to start after <µs>, "R<µs>"
+--          refused by the rate, retry after <µs>, "C<µs>" refused because of a cooldown
+--          (whole µs, rounded up: never early). A granted reservation belongs to
+--          <generation>; a refused ask consumed nothing.
+--          <ahead>: the tokens taken ahead (0 or more), which the replica may spend
+--          without asking until ARGV[5] µs after it sent this call. Only when every ask
+--          went at once, no cooldown or decrease is in force, and the bucket keeps at
 --          least half its burst: a busy endpoint far from its limit, never one that binds.
 --
 -- Why atomic: refill, the reservation and the balance going below zero must be one
@@ -32,15 +32,21 @@ local taken = false
 local all_now = true
 for i = 6, #ARGV - 1, 2 do
   local held = ARGV[i + 1]
-  local n = #out
   if held ~= '' and tonumber(held) == s.g then
     -- The reservation survived (no cooldown voided it): go, taking nothing more.
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, 0, s.g, 0
+    out[#out + 1] = 'G'
   else
     local granted, us, cooldown = reserve(s, tonumber(ARGV[i]))
     taken = taken or granted
     all_now = all_now and granted and us <= 0
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = granted and 1 or 0, math.ceil(us), s.g, cooldown
+    local w = math.ceil(us)
+    if granted then
+      out[#out + 1] = w > 0 and ('G' .. w) or 'G'
+    elseif cooldown == 1 then
+      out[#out + 1] = 'C' .. w
+    else
+      out[#out + 1] = 'R' .. w
+    end
   end
 end
 local ahead = 0
@@ -56,8 +62,7 @@ if wanted > 0 and all_now and s.cu <= now and s.dr <= 0 then
     ahead = 0
   end
 end
-out[#out + 1] = ahead
 if taken then
   save(s)
 end
-return table.concat(out, ' ')
+return s.g .. ' ' .. ahead .. ' ' .. table.concat(out, ' ')

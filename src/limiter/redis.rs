@@ -502,29 +502,12 @@ impl Calls {
                 None => inv.arg(""),
             };
         }
-        let f = words(&self.run(inv).await?, 4 * asks.len() + 1)?;
-        let got = f[4 * asks.len()];
+        let (outcomes, got) = decisions(&self.run(inv).await?, asks.len())?;
         if !(0.0..=f64::from(ahead)).contains(&got) {
             return Err(StoreError::Protocol(format!(
                 "acquire handed out {got} tokens ahead, {ahead} were asked"
             )));
         }
-        let outcomes = f[..4 * asks.len()]
-            .chunks_exact(4)
-            .map(|f| {
-                if f[0] == 1.0 {
-                    Outcome::Granted {
-                        wait_us: f[1],
-                        generation: f[2] as u64,
-                    }
-                } else {
-                    Outcome::Refused {
-                        cooldown: f[3] == 1.0,
-                        retry_us: f[1],
-                    }
-                }
-            })
-            .collect();
         Ok((outcomes, got as u32))
     }
 
@@ -689,31 +672,53 @@ fn num(v: &Value) -> Result<f64, StoreError> {
         .ok_or_else(|| StoreError::Protocol(format!("script answered {v:?}, not a number")))
 }
 
-/// The `n` numbers of a script's one-string answer (whole numbers separated by spaces;
-/// `lua/acquire.lua`), parsed without a float parser when they are plain digits.
-fn words(v: &Value, n: usize) -> Result<Vec<f64>, StoreError> {
-    let bad = || StoreError::Protocol(format!("unexpected script reply {v:?}"));
+/// The answer of `lua/acquire.lua` for `n` asks, `"<generation> <ahead> <ask>..."`
+/// with one word per ask (`G`, `G<µs>`, `R<µs>`, `C<µs>`): the outcomes in order and
+/// the tokens taken ahead.
+fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64), StoreError> {
+    let bad = || StoreError::Protocol(format!("unexpected acquire reply {v:?}"));
     let Value::BulkString(text) = v else {
         return Err(bad());
     };
-    let mut out = Vec::with_capacity(n);
-    for word in text.split(|&b| b == b' ') {
-        let digits = !word.is_empty() && word.len() <= 15 && word.iter().all(u8::is_ascii_digit);
-        let x = if digits {
-            word.iter()
-                .fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0')) as f64
-        } else {
-            std::str::from_utf8(word)
-                .ok()
-                .and_then(|w| w.parse::<f64>().ok())
-                .ok_or_else(bad)?
+    let mut words = text.split(|&b| b == b' ');
+    let number = |w: Option<&[u8]>| w.and_then(whole).ok_or_else(bad);
+    let generation = number(words.next())? as u64;
+    let ahead = number(words.next())?;
+    let mut outcomes = Vec::with_capacity(n);
+    for word in words {
+        let (&kind, us) = word.split_first().ok_or_else(bad)?;
+        let us = match (kind, us) {
+            (b'G', []) => 0.0,
+            _ => whole(us).ok_or_else(bad)?,
         };
-        out.push(x);
+        outcomes.push(match kind {
+            b'G' => Outcome::Granted {
+                wait_us: us,
+                generation,
+            },
+            b'R' | b'C' => Outcome::Refused {
+                cooldown: kind == b'C',
+                retry_us: us,
+            },
+            _ => return Err(bad()),
+        });
     }
-    if out.len() != n {
+    if outcomes.len() != n {
         return Err(bad());
     }
-    Ok(out)
+    Ok((outcomes, ahead))
+}
+
+/// A whole number as Lua writes one: digits, or an exponent form from 1e14 on.
+fn whole(word: &[u8]) -> Option<f64> {
+    if !word.is_empty() && word.len() <= 15 && word.iter().all(u8::is_ascii_digit) {
+        return Some(
+            word.iter()
+                .fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0')) as f64,
+        );
+    }
+    let x: f64 = std::str::from_utf8(word).ok()?.parse().ok()?;
+    (x.is_finite() && x >= 0.0).then_some(x)
 }
 
 fn fields(v: Value, n: usize) -> Result<Vec<f64>, StoreError> {
@@ -858,27 +863,49 @@ mod tests {
     use super::*;
     use redis::ToRedisArgs;
 
-    /// The one-string answer of `acquire.lua`: digits, and Lua's other number forms.
+    /// The one-string answer of `acquire.lua`: every kind of word, Lua's exponent
+    /// form, and malformed answers refused.
     #[test]
-    fn one_string_answers_are_read_in_order_and_checked() {
+    fn acquire_answers_are_read_in_order_and_checked() {
         let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        let (outcomes, ahead) = decisions(&v("7 3 G G1500 R20 C1e+15"), 4).unwrap();
+        assert_eq!(ahead, 3.0);
         assert_eq!(
-            words(&v("1 0 7 0 0"), 5).unwrap(),
-            vec![1.0, 0.0, 7.0, 0.0, 0.0]
+            outcomes,
+            vec![
+                Outcome::Granted {
+                    wait_us: 0.0,
+                    generation: 7
+                },
+                Outcome::Granted {
+                    wait_us: 1500.0,
+                    generation: 7
+                },
+                Outcome::Refused {
+                    cooldown: false,
+                    retry_us: 20.0
+                },
+                Outcome::Refused {
+                    cooldown: true,
+                    retry_us: 1e15
+                },
+            ]
         );
-        // Lua writes numbers of 1e14 and above with an exponent.
-        assert_eq!(
-            words(&v("0 1e+15 3 1 2"), 5).unwrap(),
-            vec![0.0, 1e15, 3.0, 1.0, 2.0]
-        );
-        assert_eq!(
-            words(&v("123456789012345"), 1).unwrap(),
-            vec![123456789012345.0]
-        );
-        for bad in ["1 0 7 0", "1 0 7 0 0 0", "1 0 x 0 0", "1  0 7 0", ""] {
-            assert!(words(&v(bad), 5).is_err(), "{bad:?} accepted");
+        for bad in [
+            "7 0 G",
+            "7 0 G G G",
+            "7 0 X1 G",
+            "7 0 R G",
+            "7 0 G  G",
+            "7 0 G -5",
+            "7 0 Gx G",
+            "x 0 G G",
+            "7",
+            "",
+        ] {
+            assert!(decisions(&v(bad), 2).is_err(), "{bad:?} accepted");
         }
-        assert!(words(&Value::Array(vec![Value::Int(1)]), 1).is_err());
+        assert!(decisions(&Value::Array(vec![Value::Int(1)]), 1).is_err());
     }
 
     /// Whole numbers go as integers, others keep every digit a float has.
