@@ -448,24 +448,20 @@ impl Calls {
         result
     }
 
-    /// A call of `script` on the endpoint's key (and `leases`: its leases key too) with
+    /// A call of `script` on the endpoint's key (then `also`, another of its keys) with
     /// the common ARGV[1..3]; `more` is a hint of how many arguments follow.
     fn invocation<'s>(
         &self,
         script: &'s Script,
         endpoint: &str,
-        leases: bool,
+        also: Option<&str>,
         ask: &Ask,
         more: usize,
     ) -> ScriptCall<'s> {
         let key = self.key(endpoint);
-        let mut inv = if leases {
-            let mut l = String::with_capacity(key.len() + 7);
-            l.push_str(&key);
-            l.push_str(":leases");
-            ScriptCall::new(script, &[&key, &l], 3 + more)
-        } else {
-            ScriptCall::new(script, &[&key], 3 + more)
+        let mut inv = match also {
+            Some(other) => ScriptCall::new(script, &[&key, other], 3 + more),
+            None => ScriptCall::new(script, &[&key], 3 + more),
         };
         inv.arg(Num(ask.rate))
             .arg(Num(ask.burst))
@@ -490,7 +486,7 @@ impl Calls {
         let mut inv = self.invocation(
             &self.scripts.acquire,
             endpoint,
-            false,
+            None,
             first,
             2 + 2 * asks.len(),
         );
@@ -543,7 +539,7 @@ impl Calls {
         ask: &Ask,
         generation: u64,
     ) -> Result<(), StoreError> {
-        let mut inv = self.invocation(&self.scripts.release, endpoint, false, ask, 1);
+        let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 1);
         inv.arg(generation);
         self.run::<Value>(inv).await.map(drop)
     }
@@ -556,7 +552,7 @@ impl Calls {
         generation: u64,
         n: u32,
     ) -> Result<(), StoreError> {
-        let mut inv = self.invocation(&self.scripts.release, endpoint, false, ask, 3);
+        let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 3);
         inv.arg(generation).arg(n).arg(1);
         self.run::<Value>(inv).await.map(drop)
     }
@@ -589,6 +585,7 @@ impl<'s> ScriptCall<'s> {
         self
     }
 
+    /// Sends the call on `con`; on NOSCRIPT loads the script there and sends it again.
     async fn invoke_async<T: FromRedisValue>(
         &self,
         con: &mut impl redis::aio::ConnectionLike,
@@ -753,7 +750,7 @@ impl BucketStore for RedisStore {
             }
             let mut inv =
                 self.calls
-                    .invocation(&self.calls.scripts.feedback, endpoint, false, &ask, 6);
+                    .invocation(&self.calls.scripts.feedback, endpoint, None, &ask, 6);
             inv.arg(adaptive.floor)
                 .arg(adaptive.decrease)
                 .arg(micros(adaptive.default_cooldown))
@@ -773,7 +770,7 @@ impl BucketStore for RedisStore {
         Box::pin(async move {
             let mut inv = self
                 .calls
-                .invocation(&self.calls.scripts.view, endpoint, false, &ask, 1);
+                .invocation(&self.calls.scripts.view, endpoint, None, &ask, 1);
             match floor {
                 Some(f) => inv.arg(f),
                 None => inv.arg(""),
@@ -807,9 +804,10 @@ impl BucketStore for RedisStore {
         lease: LeaseAsk,
     ) -> StoreFuture<'a, Leased> {
         Box::pin(async move {
-            let mut inv = self
-                .calls
-                .invocation(&self.calls.scripts.lease, endpoint, true, &ask, 4);
+            let leases = self.leases_key(endpoint);
+            let mut inv =
+                self.calls
+                    .invocation(&self.calls.scripts.lease, endpoint, Some(&leases), &ask, 4);
             inv.arg(Num::whole_micros(ask.budget_us))
                 .arg(lease.max)
                 .arg(lease.ttl_us)
@@ -837,9 +835,10 @@ impl BucketStore for RedisStore {
         lease: LeaseAsk,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let mut inv = self
-                .calls
-                .invocation(&self.calls.scripts.renew, endpoint, true, &ask, 2);
+            let leases = self.leases_key(endpoint);
+            let mut inv =
+                self.calls
+                    .invocation(&self.calls.scripts.renew, endpoint, Some(&leases), &ask, 2);
             inv.arg(lease.ttl_us).arg(self.member(lease.id));
             Ok(num(&self.calls.run::<Value>(inv).await?)? == 1.0)
         })
