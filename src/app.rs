@@ -275,6 +275,7 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "proxy.max_connections" => proxy.max_connections;
         "proxy.workers" => proxy.workers;
         "proxy.idle_timeout" => proxy.idle_timeout;
+        "proxy.header_read_timeout" => proxy.header_read_timeout;
         "proxy.upstream_timeout" => proxy.upstream_timeout;
         "proxy.metrics_max_endpoints" => proxy.metrics_max_endpoints;
         "store.backend" => store.backend;

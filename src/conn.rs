@@ -10,7 +10,7 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -115,10 +115,11 @@ impl Drop for ConnSlot {
 /// How long a served connection may stay quiet, and how long a request head may take.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
-    /// A sender must finish sending a request head within this (HTTP/1.1).
+    /// A sender that began a request head must finish it within this of its first byte
+    /// (HTTP/1.1; at most half as long again: see [`Activity::watch`]).
     pub header_read: Duration,
     /// Closed after this long with no bytes either way and no request in flight (at
-    /// most half as long again: see [`Activity::idle_for`]).
+    /// most half as long again: see [`Activity::watch`]).
     pub idle: Duration,
 }
 
@@ -163,21 +164,26 @@ pub async fn serve<I, S, B>(
         inner: svc,
         activity: Arc::clone(&activity),
     };
-    let idle = activity.idle_for(timeouts.idle);
     if protocol == Version::HTTP_2 {
+        let idle = activity.watch(timeouts.idle, None);
         let conn = http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .max_header_list_size(MAX_HEAD_BYTES as u32)
             .serve_connection(io, svc);
         drive(conn, |c| c.graceful_shutdown(), idle, shutdown).await;
     } else {
+        // The head's deadline is kept by the watcher, not by hyper's header-read timer:
+        // hyper's runs from the end of each response, so it also cut kept-alive
+        // connections waiting for their next request at that limit instead of
+        // `idle`, and it cost a boxed timer per request.
+        let idle = activity.watch(timeouts.idle, Some(timeouts.header_read));
         let mut builder = http1::Builder::new();
         if writes == Writes::Flat {
             builder.writev(false);
         }
         let conn = builder
             .timer(TokioTimer::new())
-            .header_read_timeout(timeouts.header_read)
+            .header_read_timeout(None)
             .max_buf_size(MAX_HEAD_BYTES)
             .keep_alive(true)
             .serve_connection(io, svc)
@@ -197,7 +203,7 @@ pub async fn serve<I, S, B>(
 async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
     conn: C,
     graceful: impl FnOnce(Pin<&mut C>),
-    idle: impl Future<Output = ()> + Send + 'static,
+    idle: impl Future<Output = Quiet> + Send + 'static,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let stop = Arc::new(Stop::default());
@@ -205,7 +211,10 @@ async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
         let stop = Arc::clone(&stop);
         async move {
             let why = tokio::select! {
-                _ = idle => Stop::IDLE,
+                quiet = idle => match quiet {
+                    Quiet::Idle => Stop::IDLE,
+                    Quiet::SlowHead => Stop::SLOW_HEAD,
+                },
                 _ = until_down(&mut shutdown) => Stop::DOWN,
             };
             stop.raise(why);
@@ -220,6 +229,10 @@ async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
         match stop.flag.load(Ordering::Acquire) {
             // Quiet for too long with nothing in flight: nothing is lost by closing.
             Stop::IDLE => return Poll::Ready(None),
+            // A head begun and not finished in time (a trickling or stalled sender):
+            // nothing of it was forwarded, and the connection is closed without an
+            // answer, as nginx does at `client_header_timeout`.
+            Stop::SLOW_HEAD => return Poll::Ready(Some(Err(Ended::SlowHead))),
             Stop::DOWN => {
                 if let Some(g) = graceful.take() {
                     g(conn.as_mut());
@@ -227,14 +240,36 @@ async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
             }
             _ => {}
         }
-        conn.as_mut().poll(cx).map(Some)
+        conn.as_mut()
+            .poll(cx)
+            .map(|r| Some(r.map_err(Ended::Hyper)))
     })
     .await;
     match result {
         None => tracing::debug!("closing idle connection"),
-        Some(Err(e)) => tracing::debug!(error = %e, "connection ended with an error"),
+        Some(Err(Ended::SlowHead)) => {
+            tracing::debug!("closing connection: request head not finished in time")
+        }
+        Some(Err(Ended::Hyper(e))) => tracing::debug!(error = %e, "connection ended with an error"),
         Some(Ok(())) => {}
     }
+}
+
+/// Why a served connection ended before its sender closed it.
+enum Ended {
+    /// A request head was begun and not finished within the header-read timeout.
+    SlowHead,
+    /// hyper gave up on the connection.
+    Hyper(hyper::Error),
+}
+
+/// Why [`Activity::watch`] says a connection should close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quiet {
+    /// No bytes either way and no request in flight for the idle limit.
+    Idle,
+    /// A request head was begun and not finished within the header-read limit.
+    SlowHead,
 }
 
 /// Why a connection should stop, raised by its watcher task.
@@ -247,6 +282,7 @@ struct Stop {
 impl Stop {
     const IDLE: u8 = 1;
     const DOWN: u8 = 2;
+    const SLOW_HEAD: u8 = 3;
 
     fn raise(&self, why: u8) {
         self.flag.store(why, Ordering::Release);
@@ -263,13 +299,18 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Whether a connection moved a byte lately, and how many of its requests are in flight.
+/// Whether a connection moved a byte lately, how many of its requests are in flight,
+/// and whether a request head has begun arriving and not yet been handed on.
 ///
-/// Recording activity is one relaxed store (no clock read on every read and write);
-/// [`Activity::idle_for`] looks at it once per quarter of the limit.
+/// Recording is a few relaxed atomics (no clock read, no timer per request);
+/// [`Activity::watch`] looks at them once per quarter of the shorter limit.
 pub struct Activity {
     moved: AtomicBool,
     in_flight: AtomicUsize,
+    /// Bytes were read while no request was in flight: a head is arriving.
+    head: AtomicBool,
+    /// Requests handed to the service so far (tells one slow head from several quick ones).
+    heads: AtomicU64,
 }
 
 impl Activity {
@@ -278,6 +319,8 @@ impl Activity {
         Arc::new(Activity {
             moved: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
+            head: AtomicBool::new(false),
+            heads: AtomicU64::new(0),
         })
     }
 
@@ -286,22 +329,58 @@ impl Activity {
         self.moved.store(true, Ordering::Relaxed);
     }
 
+    /// Records bytes read from the sender: activity, and the start of a head when no
+    /// request is in flight.
+    fn read(&self) {
+        self.touch();
+        if self.in_flight.load(Ordering::Relaxed) == 0 && !self.head.load(Ordering::Relaxed) {
+            self.head.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// Resolves once nothing moved for `limit` and no request is in flight: never
-    /// sooner than `limit` after the last byte, and at most half a `limit` later (the
-    /// connection is looked at every quarter of `limit`).
+    /// sooner than `limit` after the last byte, and at most half a `limit` later.
     pub async fn idle_for(self: Arc<Self>, limit: Duration) {
-        let step = limit / 4;
+        self.watch(limit, None).await;
+    }
+
+    /// Resolves when the connection should close:
+    /// - [`Quiet::Idle`] once nothing moved for `idle` and no request is in flight:
+    ///   never sooner than `idle` after the last byte, at most half an `idle` later;
+    /// - with `head`, [`Quiet::SlowHead`] once a request head has been arriving for
+    ///   `head` without being finished: never sooner than `head` after its first byte,
+    ///   at most half a `head` later. Waiting for the next request is not a head.
+    ///
+    /// The connection is looked at every quarter of the shorter limit.
+    pub async fn watch(self: Arc<Self>, idle: Duration, head: Option<Duration>) -> Quiet {
+        let step = head.map_or(idle, |h| h.min(idle)) / 4;
         let mut quiet_since = Instant::now();
+        // When this look first saw the current head, and how many heads were done then.
+        let mut head_since: Option<(Instant, u64)> = None;
         loop {
             tokio::time::sleep(step).await;
             let now = Instant::now();
-            if self.moved.swap(false, Ordering::Relaxed)
-                || self.in_flight.load(Ordering::Relaxed) > 0
-            {
+            let in_flight = self.in_flight.load(Ordering::Relaxed) > 0;
+            if self.moved.swap(false, Ordering::Relaxed) || in_flight {
                 // Something moved during the last step: quiet from no earlier than now.
                 quiet_since = now;
-            } else if now >= quiet_since + limit {
-                return;
+            } else if now >= quiet_since + idle {
+                return Quiet::Idle;
+            }
+            let Some(limit) = head else { continue };
+            let done = self.heads.load(Ordering::Relaxed);
+            if in_flight || !self.head.load(Ordering::Relaxed) {
+                head_since = None;
+                continue;
+            }
+            match head_since {
+                // The same head as at the last look, begun no later than then.
+                Some((since, n)) if n == done => {
+                    if now >= since + limit {
+                        return Quiet::SlowHead;
+                    }
+                }
+                _ => head_since = Some((now, done)),
             }
         }
     }
@@ -328,7 +407,8 @@ impl<I: hyper::rt::Read + Unpin> hyper::rt::Read for Watched<I> {
     ) -> Poll<io::Result<()>> {
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) {
-            self.activity.touch();
+            // An end of stream counts too: hyper then closes the connection anyway.
+            self.activity.read();
         }
         r
     }
@@ -456,6 +536,9 @@ pub struct InFlight(Arc<Activity>);
 impl InFlight {
     fn enter(a: Arc<Activity>) -> InFlight {
         a.in_flight.fetch_add(1, Ordering::Relaxed);
+        // The head is whole: it reached the service.
+        a.heads.fetch_add(1, Ordering::Relaxed);
+        a.head.store(false, Ordering::Relaxed);
         InFlight(a)
     }
 }
@@ -499,5 +582,57 @@ mod tests {
         let done = Instant::now();
         idle.await.unwrap();
         assert!(Instant::now() - done >= limit - limit / 4);
+    }
+
+    /// A head begun and not finished is cut no sooner than the limit after its first
+    /// byte and at most half a limit later, however its bytes trickle in; waiting for
+    /// a head (no byte yet), a request in flight, and heads that each finish in time
+    /// are never cut by it.
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_head_is_cut_between_the_limit_and_half_again_after_its_first_byte() {
+        let (idle, head) = (Duration::from_secs(120), Duration::from_secs(8));
+        for offset_ms in [0u64, 1, 500, 1999, 2000, 2001, 3999] {
+            let a = Activity::new();
+            let watch = tokio::spawn(Arc::clone(&a).watch(idle, Some(head)));
+            // Long before the head: nothing but waiting, which is idle's business.
+            tokio::time::sleep(Duration::from_millis(60_000 + offset_ms)).await;
+            assert!(!watch.is_finished(), "cut while waiting for a head");
+            let first = Instant::now();
+            let trickle = tokio::spawn({
+                let a = Arc::clone(&a);
+                async move {
+                    loop {
+                        a.read();
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                }
+            });
+            assert_eq!(watch.await.unwrap(), Quiet::SlowHead);
+            trickle.abort();
+            let took = Instant::now() - first;
+            assert!(
+                took >= head && took <= head + head / 2,
+                "first byte at +{offset_ms} ms: cut after {took:?}"
+            );
+        }
+        // Heads that each finish within the limit, back to back for ten limits, and a
+        // request in flight for ten more: never cut.
+        let a = Activity::new();
+        let watch = tokio::spawn(Arc::clone(&a).watch(idle, Some(head)));
+        for _ in 0..40 {
+            a.read();
+            tokio::time::sleep(head / 2).await;
+            drop(InFlight::enter(Arc::clone(&a)));
+            tokio::time::sleep(head / 4).await;
+        }
+        let held = InFlight::enter(Arc::clone(&a));
+        a.read();
+        tokio::time::sleep(head * 10).await;
+        assert!(
+            !watch.is_finished(),
+            "cut though every head finished in time"
+        );
+        drop(held);
+        assert_eq!(watch.await.unwrap(), Quiet::Idle);
     }
 }

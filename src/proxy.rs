@@ -53,9 +53,6 @@ pub const SENDER_HEADER: HeaderName = HeaderName::from_static("x-sluice-sender")
 /// forwarding).
 pub const PRIORITY_HEADER: HeaderName = HeaderName::from_static("x-sluice-priority");
 
-/// HTTP/1.1 request heads inside intercepted tunnels must arrive within this.
-const TUNNEL_HEADER_READ: std::time::Duration = std::time::Duration::from_secs(30);
-
 /// The sender connection a request arrived on.
 pub struct Conn {
     /// The sender's address.
@@ -810,7 +807,7 @@ impl Intercepted {
             async move { Ok::<_, std::convert::Infallible>(handle_boxed(app, req, conn).await) }
         });
         let timeouts = Timeouts {
-            header_read: TUNNEL_HEADER_READ,
+            header_read: cfg.proxy.header_read_timeout,
             idle: cfg.proxy.idle_timeout,
         };
         let stop = self.app.lifecycle.signal();

@@ -23,8 +23,6 @@ use crate::core::App;
 use crate::proxy::Conn;
 use crate::workers::Workers;
 
-/// A sender must finish sending a request head within this.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Admin connections at once. Far above what probes and scrapers need; each costs a
 /// task and a socket.
 const ADMIN_MAX_CONNECTIONS: usize = 4096;
@@ -80,7 +78,7 @@ async fn accept_proxy(
     let cfg = app.runtime.load_full().config.clone();
     let limit = Arc::new(Semaphore::new(cfg.proxy.max_connections));
     let timeouts = Timeouts {
-        header_read: HEADER_READ_TIMEOUT,
+        header_read: cfg.proxy.header_read_timeout,
         idle: cfg.proxy.idle_timeout,
     };
     let open = app.metrics.connections.clone();

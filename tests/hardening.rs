@@ -312,6 +312,93 @@ async fn tunnels_count_against_max_connections_and_close_when_idle() {
     s.stop().await;
 }
 
+/// A kept-alive sender waiting for its next request is held to `idle_timeout`, not to
+/// `header_read_timeout` (hyper's header timer ran from the end of each response, so
+/// sluice closed such connections after 30 s although `idle_timeout` is 2 minutes, and
+/// a client reusing one a moment later lost its request); a sender that begins a head
+/// and trickles it is cut off between `header_read_timeout` and half as long again
+/// after its first byte, with nothing forwarded.
+#[tokio::test]
+async fn kept_alive_senders_wait_for_idle_timeout_and_trickled_heads_are_cut() {
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[proxy]\nidle_timeout = \"4s\"\nheader_read_timeout = \"1s\"\n[defaults]\nrate = 1000.0\n",
+    )
+    .await;
+    let get = |path: &str| format!("GET {} HTTP/1.1\r\nHost: {}\r\n\r\n", up.url(path), up.addr);
+
+    let kept = async {
+        let mut c = TcpStream::connect(s.proxy_addr).await.unwrap();
+        c.write_all(get("/first").as_bytes()).await.unwrap();
+        let first = common::read_response(&mut c).await;
+        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+        // Longer than the header-read limit and half again, shorter than idle_timeout.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        c.write_all(get("/second").as_bytes()).await.unwrap();
+        let second = common::read_response(&mut c).await;
+        assert!(
+            second.starts_with("HTTP/1.1 200"),
+            "a kept-alive connection quiet for 2.5 s (idle_timeout 4 s) was closed: {second:?}"
+        );
+        // Then idle_timeout closes it: never sooner, at most half as long again (and
+        // 2 s for a loaded test machine).
+        let quiet = Instant::now();
+        let mut buf = [0u8; 16];
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+            .await
+            .expect("closed when idle")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
+        let after = quiet.elapsed();
+        assert!(
+            after >= Duration::from_secs(4) && after < Duration::from_secs(8),
+            "idle connection closed after {after:?}"
+        );
+    };
+
+    let trickled = async {
+        let mut c = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let head = get("/trickled");
+        let first_line = &head[..head.find("\r\n").unwrap() + 2];
+        c.write_all(first_line.as_bytes()).await.unwrap();
+        let began = Instant::now();
+        let (mut rd, mut wr) = c.into_split();
+        // A header line every 100 ms, never the blank line that ends the head (at most
+        // 5 s of it).
+        let trickle = async {
+            for i in 0..50 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if wr
+                    .write_all(format!("X-Slow-{i}: 1\r\n").as_bytes())
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        };
+        let closed = async {
+            let mut buf = [0u8; 64];
+            let n = tokio::time::timeout(Duration::from_secs(10), rd.read(&mut buf))
+                .await
+                .expect("a trickled head is cut off")
+                .unwrap_or(0);
+            assert_eq!(n, 0, "an answer to a head never finished");
+            began.elapsed()
+        };
+        let (_, after) = tokio::join!(trickle, closed);
+        assert!(
+            after >= Duration::from_secs(1) && after < Duration::from_millis(3500),
+            "trickled head cut after {after:?} (header_read_timeout 1 s)"
+        );
+    };
+
+    tokio::join!(kept, trickled);
+    let paths: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
+    assert_eq!(paths, ["/first", "/second"], "arrivals: {paths:?}");
+    s.stop().await;
+}
+
 /// Finding 5: a sender that opens an intercepted tunnel and never starts TLS is cut off
 /// after `tls.handshake_timeout`.
 #[tokio::test]

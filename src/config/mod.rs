@@ -269,6 +269,10 @@ pub struct ProxyConfig {
     /// A sender connection (also HTTP inside an intercepted tunnel) with no bytes either
     /// way and no request in flight for this long is closed.
     pub idle_timeout: Duration,
+    /// An HTTP/1.1 sender (also inside an intercepted tunnel) that began a request head
+    /// must finish it within this, or its connection is closed. The wait for a kept-alive
+    /// connection's next request is `idle_timeout`'s, not this.
+    pub header_read_timeout: Duration,
     /// A CONNECT tunnel (not intercepted) with no bytes either way for this long is closed.
     pub tunnel_idle_timeout: Duration,
     /// When set, `/metrics` and `/endpoints` need `Authorization: Bearer <file content>`.
@@ -829,6 +833,10 @@ mod tests {
                 "defaults.adaptive.floor",
             ),
             ("[proxy]\nidle_timeout = \"0\"", "proxy.idle_timeout"),
+            (
+                "[proxy]\nheader_read_timeout = \"0s\"",
+                "proxy.header_read_timeout",
+            ),
             ("[tls]\nintercept = \"yes\"", "tls.intercept"),
             ("proxy = 3", "proxy"),
         ];

@@ -89,6 +89,7 @@ impl Reader<'_> {
                 "metrics_max_endpoints",
                 "workers",
                 "idle_timeout",
+                "header_read_timeout",
                 "tunnel_idle_timeout",
                 "admin_token_file",
             ],
@@ -132,6 +133,12 @@ impl Reader<'_> {
                 }
             },
             idle_timeout: self.positive(t, p, "idle_timeout", Duration::from_secs(120)),
+            header_read_timeout: self.positive(
+                t,
+                p,
+                "header_read_timeout",
+                Duration::from_secs(30),
+            ),
             tunnel_idle_timeout: self.positive(
                 t,
                 p,

@@ -293,10 +293,17 @@ pub async fn wait_for_tokens_below(admin: SocketAddr, id: &str, bound: f64) {
 /// bytes as its `Content-Length` says (or up to the close). Reading to the end of the
 /// connection instead would wait for the keep-alive timeout on every answer.
 pub async fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     // The server may answer and close before reading everything (e.g. a 431).
     let _ = s.write_all(bytes).await;
+    read_response(&mut s).await
+}
+
+/// Reads one whole response from `s` (the head, then its `Content-Length` of body, or up
+/// to the close), within 10 s; the connection stays usable for the next request.
+pub async fn read_response(s: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
     let mut out = Vec::new();
     let mut buf = [0u8; 4096];
     let complete = |out: &[u8]| {
