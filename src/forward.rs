@@ -119,6 +119,18 @@ impl Key {
             authority: uri.authority()?.clone(),
         })
     }
+
+    /// A copy that shares no bytes with the request it came from. A key parsed from a
+    /// request points into the sender connection's read buffer; kept across requests,
+    /// it would keep that buffer shared, and hyper would allocate a new 8 KB one for
+    /// every request instead of reusing it.
+    fn owned(&self) -> Key {
+        Key {
+            https: self.https,
+            authority: Authority::try_from(self.authority.as_str())
+                .unwrap_or_else(|_| self.authority.clone()),
+        }
+    }
 }
 
 /// A sender connection's own upstream connection, opened when the connection sends to
@@ -148,7 +160,8 @@ enum Held {
 /// What one request does with its connection's [`Affinity`].
 enum Plan {
     Pool,
-    Reuse(SendRequest<Incoming>, HeaderValue),
+    /// The held connection, its `Host`, and its (owned) key to keep it under again.
+    Reuse(SendRequest<Incoming>, HeaderValue, Key),
     Open,
 }
 
@@ -160,15 +173,18 @@ impl Affinity {
         let reuse = matches!(&*held, Held::Idle { key: k, generation: g, sender, .. }
             if *g == generation && k == key && sender.is_ready());
         if reuse {
-            if let Held::Idle { sender, host, .. } = std::mem::replace(&mut *held, Held::Busy) {
-                return Plan::Reuse(sender, host);
+            if let Held::Idle {
+                sender, host, key, ..
+            } = std::mem::replace(&mut *held, Held::Busy)
+            {
+                return Plan::Reuse(sender, host, key);
             }
         }
         let (plan, next) = match std::mem::take(&mut *held) {
             Held::Busy => (Plan::Pool, Held::Busy),
-            Held::Nothing => (Plan::Pool, Held::Last(key.clone())),
+            Held::Nothing => (Plan::Pool, Held::Last(key.owned())),
             Held::Last(last) if &last == key => (Plan::Open, Held::Busy),
-            Held::Last(_) => (Plan::Pool, Held::Last(key.clone())),
+            Held::Last(_) => (Plan::Pool, Held::Last(key.owned())),
             Held::Idle {
                 key: k,
                 generation: g,
@@ -177,7 +193,7 @@ impl Affinity {
                 last,
             } => {
                 if &k == key && g == generation && sender.is_ready() {
-                    (Plan::Reuse(sender, host), Held::Busy)
+                    (Plan::Reuse(sender, host, k), Held::Busy)
                 } else if &k == key && g == generation && !sender.is_closed() {
                     // Still busy with an earlier response (HTTP/2 streams in a tunnel).
                     let idle = Held::Idle {
@@ -197,7 +213,7 @@ impl Affinity {
                         generation: g,
                         sender,
                         host,
-                        last: key.clone(),
+                        last: key.owned(),
                     };
                     (Plan::Pool, idle)
                 }
@@ -207,6 +223,7 @@ impl Affinity {
         plan
     }
 
+    /// Holds `sender` for `key`, which must be owned (see [`Key::owned`]).
     fn keep(&self, key: Key, generation: u64, sender: SendRequest<Incoming>, host: HeaderValue) {
         let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
         *held = Held::Idle {
@@ -285,20 +302,20 @@ impl Forwarder {
             return self.send(req).await;
         };
         let generation = self.generation.load(Ordering::SeqCst);
-        let sender = match affinity.plan(&key, generation) {
+        let (sender, kept) = match affinity.plan(&key, generation) {
             Plan::Pool => {
                 req.headers_mut().insert(HOST, host_of(&key)?);
                 let pooled = Box::pin(self.send(req));
                 return pooled.await;
             }
-            Plan::Reuse(sender, host) => Some((sender, host)),
-            Plan::Open => None,
+            Plan::Reuse(sender, host, kept) => (Some((sender, host)), kept),
+            Plan::Open => (None, key.owned()),
         };
         let held = self.send_held(&key, sender, req);
         let sent = tokio::time::timeout(self.timeout, held).await;
         match sent {
             Ok(Ok((resp, sender, host))) => {
-                affinity.keep(key, generation, sender, host);
+                affinity.keep(kept, generation, sender, host);
                 Ok(resp)
             }
             Ok(Err(e)) => {
@@ -747,20 +764,40 @@ mod tests {
         assert!(matches!(aff.plan(&a, 0), Plan::Pool));
         let (sender, _l) = ready_sender().await;
         aff.keep(a.clone(), 0, sender, HeaderValue::from_static("a.example"));
-        let Plan::Reuse(sender, host) = aff.plan(&a, 0) else {
+        let Plan::Reuse(sender, host, _) = aff.plan(&a, 0) else {
             panic!("the held connection is reused")
         };
         assert_eq!(host, "a.example");
         aff.keep(a.clone(), 0, sender, host);
         // One request elsewhere goes to the pool and keeps the held connection...
         assert!(matches!(aff.plan(&b, 0), Plan::Pool));
-        let Plan::Reuse(sender, host) = aff.plan(&a, 0) else {
+        let Plan::Reuse(sender, host, _) = aff.plan(&a, 0) else {
             panic!("still held after one request elsewhere")
         };
         aff.keep(a.clone(), 0, sender, host);
         // ...two in a row replace it.
         assert!(matches!(aff.plan(&b, 0), Plan::Pool));
         assert!(matches!(aff.plan(&b, 0), Plan::Open));
+    }
+
+    /// A key kept across requests owns its bytes: one pointing into a request would
+    /// keep the sender connection's read buffer shared, and hyper would allocate a new
+    /// one for every request.
+    #[test]
+    fn kept_keys_share_no_bytes_with_the_request() {
+        let uri: Uri = "http://a.example:8080/x".parse().unwrap();
+        let from_request = Key::of(&uri).unwrap();
+        let kept = from_request.owned();
+        assert_eq!(kept, from_request);
+        let span = |k: &Key| {
+            let p = k.authority.as_str().as_ptr() as usize;
+            p..p + k.authority.as_str().len()
+        };
+        let (a, b) = (span(&from_request), span(&kept));
+        assert!(
+            b.end <= a.start || a.end <= b.start,
+            "{a:?} and {b:?} overlap"
+        );
     }
 
     #[tokio::test]

@@ -104,9 +104,13 @@ impl LastEndpoint {
         ep: &Resolved,
         label: &EndpointLabel,
     ) {
+        // A copy, not a view into the request: kept across requests, a view would keep
+        // the connection's read buffer shared, and hyper would allocate a new one for
+        // every request (and pin this one for the connection's life).
+        let header = http::HeaderValue::from_bytes(header.as_bytes()).unwrap_or(header.clone());
         *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Remembered {
             runtime: Arc::downgrade(rt),
-            header: header.clone(),
+            header,
             ep: ep.clone(),
             label: label.clone(),
         });
