@@ -67,9 +67,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The last of N waits N × 1 000 s: every one must fit in max_wait, or it is refused
     // at once and the figure would count refused connections, not waiters.
     let max_wait_h = (n as u64 + 1) * 1000 / 3600 + 1;
+    // Room for the N waiters and the first sender (kept alive until the end).
+    let max_connections = n + 16;
     write!(
         f,
-        "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nworkers = 1\n\
+        "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nworkers = 1\nmax_connections = {max_connections}\n\
          [log]\ndecisions = false\n[defaults]\nrate = 0.001\nburst = 1.0\nmax_wait = \"{max_wait_h}h\"\n\
          [defaults.adaptive]\nenabled = false\n[security]\nallow_private_destinations = true\n"
     )?;

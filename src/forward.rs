@@ -311,9 +311,9 @@ impl Forwarder {
             Plan::Reuse(sender, host, kept) => (Some((sender, host)), kept),
             Plan::Open => (None, key.owned()),
         };
-        let held = self.send_held(&key, sender, req);
-        let sent = tokio::time::timeout(self.timeout, held).await;
-        match sent {
+        // Made inside the awaited expression (see `forward_request`): bound to a name
+        // first, it would be kept twice in this future's state.
+        match tokio::time::timeout(self.timeout, self.send_held(&key, sender, req)).await {
             Ok(Ok((resp, sender, host))) => {
                 affinity.keep(kept, generation, sender, host);
                 Ok(resp)

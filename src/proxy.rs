@@ -519,8 +519,9 @@ async fn forward_request(
     parts.version = Version::HTTP_11;
     let sent = tokio::time::Instant::now();
     let req = Request::from_parts(parts, body);
-    let sending = app.forwarder.send_via(&conn.upstream, req);
-    let resp = match sending.await {
+    // Awaited where it is made: a future first bound to a name is kept twice in this
+    // one's state (the binding and the awaited copy): 10.3 KB instead of 3.9 KB.
+    let resp = match app.forwarder.send_via(&conn.upstream, req).await {
         Ok(r) => r,
         Err(e) => {
             let failing = Box::pin(after_admission(app, &admitted, e));
