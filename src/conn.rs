@@ -175,7 +175,11 @@ pub async fn serve<I, S, B>(
         // The head's deadline is kept by the watcher, not by hyper's header-read timer:
         // hyper's runs from the end of each response, so it also cut kept-alive
         // connections waiting for their next request at that limit instead of
-        // `idle`, and it cost a boxed timer per request.
+        // `idle`, and it cost a boxed timer per request. A new connection owes its
+        // first head from the start, as if its first byte had come: a sender that
+        // connects and says nothing holds its place under `max_connections` no longer
+        // than one that trickles.
+        activity.head.store(true, Ordering::Relaxed);
         let idle = activity.watch(timeouts.idle, Some(timeouts.header_read));
         let mut builder = http1::Builder::new();
         if writes == Writes::Flat {
@@ -348,8 +352,10 @@ impl Activity {
     /// - [`Quiet::Idle`] once nothing moved for `idle` and no request is in flight:
     ///   never sooner than `idle` after the last byte, at most half an `idle` later;
     /// - with `head`, [`Quiet::SlowHead`] once a request head has been arriving for
-    ///   `head` without being finished: never sooner than `head` after its first byte,
-    ///   at most half a `head` later. Waiting for the next request is not a head.
+    ///   `head` without being finished: never sooner than `head` after its first byte
+    ///   (for a new connection's first head: after the watch began), at most half a
+    ///   `head` later. A kept-alive connection waiting for its next request is not
+    ///   arriving a head.
     ///
     /// The connection is looked at every quarter of the shorter limit.
     pub async fn watch(self: Arc<Self>, idle: Duration, head: Option<Duration>) -> Quiet {

@@ -317,7 +317,8 @@ async fn tunnels_count_against_max_connections_and_close_when_idle() {
 /// sluice closed such connections after 30 s although `idle_timeout` is 2 minutes, and
 /// a client reusing one a moment later lost its request); a sender that begins a head
 /// and trickles it is cut off between `header_read_timeout` and half as long again
-/// after its first byte, with nothing forwarded.
+/// after its first byte, with nothing forwarded; a new connection that sends nothing
+/// owes its first head within the same limit.
 #[tokio::test]
 async fn kept_alive_senders_wait_for_idle_timeout_and_trickled_heads_are_cut() {
     let up = Upstream::start().await;
@@ -393,7 +394,24 @@ async fn kept_alive_senders_wait_for_idle_timeout_and_trickled_heads_are_cut() {
         );
     };
 
-    tokio::join!(kept, trickled);
+    // A sender that connects and says nothing owes its first head all the same.
+    let silent = async {
+        let mut c = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let began = Instant::now();
+        let mut buf = [0u8; 16];
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+            .await
+            .expect("a silent new connection is closed")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
+        let after = began.elapsed();
+        assert!(
+            after >= Duration::from_secs(1) && after < Duration::from_millis(3500),
+            "silent connection closed after {after:?} (header_read_timeout 1 s)"
+        );
+    };
+
+    tokio::join!(kept, trickled, silent);
     let paths: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
     assert_eq!(paths, ["/first", "/second"], "arrivals: {paths:?}");
     s.stop().await;
