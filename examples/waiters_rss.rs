@@ -3,8 +3,12 @@
 //! (one connection each), and reads the process's resident set (`VmRSS`) before and
 //! after. It reports only once every request holds its reservation, and fails otherwise.
 //!
+//! With `idle` as third argument it measures kept-alive senders at rest instead: N
+//! connections each send three requests through (so each holds its own upstream
+//! connection, as a busy sender does) and then wait for their next request.
+//!
 //! `cargo build --release --bin sluice --example waiters_rss &&
-//!  target/release/examples/waiters_rss target/release/sluice 10000`
+//!  target/release/examples/waiters_rss target/release/sluice 10000 [idle]`
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -57,6 +61,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .next()
         .unwrap_or_else(|| "target/release/sluice".into());
     let n: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    if args.next().as_deref() == Some("idle") {
+        return idle(&bin, n).await;
+    }
     let upstream = TcpListener::bind("127.0.0.1:0").await?;
     let up = upstream.local_addr()?;
     let (proxy, admin) = (free_port(), free_port());
@@ -123,6 +130,111 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let per = (after.saturating_sub(before)) as f64 * 1024.0 / n as f64;
     println!(
         "| {n} requests waiting on one endpoint | RSS {before} KiB → {after} KiB | {per:.0} bytes per waiter (its socket, connection task and reservation) |"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    drop(held);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// Answers every request on every connection with a kept-alive `200 ok`.
+async fn keep_alive_upstream(listener: TcpListener) {
+    while let Ok((mut conn, _)) = listener.accept().await {
+        tokio::spawn(async move {
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            loop {
+                let Ok(n) = tokio::io::AsyncReadExt::read(&mut conn, &mut chunk).await else {
+                    return;
+                };
+                if n == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    buf.drain(..end + 4);
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if conn.write_all(ok).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Sends one request on `s` and reads its `ok` answer.
+async fn exchange(s: &mut TcpStream, req: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
+    s.write_all(req).await?;
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !got.ends_with(b"ok") {
+        let n = tokio::io::AsyncReadExt::read(s, &mut chunk).await?;
+        if n == 0 {
+            return Err("the proxy closed a kept-alive connection".into());
+        }
+        got.extend_from_slice(&chunk[..n]);
+    }
+    Ok(())
+}
+
+/// Memory per kept-alive sender connection at rest (see the module doc).
+async fn idle(bin: &str, n: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let upstream = TcpListener::bind("127.0.0.1:0").await?;
+    let up = upstream.local_addr()?;
+    tokio::spawn(keep_alive_upstream(upstream));
+    let (proxy, admin) = (free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("sluice-idle-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let cfg = dir.join("sluice.toml");
+    let max_connections = n + 16;
+    std::fs::write(
+        &cfg,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:{proxy}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nworkers = 1\n\
+             max_connections = {max_connections}\n[log]\ndecisions = false\n\
+             [defaults]\nrate = 1000000000.0\nburst = 1000000000.0\n\
+             [security]\nallow_private_destinations = true\n"
+        ),
+    )?;
+    let mut child = Command::new(bin)
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .stderr(Stdio::null())
+        .spawn()?;
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", proxy)).await.is_err() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err("sluice did not start".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let req = format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nX-Endpoint-Id: e\r\n\r\n");
+    let before = rss_kib(pid);
+    let mut held = Vec::with_capacity(n);
+    let started = Instant::now();
+    for _ in 0..n {
+        let mut s = TcpStream::connect(("127.0.0.1", proxy)).await?;
+        for _ in 0..3 {
+            if let Err(e) = exchange(&mut s, req.as_bytes()).await {
+                let _ = child.kill();
+                return Err(e);
+            }
+        }
+        held.push(s);
+        if started.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            return Err("connections took longer than 2 minutes".into());
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = rss_kib(pid);
+    let per = (after.saturating_sub(before)) as f64 * 1024.0 / n as f64;
+    println!(
+        "| {n} kept-alive sender connections at rest, each with its upstream connection | RSS {before} KiB → {after} KiB | {per:.0} bytes per connection |"
     );
     let _ = child.kill();
     let _ = child.wait();
