@@ -115,8 +115,9 @@ impl Drop for ConnSlot {
 /// How long a served connection may stay quiet, and how long a request head may take.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
-    /// A sender that began a request head must finish it within this of its first byte
-    /// (HTTP/1.1; at most half as long again: see [`Activity::watch`]).
+    /// A sender that began a request head must finish it within this of its first byte,
+    /// and a new connection its first head within this of opening (HTTP/1.1; at most
+    /// half as long again: see [`Activity::watch`]).
     pub header_read: Duration,
     /// Closed after this long with no bytes either way and no request in flight (at
     /// most half as long again: see [`Activity::watch`]).
