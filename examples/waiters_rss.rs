@@ -82,20 +82,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
          [log]\ndecisions = false\n[defaults]\nrate = 0.001\nburst = 1.0\nmax_wait = \"{max_wait_h}h\"\n\
          [defaults.adaptive]\nenabled = false\n[security]\nallow_private_destinations = true\n"
     )?;
-    let mut child = Command::new(&bin)
-        .args(["run", "--config"])
-        .arg(&cfg)
-        .stderr(Stdio::null())
-        .spawn()?;
+    let mut child = start_sluice(&bin, &cfg, proxy).await?;
     let pid = child.id();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(("127.0.0.1", proxy)).await.is_err() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            return Err("sluice did not start".into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     // One request through first: the endpoint exists and the burst token is spent.
     let req = format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nX-Endpoint-Id: hold\r\n\r\n");
     let mut first = TcpStream::connect(("127.0.0.1", proxy)).await?;
@@ -198,20 +186,8 @@ async fn idle(bin: &str, n: usize) -> Result<(), Box<dyn std::error::Error>> {
              [security]\nallow_private_destinations = true\n"
         ),
     )?;
-    let mut child = Command::new(bin)
-        .args(["run", "--config"])
-        .arg(&cfg)
-        .stderr(Stdio::null())
-        .spawn()?;
+    let mut child = start_sluice(bin, &cfg, proxy).await?;
     let pid = child.id();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(("127.0.0.1", proxy)).await.is_err() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            return Err("sluice did not start".into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let req = format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nX-Endpoint-Id: e\r\n\r\n");
     let before = rss_kib(pid);
     let mut held = Vec::with_capacity(n);
@@ -241,4 +217,26 @@ async fn idle(bin: &str, n: usize) -> Result<(), Box<dyn std::error::Error>> {
     drop(held);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// Starts the sluice binary on `cfg` and waits (at most 10 s) until `proxy` accepts.
+async fn start_sluice(
+    bin: &str,
+    cfg: &std::path::Path,
+    proxy: u16,
+) -> Result<std::process::Child, Box<dyn std::error::Error>> {
+    let mut child = Command::new(bin)
+        .args(["run", "--config"])
+        .arg(cfg)
+        .stderr(Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", proxy)).await.is_err() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err("sluice did not start".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(child)
 }

@@ -343,14 +343,7 @@ async fn kept_alive_senders_wait_for_idle_timeout_and_trickled_heads_are_cut() {
         );
         // Then idle_timeout closes it: never sooner, at most half as long again (and
         // 2 s for a loaded test machine).
-        let quiet = Instant::now();
-        let mut buf = [0u8; 16];
-        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
-            .await
-            .expect("closed when idle")
-            .unwrap_or(0);
-        assert_eq!(n, 0);
-        let after = quiet.elapsed();
+        let after = closed_unanswered(&mut c, Instant::now(), "an idle connection").await;
         assert!(
             after >= Duration::from_secs(4) && after < Duration::from_secs(8),
             "idle connection closed after {after:?}"
@@ -378,15 +371,7 @@ async fn kept_alive_senders_wait_for_idle_timeout_and_trickled_heads_are_cut() {
                 }
             }
         };
-        let closed = async {
-            let mut buf = [0u8; 64];
-            let n = tokio::time::timeout(Duration::from_secs(10), rd.read(&mut buf))
-                .await
-                .expect("a trickled head is cut off")
-                .unwrap_or(0);
-            assert_eq!(n, 0, "an answer to a head never finished");
-            began.elapsed()
-        };
+        let closed = closed_unanswered(&mut rd, began, "a trickled head");
         let (_, after) = tokio::join!(trickle, closed);
         assert!(
             after >= Duration::from_secs(1) && after < Duration::from_millis(3500),
@@ -398,13 +383,7 @@ async fn kept_alive_senders_wait_for_idle_timeout_and_trickled_heads_are_cut() {
     let silent = async {
         let mut c = TcpStream::connect(s.proxy_addr).await.unwrap();
         let began = Instant::now();
-        let mut buf = [0u8; 16];
-        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
-            .await
-            .expect("a silent new connection is closed")
-            .unwrap_or(0);
-        assert_eq!(n, 0);
-        let after = began.elapsed();
+        let after = closed_unanswered(&mut c, began, "a silent new connection").await;
         assert!(
             after >= Duration::from_secs(1) && after < Duration::from_millis(3500),
             "silent connection closed after {after:?} (header_read_timeout 1 s)"
@@ -415,6 +394,27 @@ async fn kept_alive_senders_wait_for_idle_timeout_and_trickled_heads_are_cut() {
     let paths: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
     assert_eq!(paths, ["/first", "/second"], "arrivals: {paths:?}");
     s.stop().await;
+}
+
+/// Waits (at most 10 s) for sluice to close `r` without sending a byte; returns the time
+/// since `since`.
+async fn closed_unanswered(
+    r: &mut (impl tokio::io::AsyncRead + Unpin),
+    since: Instant,
+    what: &str,
+) -> Duration {
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), r.read(&mut buf))
+        .await
+        .unwrap_or_else(|_| panic!("{what} was not closed within 10 s"))
+        .unwrap_or(0);
+    assert_eq!(
+        n,
+        0,
+        "{what} got an answer: {:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    since.elapsed()
 }
 
 /// Finding 5: a sender that opens an intercepted tunnel and never starts TLS is cut off
