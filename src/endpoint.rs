@@ -65,6 +65,16 @@ impl Resolver {
         self.from_proxy_user
     }
 
+    /// Whether a request to `host` (normalised: lowercase) that names no endpoint by
+    /// header or proxy user resolves by its host alone: no rule for that host refines
+    /// it by path prefix.
+    pub fn by_host_alone(&self, host: &str) -> bool {
+        !self
+            .rules
+            .iter()
+            .any(|r| r.path_prefix.is_some() && r.hosts.iter().any(|h| h == host))
+    }
+
     /// Configured endpoints with their policies (for `/endpoints`).
     pub fn configured(&self) -> impl Iterator<Item = (&Arc<str>, &Arc<Policy>)> {
         self.rules.iter().map(|r| (&r.id, &r.policy))
@@ -163,6 +173,21 @@ mod tests {
     const RULES: &str = "[[endpoints]]\nid = \"hooks\"\nrate = 5.0\nhosts = [\"hooks.example.com\"]\npath_prefix = \"/v1\"\n\
                          [[endpoints]]\nid = \"all\"\nhosts = [\"hooks.example.com\"]\n\
                          [[endpoints]]\nid = \"ep_42\"\nrate = 100.0\n";
+
+    /// A host resolves by itself unless a rule for it looks at the path; rules for
+    /// other hosts do not matter.
+    #[test]
+    fn a_host_resolves_alone_unless_a_rule_for_it_has_a_path_prefix() {
+        let cfg = Config::parse(
+            "[[endpoints]]\nid = \"slow\"\nhosts = [\"a.example\"]\npath_prefix = \"/slow\"\n\
+             [[endpoints]]\nid = \"b\"\nhosts = [\"b.example\"]\n",
+        )
+        .unwrap();
+        let r = Resolver::new(&cfg);
+        assert!(!r.by_host_alone("a.example"));
+        assert!(r.by_host_alone("b.example"));
+        assert!(r.by_host_alone("c.example"));
+    }
 
     #[test]
     fn header_wins_then_rules_then_host() {

@@ -63,54 +63,75 @@ pub struct Conn {
     pub tunnel: Option<Tunnel>,
     /// Its own upstream connection, when it keeps sending to one destination.
     pub upstream: crate::forward::Affinity,
-    /// The endpoint its last request named by header, resolved and labelled.
+    /// The endpoint its last request named (by header or by host), resolved and
+    /// labelled.
     pub endpoint: LastEndpoint,
 }
 
-/// The endpoint a connection's last request named in the endpoint header, with its
-/// metric label: the next request naming the same endpoint under the same
-/// configuration skips resolution and the label lookups (a sender usually names one
-/// endpoint for a whole connection). Only the header case is kept: its resolution
-/// depends on nothing but the header's bytes and the configuration.
+/// The endpoint a connection's last request named, with its metric label: the next
+/// request naming the same endpoint the same way under the same configuration skips
+/// resolution and the label lookups (a sender usually names one endpoint, or sends to
+/// one host, for a whole connection). Kept only when the resolution depends on nothing
+/// but what is compared: the header's bytes, or the host when there is no header, no
+/// proxy-user endpoint and no rule for that host looks at the path.
 #[derive(Default)]
 pub struct LastEndpoint(std::sync::Mutex<Option<Remembered>>);
+
+/// What named a request's endpoint, as [`LastEndpoint`] compares it.
+enum Named<'a> {
+    /// The endpoint header's value.
+    Header(&'a http::HeaderValue),
+    /// The normalised target host.
+    Host(&'a str),
+}
+
+impl Named<'_> {
+    fn is(&self, kept: &Kept) -> bool {
+        match (self, kept) {
+            (Named::Header(h), Kept::Header(k)) => *h == k,
+            (Named::Host(h), Kept::Host(k)) => *h == &**k,
+            _ => false,
+        }
+    }
+}
+
+/// A copy of [`Named`], kept across requests.
+enum Kept {
+    Header(http::HeaderValue),
+    Host(Box<str>),
+}
 
 struct Remembered {
     /// The configuration it was resolved under. A weak reference keeps the allocation,
     /// so no later configuration can reuse its address.
     runtime: std::sync::Weak<Runtime>,
-    header: http::HeaderValue,
+    named: Kept,
     ep: Resolved,
     label: EndpointLabel,
 }
 
 impl LastEndpoint {
-    /// The remembered endpoint when `header` names it again under `rt`.
-    fn recall(
-        &self,
-        rt: &Arc<Runtime>,
-        header: &http::HeaderValue,
-    ) -> Option<(Resolved, EndpointLabel)> {
+    /// The remembered endpoint when `named` names it again under `rt`.
+    fn recall(&self, rt: &Arc<Runtime>, named: &Named<'_>) -> Option<(Resolved, EndpointLabel)> {
         let last = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let r = last.as_ref()?;
-        (std::ptr::eq(r.runtime.as_ptr(), Arc::as_ptr(rt)) && r.header == *header)
+        (std::ptr::eq(r.runtime.as_ptr(), Arc::as_ptr(rt)) && named.is(&r.named))
             .then(|| (r.ep.clone(), r.label.clone()))
     }
 
-    fn remember(
-        &self,
-        rt: &Arc<Runtime>,
-        header: &http::HeaderValue,
-        ep: &Resolved,
-        label: &EndpointLabel,
-    ) {
+    fn remember(&self, rt: &Arc<Runtime>, named: &Named<'_>, ep: &Resolved, label: &EndpointLabel) {
         // A copy, not a view into the request: kept across requests, a view would keep
         // the connection's read buffer shared, and hyper would allocate a new one for
         // every request (and pin this one for the connection's life).
-        let header = http::HeaderValue::from_bytes(header.as_bytes()).unwrap_or(header.clone());
+        let named = match named {
+            Named::Header(h) => {
+                Kept::Header(http::HeaderValue::from_bytes(h.as_bytes()).unwrap_or((*h).clone()))
+            }
+            Named::Host(h) => Kept::Host((*h).into()),
+        };
         *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Remembered {
             runtime: Arc::downgrade(rt),
-            header,
+            named,
             ep: ep.clone(),
             label: label.clone(),
         });
@@ -269,9 +290,19 @@ async fn admission(
         peer,
         last,
     } = ask;
-    let named = headers.get(rt.resolver.header());
-    let recalled = named.and_then(|h| last.recall(rt, h));
-    let remember = named.filter(|_| recalled.is_none());
+    let named = match headers.get(rt.resolver.header()) {
+        Some(h) => Some(Named::Header(h)),
+        None if who.endpoint_hint.is_none() => Some(Named::Host(&target.host)),
+        None => None,
+    };
+    let recalled = named.as_ref().and_then(|n| last.recall(rt, n));
+    let remember = named.filter(|n| {
+        recalled.is_none()
+            && match n {
+                Named::Header(_) => true,
+                Named::Host(h) => rt.resolver.by_host_alone(h),
+            }
+    });
     let (ep, known) = match recalled {
         Some(hit) => hit,
         None => {
@@ -312,8 +343,8 @@ async fn admission(
         known
     };
     // Labels are never taken back, so the pair stays right for this configuration.
-    if let Some(h) = remember {
-        last.remember(rt, h, &ep, &label);
+    if let Some(n) = remember {
+        last.remember(rt, &n, &ep, &label);
     }
     let (grant, outcome, slot) = match ep.mode {
         Mode::Enforce => {
@@ -844,8 +875,9 @@ mod tests {
         Arc::new(Runtime::load(Arc::new(Config::parse(text).unwrap())).unwrap())
     }
 
-    /// A remembered endpoint is reused only for the same header bytes under the same
-    /// configuration: a reload (a new runtime) resolves afresh, with the new policy.
+    /// A remembered endpoint is reused only when it is named the same way (the same
+    /// header bytes, or the same host) under the same configuration: a reload (a new
+    /// runtime) resolves afresh, with the new policy.
     #[test]
     fn the_last_endpoint_is_reused_only_under_its_configuration() {
         let before = runtime("[[endpoints]]\nid = \"a\"\nrate = 5.0\n");
@@ -853,23 +885,42 @@ mod tests {
         let metrics = Metrics::new(10, std::iter::empty());
         let mut headers = HeaderMap::new();
         headers.insert("x-endpoint-id", http::HeaderValue::from_static("a"));
-        let h = headers.get("x-endpoint-id").unwrap();
+        let h = Named::Header(headers.get("x-endpoint-id").unwrap());
         let ep = before
             .resolver
             .resolve(&headers, None, "x.example", "/")
             .unwrap();
         let label = metrics.label(&ep.id);
         let last = LastEndpoint::default();
-        assert!(last.recall(&before, h).is_none(), "nothing remembered yet");
-        last.remember(&before, h, &ep, &label);
-        let (again, _) = last.recall(&before, h).expect("same header, same config");
+        assert!(last.recall(&before, &h).is_none(), "nothing remembered yet");
+        last.remember(&before, &h, &ep, &label);
+        let (again, _) = last.recall(&before, &h).expect("same header, same config");
         assert_eq!((&*again.id, again.policy.rate), ("a", 5.0));
         let other = http::HeaderValue::from_static("b");
-        assert!(last.recall(&before, &other).is_none(), "another endpoint");
-        assert!(last.recall(&after, h).is_none(), "a reloaded configuration");
+        assert!(
+            last.recall(&before, &Named::Header(&other)).is_none(),
+            "another endpoint"
+        );
+        assert!(
+            last.recall(&before, &Named::Host("a")).is_none(),
+            "a host that reads like the header is another way of naming"
+        );
+        assert!(
+            last.recall(&after, &h).is_none(),
+            "a reloaded configuration"
+        );
         // The old configuration gone: its address cannot come back to match.
         drop(before);
-        assert!(last.recall(&after, h).is_none());
+        assert!(last.recall(&after, &h).is_none());
+
+        let host = Named::Host("x.example");
+        last.remember(&after, &host, &ep, &label);
+        assert!(
+            last.recall(&after, &host).is_some(),
+            "same host, same config"
+        );
+        assert!(last.recall(&after, &Named::Host("y.example")).is_none());
+        assert!(last.recall(&after, &Named::Header(&other)).is_none());
     }
 
     #[test]

@@ -598,6 +598,62 @@ async fn a_sender_alternating_destinations_reaches_each_once() {
     s.stop().await;
 }
 
+/// One kept-alive sender, one host, two endpoints told apart by path: every request
+/// is paced by the endpoint its own path maps to, whatever the one before it named
+/// (a connection remembers the endpoint of its last request, but never for a host
+/// whose rules look at the path). A host without such rules is remembered, and still
+/// paced as its own endpoint.
+#[tokio::test]
+async fn a_kept_alive_sender_is_paced_by_each_requests_own_path() {
+    let up = Upstream::start().await;
+    let s = sluice(
+        "[defaults]\nrate = 0.001\nburst = 2.0\nmax_wait = \"0s\"\n\
+         [[endpoints]]\nid = \"slow\"\nhosts = [\"127.0.0.1\"]\npath_prefix = \"/slow\"\n\
+         rate = 0.001\nburst = 1.0\nmax_wait = \"0s\"\n",
+    )
+    .await;
+    let c = client(s.proxy_addr);
+    let status = |path: &'static str| {
+        let (c, url) = (c.clone(), up.url(path));
+        async move { c.get(url).send().await.unwrap().status().as_u16() }
+    };
+    // "127.0.0.1" (the defaults: burst 2) and "slow" (burst 1), interleaved.
+    let got = [
+        ("/fast/1", status("/fast/1").await),
+        ("/slow/1", status("/slow/1").await),
+        ("/fast/2", status("/fast/2").await),
+        ("/slow/2", status("/slow/2").await),
+        ("/fast/3", status("/fast/3").await),
+    ];
+    assert_eq!(
+        got,
+        [
+            ("/fast/1", 200),
+            ("/slow/1", 200),
+            ("/fast/2", 200),
+            ("/slow/2", 503),
+            ("/fast/3", 503),
+        ]
+    );
+    let arrived: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
+    assert_eq!(arrived, ["/fast/1", "/slow/1", "/fast/2"]);
+
+    // A host with no path rules: repeated requests keep to its own bucket.
+    let other = Upstream::start().await;
+    let to_other = other.url("/x").replace("127.0.0.1", "localhost");
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        codes.push(c.get(&to_other).send().await.unwrap().status().as_u16());
+    }
+    assert_eq!(
+        codes,
+        [200, 200, 503],
+        "burst 2 of the defaults, then refused"
+    );
+    assert_eq!(other.count(), 2);
+    s.stop().await;
+}
+
 /// An upstream that closes its connection after every answer: the held connection is
 /// replaced, and nothing is lost or sent twice.
 #[tokio::test]

@@ -135,7 +135,11 @@ pub(super) async fn acquire(
         lanes,
         endpoint,
     };
-    let mut outcomes = call(calls, lanes, endpoint, &[ask]).await?;
+    // Boxed: a queued ask (most of them, on a busy endpoint) then carries a small
+    // future, not the whole script call's state, which only the lane's opener needs.
+    let asks = [ask];
+    let opening = Box::pin(call(calls, lanes, endpoint, &asks));
+    let mut outcomes = opening.await?;
     outcomes
         .pop()
         .ok_or_else(|| StoreError::Protocol("acquire answered no outcome".to_owned()))
@@ -231,6 +235,10 @@ async fn drain(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, first: 
             }
             Err(e) => fail(batch, &e),
         }
+        // One turn of the worker's loop before the next batch leaves: requests that
+        // became readable with this call's answer join it rather than the one after.
+        // About a fifth fewer script calls per request under load (docs/BENCHMARKS.md).
+        tokio::task::yield_now().await;
         match lanes.next(&endpoint) {
             Some(next) => batch = next,
             None => return,
