@@ -14,9 +14,13 @@
 //! queued ask whose request hung up before its batch left is not sent; one that hung up
 //! while its batch was in flight has its reservation given back.
 //!
+//! A batch's outcomes reach requests waiting on other workers through each worker's
+//! [`Mailbox`]: one wake-up per worker and call, not one per request.
+//!
 //! With `store.prefetch`, a busy endpoint's calls also ask for tokens ahead, and the
 //! requests after them spend those without queueing at all (see [`super::credit`]).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -25,15 +29,61 @@ use tokio::sync::oneshot;
 use super::StoreError;
 use super::bucket::{Ask, Outcome};
 use super::credit::{Credits, Leftover};
+use super::mailbox::Mailbox;
 use super::redis::Calls;
 
 /// At most this many asks go in one script call (the rest in the next).
 const MAX_BATCH: usize = 256;
 
-/// One queued ask and where its outcome goes.
+/// Where an outcome goes.
+type Reply = oneshot::Sender<Result<Outcome, StoreError>>;
+
+/// One queued ask, where its outcome goes, and the mailbox of the thread its request
+/// waits on.
 struct Waiter {
     ask: Ask,
-    reply: oneshot::Sender<Result<Outcome, StoreError>>,
+    reply: Reply,
+    home: Option<Arc<Mailbox<Parcel>>>,
+}
+
+/// An outcome on its way to a request on another thread.
+struct Parcel {
+    reply: Reply,
+    outcome: Outcome,
+    ask: Ask,
+    /// Where a grant goes back when its request hung up meanwhile.
+    lane: Arc<(Arc<Calls>, Box<str>)>,
+}
+
+impl Parcel {
+    /// Hands the outcome on (on the request's own thread, from its mailbox).
+    fn deliver(self) {
+        if self.reply.send(Ok(self.outcome)).is_err() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let (calls, endpoint) = &*self.lane;
+                    give_back(calls, endpoint, &self.ask, self.outcome).await;
+                });
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's mailbox for batch outcomes, opened on first use.
+    static MAILBOX: RefCell<Option<Arc<Mailbox<Parcel>>>> = const { RefCell::new(None) };
+}
+
+/// The current thread's open mailbox (a new one when its runtime ended), or `None`
+/// outside a runtime.
+fn mailbox_here() -> Option<Arc<Mailbox<Parcel>>> {
+    MAILBOX.with(|m| {
+        let mut m = m.borrow_mut();
+        if !m.as_ref().is_some_and(|mb| mb.is_open()) {
+            *m = Mailbox::open(Parcel::deliver);
+        }
+        m.clone()
+    })
 }
 
 /// Every endpoint with an acquire in flight, and what queued behind it (an endpoint is
@@ -107,12 +157,13 @@ pub(super) async fn acquire(
             generation,
         });
     }
+    let home = mailbox_here();
     let queued = {
         let mut map = lanes.lock();
         match map.get_mut(endpoint) {
             Some(queue) => {
                 let (reply, outcome) = oneshot::channel();
-                queue.push(Waiter { ask, reply });
+                queue.push(Waiter { ask, reply, home });
                 Some(outcome)
             }
             None => {
@@ -218,16 +269,14 @@ impl Drop for Handover<'_> {
 
 /// Sends batches for `endpoint` until its lane is empty.
 async fn drain(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, first: Vec<Waiter>) {
+    let lane = Arc::new((calls, endpoint));
+    let (calls, endpoint) = (&lane.0, &*lane.1);
     let mut batch = first;
     loop {
         let asks: Vec<Ask> = batch.iter().map(|w| w.ask).collect();
-        match call(&calls, &lanes, &endpoint, &asks).await {
+        match call(calls, &lanes, endpoint, &asks).await {
             Ok(outcomes) if outcomes.len() == batch.len() => {
-                for (w, outcome) in batch.into_iter().zip(outcomes) {
-                    if w.reply.send(Ok(outcome)).is_err() {
-                        give_back(&calls, &endpoint, &w.ask, outcome).await;
-                    }
-                }
+                hand_out(&lane, batch, outcomes).await;
             }
             Ok(_) => {
                 let e = StoreError::Protocol("acquire answered a short batch".to_owned());
@@ -239,9 +288,47 @@ async fn drain(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, first: 
         // became readable with this call's answer join it rather than the one after.
         // About a fifth fewer script calls per request under load (docs/BENCHMARKS.md).
         tokio::task::yield_now().await;
-        match lanes.next(&endpoint) {
+        match lanes.next(endpoint) {
             Some(next) => batch = next,
             None => return,
+        }
+    }
+}
+
+/// Gives each waiter its outcome: those on other threads through their thread's
+/// mailbox (one post per thread), the rest here; a grant whose request hung up goes
+/// back.
+async fn hand_out(lane: &Arc<(Arc<Calls>, Box<str>)>, batch: Vec<Waiter>, outcomes: Vec<Outcome>) {
+    let here = mailbox_here();
+    let mut away: Vec<(Arc<Mailbox<Parcel>>, Vec<Parcel>)> = Vec::new();
+    let mut local = Vec::with_capacity(batch.len());
+    for (w, outcome) in batch.into_iter().zip(outcomes) {
+        match w.home {
+            Some(home) if !here.as_ref().is_some_and(|h| Arc::ptr_eq(h, &home)) => {
+                let parcel = Parcel {
+                    reply: w.reply,
+                    outcome,
+                    ask: w.ask,
+                    lane: Arc::clone(lane),
+                };
+                match away.iter_mut().find(|(h, _)| Arc::ptr_eq(h, &home)) {
+                    Some((_, parcels)) => parcels.push(parcel),
+                    None => away.push((home, vec![parcel])),
+                }
+            }
+            _ => local.push((w.reply, w.ask, outcome)),
+        }
+    }
+    for (home, parcels) in away {
+        // A closed mailbox (its runtime ended) hands its parcels back: deliver here.
+        if let Err(parcels) = home.post(parcels) {
+            local.extend(parcels.into_iter().map(|p| (p.reply, p.ask, p.outcome)));
+        }
+    }
+    let (calls, endpoint) = &**lane;
+    for (reply, ask, outcome) in local {
+        if reply.send(Ok(outcome)).is_err() {
+            give_back(calls, endpoint, &ask, outcome).await;
         }
     }
 }

@@ -21,6 +21,7 @@ mod cooldowns;
 mod credit;
 pub mod fallback;
 pub mod lease;
+mod mailbox;
 pub mod memory;
 mod per_thread;
 pub mod queue;
