@@ -237,24 +237,37 @@ impl Limiter {
         started: Instant,
         mut first: Option<Outcome>,
     ) -> Result<Grant, Refusal> {
+        // Granted at once (the memory store, far from its limit): nothing was waited
+        // for, and no clock needs reading.
+        if let Some(Outcome::Granted {
+            wait_us,
+            generation,
+        }) = first
+        {
+            if wait_us <= 0.0 {
+                return Ok(Grant {
+                    waited: Duration::ZERO,
+                    generation,
+                });
+            }
+        }
         let mut held = None;
         loop {
-            let budget = policy.max_wait.saturating_sub(started.elapsed());
-            let ask = Ask::new(policy, micros(budget), held);
             // No later than when this outcome was asked for (a `first` one was asked for
             // after `started`): a cooldown notice since then means confirming.
-            let asked = if first.is_some() {
-                started
-            } else {
-                Instant::now()
-            };
-            let outcome = match first.take() {
-                Some(o) => o,
-                None => self
-                    .store
-                    .acquire(endpoint, ask)
-                    .await
-                    .map_err(|_| Refusal::StoreUnavailable)?,
+            let (asked, outcome) = match first.take() {
+                Some(o) => (started, o),
+                None => {
+                    let now = Instant::now();
+                    let budget = policy.max_wait.saturating_sub(now - started);
+                    let ask = Ask::new(policy, micros(budget), held);
+                    let outcome = self
+                        .store
+                        .acquire(endpoint, ask)
+                        .await
+                        .map_err(|_| Refusal::StoreUnavailable)?;
+                    (now, outcome)
+                }
             };
             match outcome {
                 Outcome::Refused { cooldown, retry_us } => {
