@@ -441,16 +441,16 @@ fn host_of(key: &Key) -> Result<HeaderValue, ForwardError> {
 
 /// A request as a connection of its own sends it: `host` (from [`host_of`]) and an
 /// origin-form request line.
-fn origin_form<B>(req: Request<B>, host: HeaderValue) -> Request<B> {
-    let (mut parts, body) = req.into_parts();
-    parts.headers.insert(HOST, host);
-    let path = parts
-        .uri
+fn origin_form<B>(mut req: Request<B>, host: HeaderValue) -> Request<B> {
+    // In place: taking the request apart and back together copies it twice.
+    req.headers_mut().insert(HOST, host);
+    let path = req
+        .uri()
         .path_and_query()
         .cloned()
         .unwrap_or_else(|| PathAndQuery::from_static("/"));
-    parts.uri = Uri::from(path);
-    Request::from_parts(parts, body)
+    *req.uri_mut() = Uri::from(path);
+    req
 }
 
 /// The connector the pool and [`Affinity`] connections use: names resolve through
