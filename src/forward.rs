@@ -34,6 +34,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
+use tokio::time::Sleep;
 
 use crate::conn::{Activity, Watched};
 use crate::destination::{DestinationPolicy, ResolveError};
@@ -134,9 +135,13 @@ impl Key {
 }
 
 /// A sender connection's own upstream connection, opened when the connection sends to
-/// the same destination twice in a row and kept while it keeps doing so.
+/// the same destination twice in a row and kept while it keeps doing so; and the timer
+/// that bounds the wait for its responses.
 #[derive(Default)]
-pub struct Affinity(Mutex<Held>);
+pub struct Affinity {
+    held: Mutex<Held>,
+    deadline: Deadline,
+}
 
 #[derive(Default)]
 enum Held {
@@ -167,7 +172,7 @@ enum Plan {
 
 impl Affinity {
     fn plan(&self, key: &Key, generation: u64) -> Plan {
-        let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         // The common case first, looked at in place: the held connection, ready, for
         // this destination.
         let reuse = matches!(&*held, Held::Idle { key: k, generation: g, sender, .. }
@@ -225,7 +230,7 @@ impl Affinity {
 
     /// Holds `sender` for `key`, which must be owned (see [`Key::owned`]).
     fn keep(&self, key: Key, generation: u64, sender: SendRequest<Incoming>, host: HeaderValue) {
-        let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         *held = Held::Idle {
             last: key.clone(),
             key,
@@ -236,7 +241,74 @@ impl Affinity {
     }
 
     fn clear(&self) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Held::Nothing;
+        *self.held.lock().unwrap_or_else(|e| e.into_inner()) = Held::Nothing;
+    }
+}
+
+/// The upstream timeout of one sender connection's held sends: one timer, taken by a
+/// request and set again for the next, instead of a timer registered with the runtime
+/// and removed again for every request. Setting a registered timer later only moves
+/// its deadline (tokio extends it in place), so a request costs no timer-wheel work
+/// unless the timer fired. A request that finds the timer taken (concurrent HTTP/2
+/// streams in a tunnel) makes its own.
+#[derive(Default)]
+struct Deadline(Mutex<Option<Pin<Box<Sleep>>>>);
+
+impl Deadline {
+    /// The timer, set to fire `limit` from now, for one request.
+    fn lend(&self, limit: Duration) -> Lent<'_> {
+        let taken = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let sleep = match taken {
+            Some(mut sleep) => {
+                sleep.as_mut().reset(tokio::time::Instant::now() + limit);
+                sleep
+            }
+            None => Box::pin(tokio::time::sleep(limit)),
+        };
+        Lent {
+            home: &self.0,
+            sleep: Some(sleep),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// `f`, or `None` when its [`Deadline`] timer fires first.
+    struct Within<'a, F> {
+        #[pin]
+        f: F,
+        timer: Lent<'a>,
+    }
+}
+
+impl<F: Future> Future for Within<'_, F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let me = self.project();
+        if let Poll::Ready(out) = me.f.poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        match me.timer.sleep.as_mut().map(|s| s.as_mut().poll(cx)) {
+            Some(Poll::Pending) => Poll::Pending,
+            _ => Poll::Ready(None),
+        }
+    }
+}
+
+/// A [`Deadline`]'s timer while a request has it: given back when the request ends
+/// (or is dropped), unless another request made one meanwhile.
+struct Lent<'a> {
+    home: &'a Mutex<Option<Pin<Box<Sleep>>>>,
+    sleep: Option<Pin<Box<Sleep>>>,
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        let mut home = self.home.lock().unwrap_or_else(|e| e.into_inner());
+        if home.is_none() {
+            *home = self.sleep.take();
+        }
     }
 }
 
@@ -311,18 +383,24 @@ impl Forwarder {
             Plan::Reuse(sender, host, kept) => (Some((sender, host)), kept),
             Plan::Open => (None, key.owned()),
         };
-        // Made inside the awaited expression (see `forward_request`): bound to a name
-        // first, it would be kept twice in this future's state.
-        match tokio::time::timeout(self.timeout, self.send_held(&key, sender, req)).await {
-            Ok(Ok((resp, sender, host))) => {
+        // Pinned where it is made, and only referred to by the small `Within`: moved
+        // into a wrapper instead, this large future is copied twice per request.
+        let held = std::pin::pin!(self.send_held(&key, sender, req));
+        let timed = Within {
+            f: held,
+            timer: affinity.deadline.lend(self.timeout),
+        }
+        .await;
+        match timed {
+            Some(Ok((resp, sender, host))) => {
                 affinity.keep(kept, generation, sender, host);
                 Ok(resp)
             }
-            Ok(Err(e)) => {
+            Some(Err(e)) => {
                 affinity.clear();
                 Err(e)
             }
-            Err(_) => {
+            None => {
                 affinity.clear();
                 Err(ForwardError::Timeout(self.timeout))
             }

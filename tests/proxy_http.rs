@@ -330,6 +330,52 @@ async fn upstream_failures_map_to_502_and_504() {
     s.stop().await;
 }
 
+/// A kept-alive sender's own upstream connection (from its second request on) has its
+/// wait for each response bounded afresh: a quiet pause longer than the timeout does
+/// not count against the next request, a slow answer is cut at the timeout (not
+/// before), and the connection keeps serving afterwards.
+#[tokio::test]
+async fn each_held_request_gets_the_whole_upstream_timeout() {
+    let up = Upstream::with(Arc::new(|a: &common::Arrival| {
+        if a.path == "/slow" {
+            Reply::ok().delay(Duration::from_secs(3))
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await;
+    let s = sluice_with_timeout().await; // upstream_timeout = 300ms
+    let c = client(s.proxy_addr);
+    let get = |path: &'static str| {
+        let (c, url) = (c.clone(), up.url(path));
+        async move {
+            let r = c.get(url).send().await.unwrap();
+            (
+                r.status().as_u16(),
+                r.headers().get("x-sluice-reason").cloned(),
+            )
+        }
+    };
+    assert_eq!(get("/1").await.0, 200, "through the pool");
+    assert_eq!(get("/2").await.0, 200, "opens the held connection");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(get("/3").await.0, 200, "a quiet pause is not waited for");
+    let started = std::time::Instant::now();
+    let (status, reason) = get("/slow").await;
+    let took = started.elapsed();
+    assert_eq!(status, 504);
+    assert_eq!(reason.unwrap(), "upstream_timeout");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(2500),
+        "cut after {took:?}"
+    );
+    assert_eq!(get("/4").await.0, 200, "still serving");
+    assert_eq!(get("/5").await.0, 200);
+    let paths: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
+    assert_eq!(paths, ["/1", "/2", "/3", "/slow", "/4", "/5"], "each once");
+    s.stop().await;
+}
+
 async fn sluice_with_timeout() -> sluice::app::Running {
     let text = "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nupstream_timeout = \"300ms\"\n\
                 [security]\nallow_private_destinations = true\n";
