@@ -1,9 +1,9 @@
 //! One request, top to bottom. Every form a sender uses — an absolute-form HTTP request,
 //! a CONNECT tunnel, a request inside an intercepted tunnel (HTTP/1.1 or HTTP/2) — goes
-//! through the same admission ([`admission`]):
+//! through the same admission (`admission`):
 //!
-//! 1. the target host is validated and normalised ([`Target`]),
-//! 2. the sender is identified (proxy authentication, [`identify`]),
+//! 1. the target host is validated and normalised (`Target`),
+//! 2. the sender is identified (proxy authentication, `identify`),
 //! 3. the endpoint is resolved and the user's grant checked,
 //! 4. the destination policy is checked (for tunnels, including DNS),
 //! 5. the endpoint gets its metric label (only now: nothing unchecked becomes a label),

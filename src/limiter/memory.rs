@@ -1,4 +1,4 @@
-//! The in-process bucket store: the [`bucket`](super::bucket) math under sharded locks,
+//! The in-process bucket store: the `bucket` math under sharded locks,
 //! on tokio's monotonic clock.
 //!
 //! The clock is [`tokio::time::Instant`], the one the limiter sleeps on: under

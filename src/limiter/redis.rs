@@ -5,13 +5,13 @@
 //! and `view.lua`, and their SHAs are computed once, when the store is built.
 //!
 //! Single node: a multiplexed [`ConnectionManager`] per thread that calls the store
-//! ([`PerThread`]: concurrent requests of a worker pipeline on its socket, and replies
+//! (`PerThread`: concurrent requests of a worker pipeline on its socket, and replies
 //! wake no other thread; each reconnects with backoff on its own). Cluster: the async
 //! cluster connection, which follows MOVED/ASK and failovers. A NOSCRIPT answer (restarted, failed-over or
 //! flushed Redis) loads the script and retries once (`ScriptCall`; in a cluster
 //! `SCRIPT LOAD` goes to every node). Every call is bounded by `store.timeout`,
 //! latency and failures are recorded in [`StoreStats`], and errors are classified once,
-//! in [`classify`]. Bucket times come from Redis `TIME` (the server clock, shared by
+//! in `classify`. Bucket times come from Redis `TIME` (the server clock, shared by
 //! every replica); only the call latency is measured on tokio's clock here.
 
 use std::hash::BuildHasher;

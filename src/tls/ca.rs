@@ -4,7 +4,7 @@
 //! modes, never overwriting), loading one ([`CertAuthority::load`]: PEM and PKCS#8 read,
 //! the certificate checked to be a CA whose key is the one given, then a self-test that a
 //! leaf it signs verifies with rustls), and signing leaves with it
-//! ([`CertAuthority::mint`], whose content [`super::leaf`] decides).
+//! (`CertAuthority::mint`, whose content `leaf` decides).
 //!
 //! The certificate is taken apart by rcgen ([`Issuer::from_ca_cert_der`], which rebuilds
 //! the subject, key identifier and key usages to sign with) and by `x509-parser` for

@@ -1,9 +1,9 @@
 //! Per-host leaf certificates and the cache that keeps them.
 //!
-//! This module owns what a leaf looks like ([`mint`]: its own fresh key, SAN = the DNS
+//! This module owns what a leaf looks like (`mint`: its own fresh key, SAN = the DNS
 //! name or IP address, CN = host when it fits, EKU serverAuth, not a CA, short validity),
-//! the rustls `ServerConfig` presented with it ([`server_config`]: chain `[leaf, CA]`,
-//! ALPN `h2` + `http/1.1`), and the bounded, least-recently-used [`LeafCache`] of those
+//! the rustls `ServerConfig` presented with it (`server_config`: chain `[leaf, CA]`,
+//! ALPN `h2` + `http/1.1`), and the bounded, least-recently-used `LeafCache` of those
 //! configs. It knows nothing of files: the issuer is handed in by [`super::ca`].
 
 use std::collections::HashMap;
