@@ -10,12 +10,12 @@
 //! amortised sweep, the analogue of the Redis key expiry, so a sender spraying endpoint
 //! IDs cannot grow memory without bound.
 
-use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use hashbrown::HashTable;
 use tokio::time::Instant;
 
 use super::bucket::{self, Ask, BucketState, Outcome, View};
@@ -37,7 +37,9 @@ struct Entry {
 
 /// In-process buckets, one per endpoint ID.
 pub struct MemoryStore {
-    shards: Vec<Mutex<HashMap<Box<str>, Entry>>>,
+    /// Tables keyed by the ID's hash, which is computed once per call and picks both
+    /// the shard and the slot in it (a `HashMap` per shard would hash the ID twice).
+    shards: Vec<Mutex<HashTable<(Box<str>, Entry)>>>,
     hasher: RandomState,
     epoch: Instant,
     calls: AtomicU64,
@@ -65,11 +67,18 @@ impl MemoryStore {
     fn with_fresh_buckets_full(start_full: bool) -> MemoryStore {
         MemoryStore {
             start_full,
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
             hasher: RandomState::new(),
             epoch: Instant::now(),
             calls: AtomicU64::new(0),
         }
+    }
+
+    /// The ID's hash and its shard. The shard comes from middle bits: the table inside
+    /// uses the low ones for the slot and the top seven as tags.
+    fn locate(&self, endpoint: &str) -> (u64, usize) {
+        let hash = self.hasher.hash_one(endpoint);
+        (hash, (hash >> 32) as usize % SHARDS)
     }
 
     fn now(&self) -> f64 {
@@ -106,21 +115,28 @@ impl MemoryStore {
         ask: &Ask,
         f: impl FnOnce(&mut BucketState, &mut Leases, f64) -> T,
     ) -> T {
-        let idx = (self.hasher.hash_one(endpoint) as usize) % SHARDS;
+        let (hash, idx) = self.locate(endpoint);
         let n = self.calls.fetch_add(1, Ordering::Relaxed);
         if n % SWEEP_EVERY == 0 {
             self.sweep((n / SWEEP_EVERY) as usize % SHARDS);
         }
         let mut shard = self.shards[idx].lock().unwrap_or_else(|p| p.into_inner());
         let now = self.now();
-        let entry = match shard.get_mut(endpoint) {
-            Some(e) => e,
-            None => shard.entry(endpoint.into()).or_insert_with(|| Entry {
-                state: bucket::fresh(if self.start_full { ask.burst } else { 0.0 }, now),
-                ask: *ask,
-                leases: Leases::new(),
-            }),
-        };
+        let (_, entry) = shard
+            .entry(
+                hash,
+                |(k, _)| **k == *endpoint,
+                |(k, _)| self.hasher.hash_one(&**k),
+            )
+            .or_insert_with(|| {
+                let fresh = Entry {
+                    state: bucket::fresh(if self.start_full { ask.burst } else { 0.0 }, now),
+                    ask: *ask,
+                    leases: Leases::new(),
+                };
+                (endpoint.into(), fresh)
+            })
+            .into_mut();
         entry.ask = *ask;
         f(&mut entry.state, &mut entry.leases, now)
     }
@@ -129,7 +145,7 @@ impl MemoryStore {
     pub fn sweep(&self, idx: usize) {
         let now = self.now();
         if let Ok(mut shard) = self.shards[idx % SHARDS].lock() {
-            shard.retain(|_, e| {
+            shard.retain(|(_, e)| {
                 lease::prune(&mut e.leases, now);
                 !e.leases.is_empty() || !bucket::idle(&e.state, &e.ask, now)
             });
@@ -163,12 +179,12 @@ impl MemoryStore {
 
     /// View without the future wrapper.
     pub fn view_now(&self, endpoint: &str, ask: Ask, floor: Option<f64>) -> Option<View> {
-        let idx = (self.hasher.hash_one(endpoint) as usize) % SHARDS;
+        let (hash, idx) = self.locate(endpoint);
         let shard = self.shards[idx].lock().unwrap_or_else(|p| p.into_inner());
         let now = self.now();
         shard
-            .get(endpoint)
-            .map(|e| bucket::view(&e.state, &ask, floor, now))
+            .find(hash, |(k, _)| **k == *endpoint)
+            .map(|(_, e)| bucket::view(&e.state, &ask, floor, now))
     }
 
     /// Counts a request paced elsewhere (see [`bucket::charge`]).
