@@ -35,11 +35,14 @@ struct Entry {
     leases: Leases,
 }
 
+/// One shard's buckets, by endpoint ID.
+type Shard = HashTable<(Box<str>, Entry)>;
+
 /// In-process buckets, one per endpoint ID.
 pub struct MemoryStore {
     /// Tables keyed by the ID's hash, which is computed once per call and picks both
     /// the shard and the slot in it (a `HashMap` per shard would hash the ID twice).
-    shards: Vec<Mutex<HashTable<(Box<str>, Entry)>>>,
+    shards: Vec<Mutex<Shard>>,
     hasher: RandomState,
     epoch: Instant,
     calls: AtomicU64,
