@@ -114,16 +114,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let _ = child.kill();
         return Err(format!("only {waiting:.0} of {n} requests are waiting").into());
     }
-    let after = rss_kib(pid);
-    let per = (after.saturating_sub(before)) as f64 * 1024.0 / n as f64;
-    println!(
-        "| {n} requests waiting on one endpoint | RSS {before} KiB → {after} KiB | {per:.0} bytes per waiter (its socket, connection task and reservation) |"
+    report(
+        child,
+        before,
+        n,
+        "requests waiting on one endpoint",
+        "per waiter (its socket, connection task and reservation)",
     );
-    let _ = child.kill();
-    let _ = child.wait();
     drop(held);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// Prints one table row: the RSS sluice grew by since `before`, per each of `n` things;
+/// then stops sluice.
+fn report(mut child: std::process::Child, before: u64, n: usize, what: &str, per_what: &str) {
+    let after = rss_kib(child.id());
+    let per = (after.saturating_sub(before)) as f64 * 1024.0 / n as f64;
+    println!("| {n} {what} | RSS {before} KiB → {after} KiB | {per:.0} bytes {per_what} |");
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Answers every request on every connection with a kept-alive `200 ok`.
@@ -207,13 +217,13 @@ async fn idle(bin: &str, n: usize) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let after = rss_kib(pid);
-    let per = (after.saturating_sub(before)) as f64 * 1024.0 / n as f64;
-    println!(
-        "| {n} kept-alive sender connections at rest, each with its upstream connection | RSS {before} KiB → {after} KiB | {per:.0} bytes per connection |"
+    report(
+        child,
+        before,
+        n,
+        "kept-alive sender connections at rest, each with its upstream connection",
+        "per connection",
     );
-    let _ = child.kill();
-    let _ = child.wait();
     drop(held);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
