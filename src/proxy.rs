@@ -66,6 +66,42 @@ pub struct Conn {
     /// The endpoint its last request named (by header or by host), resolved and
     /// labelled.
     pub endpoint: LastEndpoint,
+    /// The target its last request named, checked.
+    pub target: LastTarget,
+}
+
+/// The target a connection's last request named, parsed and checked: the next request
+/// naming the same authority, byte for byte, reuses it instead of parsing and
+/// normalising the host again (a sender usually sends to one host for a whole
+/// connection). A copy of the text is kept, not a view into the request, which would
+/// keep the connection's read buffer shared.
+#[derive(Default)]
+pub struct LastTarget(std::sync::Mutex<Option<Checked>>);
+
+/// An authority's text and default port, and the target they named.
+struct Checked {
+    text: Box<str>,
+    default_port: u16,
+    target: Arc<Target>,
+}
+
+impl LastTarget {
+    /// The target `authority` names (`default_port` when it names none).
+    fn of(&self, authority: &Authority, default_port: u16) -> Result<Arc<Target>, ProxyError> {
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = &*last {
+            if c.default_port == default_port && *c.text == *authority.as_str() {
+                return Ok(Arc::clone(&c.target));
+            }
+        }
+        let target = Arc::new(Target::new(authority, default_port)?);
+        *last = Some(Checked {
+            text: authority.as_str().into(),
+            default_port,
+            target: Arc::clone(&target),
+        });
+        Ok(target)
+    }
 }
 
 /// The endpoint a connection's last request named, with its metric label: the next
@@ -525,9 +561,12 @@ async fn forward_request(
     let authority = uri
         .authority()
         .ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
-    let target = Target::new(authority, default_port)?;
+    let target = conn.target.of(authority, default_port)?;
     trace.destination = uri.authority().cloned();
-    if req.headers().get_all(HOST).iter().count() > 1 {
+    // Only a name with several values can be a second Host: counting names against
+    // values costs nothing, a lookup hashes the name.
+    let h = req.headers();
+    if h.len() != h.keys_len() && h.get_all(HOST).iter().count() > 1 {
         return Err(ProxyError::BadRequest("more than one Host header".into()).into());
     }
     let who = identify(&rt, req.headers(), conn).await?;
@@ -833,6 +872,7 @@ impl Intercepted {
             tunnel: Some(self.tunnel),
             upstream: Default::default(),
             endpoint: Default::default(),
+            target: Default::default(),
         });
         let app = Arc::clone(&self.app);
         let svc = hyper::service::service_fn(move |req| {
@@ -870,6 +910,34 @@ mod tests {
 
     fn runtime(text: &str) -> Arc<Runtime> {
         Arc::new(Runtime::load(Arc::new(Config::parse(text).unwrap())).unwrap())
+    }
+
+    /// The remembered target answers only for the same authority text and default
+    /// port; anything else is parsed and checked afresh (and a bad one still refused).
+    #[test]
+    fn the_last_target_is_reused_only_for_the_same_authority() {
+        let last = LastTarget::default();
+        let of = |text: &str, port: u16| {
+            last.of(&text.parse::<Authority>().unwrap(), port)
+                .map(|t| (t.host.clone(), t.port))
+        };
+        assert_eq!(of("A.Example.", 80).unwrap(), ("a.example".into(), 80));
+        assert_eq!(of("A.Example.", 80).unwrap(), ("a.example".into(), 80));
+        assert_eq!(of("A.Example.", 443).unwrap(), ("a.example".into(), 443));
+        assert_eq!(
+            of("b.example:8080", 80).unwrap(),
+            ("b.example".into(), 8080)
+        );
+        assert_eq!(of("[::1]:9", 80).unwrap(), ("::1".into(), 9));
+        assert!(
+            of("b.example:0", 80).is_err(),
+            "a bad port after a good target"
+        );
+        assert!(of("a..b", 80).is_err(), "an empty label");
+        assert_eq!(
+            of("b.example:8080", 80).unwrap(),
+            ("b.example".into(), 8080)
+        );
     }
 
     /// A remembered endpoint is reused only when it is named the same way (the same

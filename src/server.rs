@@ -99,6 +99,7 @@ async fn accept_proxy(
                 tunnel: None,
                 upstream: Default::default(),
                 endpoint: Default::default(),
+                target: Default::default(),
             });
             let signal = app.lifecycle.signal();
             let svc = service_fn(move |req| {
