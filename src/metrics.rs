@@ -261,6 +261,11 @@ impl Metrics {
             m.store.degraded.clone(),
         );
         registry.register(
+            "store_cooldown_notices",
+            "Cooldown notices heard from the store (single Redis pub/sub)",
+            m.store.notices.clone(),
+        );
+        registry.register(
             "build_info",
             "The running build: version and git commit; always 1",
             m.build_info.clone(),

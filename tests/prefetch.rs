@@ -304,3 +304,77 @@ async fn the_bucket_and_the_tokens_held_ahead_never_exceed_the_burst() {
     set(now_us() - 1.0);
     assert_eq!(tokens().await, 100.0);
 }
+
+/// Guarantee 4 across replicas with tokens held ahead: once a replica has heard another
+/// replica's cooldown notice, it spends none of the tokens it took ahead before it. (Held
+/// tokens live 5 ms: a round that took longer than that from taking them to the check
+/// would be refused anyway, so each round also reports whether it was quick enough to
+/// tell; on a quiet machine nearly all are.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cooldown_heard_from_another_replica_stops_tokens_held_ahead() {
+    let server = common::redis::RedisServer::start();
+    let stats = StoreStats::default();
+    let heard = stats.notices.clone();
+    let holder = Arc::new(
+        RedisStore::connect(&config(server.url(), true), stats)
+            .await
+            .unwrap(),
+    );
+    let other = store(&server, false).await;
+    let p = policy(1.0, 1_000.0);
+    let ask = Ask::new(&p, 0.0, None);
+    let adaptive = p.adaptive.expect("adaptive by default");
+    let wait_heard = |n: u64| {
+        let heard = heard.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let spin_until = Instant::now() + Duration::from_millis(2);
+            while heard.get() < n {
+                assert!(Instant::now() < deadline, "notice {n} never heard");
+                // Briefly by turns (a notice usually arrives within a millisecond),
+                // then by short sleeps.
+                if Instant::now() < spin_until {
+                    tokio::task::yield_now().await;
+                } else {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    };
+    // The holder's subscription is up once it hears a first notice.
+    other
+        .feedback("probe", ask, adaptive, Duration::from_secs(1), true)
+        .await
+        .unwrap();
+    wait_heard(1).await;
+    let (mut rounds, mut quick) = (0, 0);
+    let t0 = Instant::now();
+    // Bounded: 30 rounds, 10 s.
+    while rounds < 30 && t0.elapsed() < Duration::from_secs(10) {
+        let endpoint = format!("cool-{rounds}");
+        rounds += 1;
+        let taking = Instant::now();
+        let tasks: Vec<_> = (0..20)
+            .map(|_| {
+                let (s, e) = (Arc::clone(&holder), endpoint.clone());
+                tokio::spawn(async move { s.acquire(&e, ask).await.unwrap() })
+            })
+            .collect();
+        for t in tasks {
+            assert!(matches!(t.await.unwrap(), Outcome::Granted { .. }));
+        }
+        other
+            .feedback(&endpoint, ask, adaptive, Duration::from_secs(2), true)
+            .await
+            .unwrap();
+        wait_heard(1 + rounds).await;
+        match holder.acquire(&endpoint, ask).await.unwrap() {
+            Outcome::Refused { cooldown, .. } => assert!(cooldown),
+            o => panic!("round {rounds}: a token held ahead was spent after the notice: {o:?}"),
+        }
+        if taking.elapsed() < Duration::from_millis(5) {
+            quick += 1;
+        }
+    }
+    println!("{rounds} rounds, {quick} quick enough for held tokens to be still live");
+}

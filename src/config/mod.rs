@@ -301,7 +301,8 @@ pub struct StoreConfig {
     pub fallback_min_replicas: usize,
     /// `prefetch` (Redis stores): while an endpoint is busy and its bucket at least half
     /// full, a replica takes a batch's worth of tokens ahead and spends them without a
-    /// round trip (see `crate::limiter::credit`). Off by default.
+    /// round trip (see `crate::limiter::credit`). In a config file: on by default with
+    /// `backend = "redis"`, off with the other backends; here (built in code) off.
     pub prefetch: bool,
 }
 
@@ -707,13 +708,22 @@ mod tests {
         assert_eq!(c.store.backend, Backend::Memory);
         assert_eq!(c.store.timeout, Duration::from_millis(100));
         assert_eq!(c.store.on_error, OnError::Local);
-        assert!(!c.store.prefetch, "taking tokens ahead is opt-in");
         assert!(
-            Config::parse("[store]\nbackend = \"redis\"\nprefetch = true")
-                .unwrap()
-                .store
-                .prefetch
+            !c.store.prefetch,
+            "the memory store has nothing to take ahead"
         );
+        let prefetch = |text: &str| Config::parse(text).unwrap().store.prefetch;
+        assert!(
+            prefetch("[store]\nbackend = \"redis\""),
+            "a single Redis takes tokens ahead by default"
+        );
+        assert!(!prefetch("[store]\nbackend = \"redis\"\nprefetch = false"));
+        assert!(!prefetch(
+            "[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://a/\"]"
+        ));
+        assert!(prefetch(
+            "[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://a/\"]\nprefetch = true"
+        ));
         assert_eq!(*c.defaults, Policy::default());
         assert_eq!(c.unknown, UnknownEndpoints::Default);
         assert!(!c.tls.intercept && !c.security.allow_private_destinations);

@@ -285,9 +285,11 @@ impl Reader<'_> {
         }
     }
 
-    /// `prefetch`: Redis backends only (the memory store has no round trip to spare).
+    /// `prefetch`: Redis backends only (the memory store has no round trip to spare). On
+    /// by default with a single Redis, whose cooldown notices stop tokens held ahead as
+    /// they stop a waiter; off by default on a cluster or behind sentinels.
     fn prefetch(&mut self, t: &Table<'_>, backend: Backend) -> bool {
-        let on = self.boolean(t, "store", "prefetch", false);
+        let on = self.boolean(t, "store", "prefetch", backend == Backend::Redis);
         if on && backend == Backend::Memory {
             let at = t.get("prefetch").map_or(0, |v| v.span().start);
             self.issue(

@@ -18,7 +18,9 @@
 //! [`Mailbox`]: one wake-up per worker and call, not one per request.
 //!
 //! With `store.prefetch`, a busy endpoint's calls also ask for tokens ahead, and the
-//! requests after them spend those without queueing at all (see [`super::credit`]).
+//! requests after them spend those without queueing at all (see [`super::credit`]) —
+//! on a single Redis only while the cooldown notices heard vouch that none started
+//! since those tokens were asked for.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -28,6 +30,7 @@ use tokio::sync::oneshot;
 
 use super::StoreError;
 use super::bucket::{Ask, Outcome};
+use super::cooldowns::CooldownWatch;
 use super::credit::{Credits, Leftover};
 use super::mailbox::Mailbox;
 use super::redis::Calls;
@@ -93,14 +96,19 @@ fn mailbox_here() -> Option<Arc<Mailbox<Parcel>>> {
 pub(super) struct Lanes {
     queues: Mutex<HashMap<Box<str>, Vec<Waiter>>>,
     ahead: Option<Credits>,
+    /// Cooldown notices heard (single Redis): held tokens are spent only while they
+    /// vouch that no cooldown started since. `None`: spent until their end.
+    watch: Option<Arc<CooldownWatch>>,
 }
 
 impl Lanes {
-    /// Lanes that ask for tokens ahead when `prefetch` is on.
-    pub(super) fn new(prefetch: bool) -> Lanes {
+    /// Lanes that ask for tokens ahead when `prefetch` is on, checking `watch` (when
+    /// there is one) before spending them.
+    pub(super) fn new(prefetch: bool, watch: Option<Arc<CooldownWatch>>) -> Lanes {
         Lanes {
             queues: Mutex::default(),
             ahead: prefetch.then(Credits::default),
+            watch,
         }
     }
 
@@ -151,11 +159,19 @@ pub(super) async fn acquire(
     endpoint: &str,
     ask: Ask,
 ) -> Result<Outcome, StoreError> {
-    if let Some(generation) = lanes.ahead.as_ref().and_then(|a| a.spend(endpoint, &ask)) {
-        return Ok(Outcome::Granted {
-            wait_us: 0.0,
-            generation,
-        });
+    if let Some(ahead) = &lanes.ahead {
+        let quiet = |since| {
+            lanes
+                .watch
+                .as_ref()
+                .is_none_or(|w| w.quiet_since(&calls.key(endpoint), since))
+        };
+        if let Some(generation) = ahead.spend(endpoint, &ask, quiet) {
+            return Ok(Outcome::Granted {
+                wait_us: 0.0,
+                generation,
+            });
+        }
     }
     let home = mailbox_here();
     let queued = {

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use prometheus_client::metrics::counter::Counter;
 use tokio::time::Instant;
 
 /// Keys remembered before the table is cleared (clearing counts as a resubscription, so
@@ -76,10 +77,15 @@ impl CooldownWatch {
 
 /// Keeps a subscription to `channel` on `client`, feeding `watch`, until the watch is
 /// dropped. Reconnects every [`RETRY_EVERY`] while Redis is unreachable.
-pub(crate) async fn follow(client: redis::Client, channel: String, watch: Weak<CooldownWatch>) {
+pub(crate) async fn follow(
+    client: redis::Client,
+    channel: String,
+    watch: Weak<CooldownWatch>,
+    heard: Counter,
+) {
     loop {
         let Some(w) = watch.upgrade() else { return };
-        if let Err(e) = listen(&client, &channel, &w).await {
+        if let Err(e) = listen(&client, &channel, &w, &heard).await {
             tracing::debug!(error = %e, "cooldown subscription down: waiters confirm with the store");
         }
         w.subscribed(false);
@@ -92,6 +98,7 @@ async fn listen(
     client: &redis::Client,
     channel: &str,
     watch: &Arc<CooldownWatch>,
+    heard: &Counter,
 ) -> Result<(), redis::RedisError> {
     let mut pubsub = client.get_async_pubsub().await?;
     pubsub.subscribe(channel).await?;
@@ -100,6 +107,7 @@ async fn listen(
     while let Some(msg) = messages.next().await {
         if let Ok(key) = msg.get_payload::<String>() {
             watch.notice(key);
+            heard.inc();
         }
     }
     Ok(())

@@ -11,7 +11,10 @@
 //!
 //! Tokens still unspent at the end are given back (`release.lua`), so a burst that stops
 //! loses nothing; tokens of an endpoint that answered 429 are dropped (its cooldown
-//! voids them anyway).
+//! voids them anyway). A held token is spent only while the caller can vouch that no
+//! cooldown of its endpoint has started since its call was sent (on a single Redis: the
+//! cooldown notices heard, as for a waiter that slept; see `super::cooldowns`), so a
+//! 429 seen by *another* replica stops these tokens as soon as its notice arrives.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -36,6 +39,9 @@ struct Held {
     size: u32,
     /// Spendable until then.
     until: Instant,
+    /// When the call that took the oldest of them was sent: a cooldown announced since
+    /// voids them.
+    since: Instant,
     /// The bucket generation they belong to (a cooldown voids them).
     generation: u64,
     /// The policy they were taken under: an ask under another (a reload) does not spend them.
@@ -64,14 +70,22 @@ impl Credits {
     }
 
     /// Spends one held token of `endpoint` for `ask`; its generation, or `None` when
-    /// none is left, they are over, or the ask is a confirmation or under another policy.
-    pub(super) fn spend(&self, endpoint: &str, ask: &Ask) -> Option<u64> {
+    /// none is left, they are over, the ask is a confirmation or under another policy,
+    /// or `quiet` cannot vouch that no cooldown started since they were asked for (it is
+    /// given the instant their call was sent).
+    pub(super) fn spend(
+        &self,
+        endpoint: &str,
+        ask: &Ask,
+        quiet: impl FnOnce(Instant) -> bool,
+    ) -> Option<u64> {
         if ask.held.is_some() {
             return None;
         }
         let mut held = self.lock();
         let h = held.get_mut(endpoint)?;
-        if h.left == 0 || Instant::now() >= h.until || h.policy != policy_of(ask) {
+        if h.left == 0 || Instant::now() >= h.until || h.policy != policy_of(ask) || !quiet(h.since)
+        {
             return None;
         }
         h.left -= 1;
@@ -113,6 +127,7 @@ impl Credits {
         let policy = policy_of(ask);
         let mut held = self.lock();
         let mut left = n;
+        let mut since = sent;
         let mut leftover = None;
         if let Some(old) = held.get(endpoint) {
             let joins =
@@ -120,6 +135,7 @@ impl Credits {
             if joins {
                 // Still spendable: the script counted them in this grant's hold too.
                 left += old.left;
+                since = since.min(old.since);
             } else if old.left > 0 {
                 leftover = Some((old.left, old.generation));
             }
@@ -130,6 +146,7 @@ impl Credits {
                 left,
                 size: left,
                 until,
+                since,
                 generation,
                 policy,
                 serial,
@@ -159,6 +176,11 @@ impl Credits {
 mod tests {
     use super::*;
 
+    /// Nothing announced: every held token may be spent.
+    fn always(_: Instant) -> bool {
+        true
+    }
+
     fn ask(rate: f64) -> Ask {
         Ask {
             rate,
@@ -175,16 +197,16 @@ mod tests {
         let sent = Instant::now();
         let (serial, until, leftover) = c.keep("e", &ask(10.0), 3, 7, sent);
         assert_eq!((until, leftover), (sent + LIFETIME, None));
-        assert_eq!(c.spend("e", &ask(10.0)), Some(7));
+        assert_eq!(c.spend("e", &ask(10.0), always), Some(7));
         // Another policy (a reload) or a confirmation does not spend them.
-        assert_eq!(c.spend("e", &ask(11.0)), None);
+        assert_eq!(c.spend("e", &ask(11.0), always), None);
         let confirm = Ask {
             held: Some(7),
             ..ask(10.0)
         };
-        assert_eq!(c.spend("e", &confirm), None);
+        assert_eq!(c.spend("e", &confirm, always), None);
         tokio::time::advance(LIFETIME).await;
-        assert_eq!(c.spend("e", &ask(10.0)), None, "over at their end");
+        assert_eq!(c.spend("e", &ask(10.0), always), None, "over at their end");
         assert_eq!(c.expire("e", serial), Some((2, 7)), "two were never spent");
         assert_eq!(c.expire("e", serial), None, "given back once");
     }
@@ -197,8 +219,8 @@ mod tests {
         assert_eq!(c.wanted("e", 1000), MOST);
         let (_, _, _) = c.keep("e", &ask(10.0), 2, 0, Instant::now());
         assert_eq!(c.wanted("e", 1), 0, "tokens left: no need yet");
-        c.spend("e", &ask(10.0)).unwrap();
-        c.spend("e", &ask(10.0)).unwrap();
+        c.spend("e", &ask(10.0), always).unwrap();
+        c.spend("e", &ask(10.0), always).unwrap();
         assert_eq!(c.wanted("e", 1), 2, "ran out in time: ask as many again");
         tokio::time::advance(LIFETIME).await;
         assert_eq!(c.wanted("e", 1), 0, "demand is over");
@@ -216,7 +238,7 @@ mod tests {
             "replaced: its expiry leaves the new alone"
         );
         let mut spent = 0;
-        while c.spend("e", &ask(10.0)).is_some() {
+        while c.spend("e", &ask(10.0), always).is_some() {
             spent += 1;
         }
         assert_eq!(spent, 5);
@@ -225,6 +247,43 @@ mod tests {
         let (_, _, leftover) = c.keep("f", &ask(10.0), 3, 2, Instant::now());
         assert_eq!(leftover, Some((2, 1)));
         c.drop_endpoint("f");
-        assert_eq!(c.spend("f", &ask(10.0)), None);
+        assert_eq!(c.spend("f", &ask(10.0), always), None);
+    }
+
+    /// A cooldown announced after the call that took the tokens was sent stops them at
+    /// once (they are given back at their end, where the store ignores a voided
+    /// generation); one announced before it does not. Joined tokens answer for the
+    /// oldest call among them.
+    #[tokio::test(start_paused = true)]
+    async fn a_cooldown_announced_since_they_were_asked_for_stops_held_tokens() {
+        let c = Credits::default();
+        let first = Instant::now();
+        let (serial, _, _) = c.keep("e", &ask(10.0), 3, 1, first);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let announced = Instant::now();
+        let heard = |since: Instant| since > announced;
+        assert_eq!(
+            c.spend("e", &ask(10.0), heard),
+            None,
+            "announced after the call"
+        );
+        let (_, _, leftover) = c.keep("e", &ask(10.0), 2, 1, Instant::now());
+        assert_eq!(leftover, None, "joined, not handed back");
+        assert_eq!(
+            c.spend("e", &ask(10.0), heard),
+            None,
+            "the joined tokens still answer for the first call"
+        );
+        assert_eq!(c.expire("e", serial), None, "replaced by the joined grant");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let later = Instant::now();
+        let (serial, _, _) = c.keep("g", &ask(10.0), 2, 1, later);
+        assert!(later > announced);
+        assert_eq!(
+            c.spend("g", &ask(10.0), heard),
+            Some(1),
+            "asked for after it"
+        );
+        assert_eq!(c.expire("g", serial), Some((1, 1)));
     }
 }

@@ -528,6 +528,9 @@ pub struct StoreStats {
     pub seconds: prometheus_client::metrics::histogram::Histogram,
     /// `sluice_store_degraded`: 1 while the `on_error` fallback is in force.
     pub degraded: prometheus_client::metrics::gauge::Gauge,
+    /// `sluice_store_cooldown_notices_total`: cooldown notices this replica heard over
+    /// Redis pub/sub (single Redis; its own 429s' included).
+    pub notices: prometheus_client::metrics::counter::Counter,
 }
 
 impl Default for StoreStats {
@@ -538,6 +541,7 @@ impl Default for StoreStats {
                 prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 16),
             ),
             degraded: Default::default(),
+            notices: Default::default(),
         }
     }
 }

@@ -332,7 +332,12 @@ impl RedisStore {
                     StoreError::Protocol(format!("bad Redis URL {}: {e}", redact(&url)))
                 })?;
                 let w = Arc::new(CooldownWatch::default());
-                tokio::spawn(follow(client.clone(), channel.clone(), Arc::downgrade(&w)));
+                tokio::spawn(follow(
+                    client.clone(),
+                    channel.clone(),
+                    Arc::downgrade(&w),
+                    stats.notices.clone(),
+                ));
                 watch = Some(w);
                 let config = manager_config(cfg.timeout, connect_timeout);
                 Conn::Single(Arc::new(PerThread::new(client, config)))
@@ -355,7 +360,7 @@ impl RedisStore {
         };
         Ok(RedisStore {
             calls: Arc::new(calls),
-            lanes: Arc::new(Lanes::new(cfg.prefetch)),
+            lanes: Arc::new(Lanes::new(cfg.prefetch, watch.clone())),
             replica: format!(
                 "{:016x}",
                 std::hash::RandomState::new().hash_one(std::process::id())
@@ -404,7 +409,7 @@ impl RedisStore {
 
 impl Calls {
     /// The key of an endpoint: `<prefix>{<endpoint>}`, one cluster slot per endpoint.
-    fn key(&self, endpoint: &str) -> String {
+    pub(super) fn key(&self, endpoint: &str) -> String {
         let mut k = String::with_capacity(self.prefix.len() + endpoint.len() + 2);
         k.push_str(&self.prefix);
         k.push('{');
