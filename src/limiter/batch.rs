@@ -123,7 +123,12 @@ impl Lanes {
         }
     }
 
+    /// How many tokens to ask ahead: none without prefetch, nor while the cooldown
+    /// notices could not vouch for them (they would only come back unspent).
     fn wanted(&self, endpoint: &str, batch: usize) -> u32 {
+        if self.watch.as_ref().is_some_and(|w| !w.listening()) {
+            return 0;
+        }
         self.ahead.as_ref().map_or(0, |a| a.wanted(endpoint, batch))
     }
 

@@ -51,6 +51,11 @@ impl CooldownWatch {
             && s.notices.get(key).is_none_or(|t| *t < since)
     }
 
+    /// Whether the subscription is up now (held tokens could be vouched for).
+    pub(crate) fn listening(&self) -> bool {
+        self.lock().subscribed_since.is_some()
+    }
+
     fn subscribed(&self, up: bool) {
         self.subscribed_at(up.then(Instant::now));
     }
