@@ -368,3 +368,24 @@ async fn give_back(calls: &Calls, endpoint: &str, ask: &Ask, outcome: Outcome) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With prefetch, a batch asks ahead only while cooldown notices can stop what it
+    /// takes (a single Redis whose subscription is up), or where there are none to wait
+    /// for (cluster, sentinel: opt-in there).
+    #[test]
+    fn nothing_is_asked_ahead_while_the_notices_are_down() {
+        let watch = Arc::new(CooldownWatch::default());
+        let lanes = Lanes::new(true, Some(Arc::clone(&watch)));
+        assert_eq!(lanes.wanted("e", 10), 0, "not subscribed yet");
+        watch.subscribed(true);
+        assert_eq!(lanes.wanted("e", 10), 40);
+        watch.subscribed(false);
+        assert_eq!(lanes.wanted("e", 10), 0, "subscription lost");
+        assert_eq!(Lanes::new(true, None).wanted("e", 10), 40);
+        assert_eq!(Lanes::new(false, None).wanted("e", 10), 0, "prefetch off");
+    }
+}

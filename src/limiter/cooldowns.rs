@@ -56,7 +56,8 @@ impl CooldownWatch {
         self.lock().subscribed_since.is_some()
     }
 
-    fn subscribed(&self, up: bool) {
+    /// Notes the subscription up (from now) or down.
+    pub(super) fn subscribed(&self, up: bool) {
         self.subscribed_at(up.then(Instant::now));
     }
 
