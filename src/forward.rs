@@ -102,10 +102,20 @@ pub struct Forwarder {
 }
 
 /// Which upstream connections can carry a request: same scheme, same authority.
-#[derive(Clone, PartialEq, Eq, Debug)]
+#[derive(Clone, Eq, Debug)]
 struct Key {
     https: bool,
     authority: Authority,
+}
+
+impl PartialEq for Key {
+    /// Authorities compare without regard to case; the same bytes (a sender repeating
+    /// itself, the common case) are seen equal without lowering each one.
+    fn eq(&self, other: &Key) -> bool {
+        self.https == other.https
+            && (self.authority.as_str() == other.authority.as_str()
+                || self.authority == other.authority)
+    }
 }
 
 impl Key {
@@ -813,6 +823,15 @@ mod tests {
         }
         assert!(Key::of(&"/relative".parse().unwrap()).is_none());
         assert!(Key::of(&"ftp://a.example/".parse().unwrap()).is_none());
+    }
+
+    #[test]
+    fn keys_match_by_scheme_and_authority_whatever_its_case() {
+        assert!(key("http://a.example:81/x") == key("http://a.example:81/y"));
+        assert!(key("http://A.Example:81/") == key("http://a.example:81/"));
+        assert!(key("http://a.example:81/") != key("https://a.example:81/"));
+        assert!(key("http://a.example:81/") != key("http://a.example:82/"));
+        assert!(key("http://a.example/") != key("http://b.example/"));
     }
 
     /// A real connection to a listener that accepts and does nothing: enough for hyper
