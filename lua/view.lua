@@ -5,7 +5,8 @@
 -- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
 -- ARGV[4]  floor ("" = adaptive off)
 -- Returns  nil when the key does not exist, else the strings
---          { tokens, rate, cooldown_us, throttles, at_floor 0|1, floor_for_us }
+--          { tokens, rate, cooldown_us, throttles, at_floor 0|1, floor_for_us,
+--            held_ahead (tokens replicas took ahead, until their end) }
 --
 -- Why a script: the refill must be computed on Redis's clock (TIME) against a
 -- consistent snapshot of the fields, in one round trip.
@@ -23,4 +24,7 @@ if ARGV[4] ~= '' and s.dr > 0 and near_floor(r, tonumber(ARGV[4])) then
     floor_for = now - s.fs
   end
 end
-return { str(s.tk), str(r), str(math.max(s.cu - now, 0)), str(s.th), str(at_floor), str(floor_for) }
+return {
+  str(s.tk), str(r), str(math.max(s.cu - now, 0)), str(s.th), str(at_floor), str(floor_for),
+  str(held_ahead(s)),
+}

@@ -38,6 +38,10 @@ pub struct EndpointView {
     pub at_floor: bool,
     /// How long it has sat at the floor, seconds.
     pub at_floor_secs: f64,
+    /// Tokens replicas took ahead and may still spend (`store.prefetch`), not in
+    /// `tokens` meanwhile. Absent from older servers' answers: 0.
+    #[serde(default)]
+    pub held_ahead: f64,
 }
 
 /// Views of every known endpoint: configured ones, then those seen (label-capped).
@@ -78,6 +82,7 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
             throttles: view.map_or(0, |v| v.throttles),
             at_floor: view.is_some_and(|v| v.at_floor),
             at_floor_secs: view.map_or(0.0, |v| v.floor_for_us / 1e6),
+            held_ahead: view.map_or(0.0, |v| v.held_ahead),
         });
     }
     out

@@ -297,12 +297,15 @@ async fn the_bucket_and_the_tokens_held_ahead_never_exceed_the_burst() {
         now
     };
     let tokens = || async { s.view("held", ask, None).await.unwrap().unwrap().tokens };
+    let held = || async { s.view("held", ask, None).await.unwrap().unwrap().held_ahead };
     let now = set(0.0);
     set(now + 60e6);
     assert_eq!(tokens().await, 60.0, "refilled past burst − held ahead");
+    assert_eq!(held().await, 40.0, "operators see what is held ahead");
     // Their time over: the cap is the burst again.
     set(now_us() - 1.0);
     assert_eq!(tokens().await, 100.0);
+    assert_eq!(held().await, 0.0);
 }
 
 /// Guarantee 4 across replicas with tokens held ahead: once a replica has heard another

@@ -522,6 +522,10 @@ async fn admin_endpoints_and_metrics() {
     assert_eq!(listed["configured_rate"], 7.0);
     assert_eq!(listed["burst"], 3.0);
     assert!((listed["tokens"].as_f64().unwrap() - 2.0).abs() < 0.2);
+    assert_eq!(
+        listed["held_ahead"], 0.0,
+        "the memory store takes nothing ahead"
+    );
     let metrics = admin
         .get(format!("{base}/metrics"))
         .send()

@@ -235,6 +235,9 @@ pub struct View {
     pub at_floor: bool,
     /// How long it has been at the floor (µs).
     pub floor_for_us: f64,
+    /// Tokens replicas took ahead and may still spend (`store.prefetch`, Redis only;
+    /// spent or not, counted until their end): not in `tokens` meanwhile.
+    pub held_ahead: f64,
 }
 
 /// The operator's view of `s` at `now`.
@@ -254,6 +257,7 @@ pub fn view(s: &BucketState, ask: &Ask, floor: Option<f64>, now: f64) -> View {
         } else {
             0.0
         },
+        held_ahead: 0.0,
     }
 }
 

@@ -784,7 +784,7 @@ impl BucketStore for RedisStore {
             if matches!(v, Value::Nil) {
                 return Ok(None);
             }
-            let f = fields(v, 6)?;
+            let f = fields(v, 7)?;
             Ok(Some(View {
                 tokens: f[0],
                 rate: f[1],
@@ -792,6 +792,7 @@ impl BucketStore for RedisStore {
                 throttles: f[3] as u64,
                 at_floor: f[4] == 1.0,
                 floor_for_us: f[5],
+                held_ahead: f[6],
             }))
         })
     }
