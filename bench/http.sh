@@ -3,8 +3,8 @@
 #   direct to a local upstream | HAProxy 2.6 (nbthread 1, forwarding by the request
 #   target: set-dst url_ip / url_port) | a bare hyper forwarder (examples/bare_forward.rs:
 #   the proxy hop alone, no limiting; pooled client, and "held": sluice's shape on one
-#   thread) | sluice (memory store) | sluice (Redis store, defaults: prefetch on) |
-#   sluice (Redis store, store.prefetch off) | sluice (memory store, proxy authentication on)
+#   thread) | sluice (memory store) | sluice (Redis store) |
+#   sluice (Redis store, store.prefetch on) | sluice (memory store, proxy authentication on)
 # The limit is set far above the load so it never binds: this measures forwarding cost.
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
@@ -82,17 +82,15 @@ start_sluice sluice-memory '[store]
 backend = "memory"'
 start_sluice sluice-memory-1worker '[store]
 backend = "memory"' "" 1
-# The Redis store as configured by default (store.prefetch on with a single Redis), and
-# with prefetch off (every admission a script call; concurrent ones share it).
 start_sluice sluice-redis "[store]
 backend = \"redis\"
 urls = [\"redis://127.0.0.1:$RP/\"]
 timeout = \"1s\""
-start_sluice sluice-redis-no-prefetch "[store]
+start_sluice sluice-redis-prefetch "[store]
 backend = \"redis\"
 urls = [\"redis://127.0.0.1:$RP/\"]
 timeout = \"1s\"
-prefetch = false"
+prefetch = true"
 # Proxy authentication on (bcrypt cost 10, as in production): kept-alive senders pay
 # bcrypt once, then hit the credentials cache.
 echo "bench-password" | target/release/sluice passwd bench > "$TMP/users.htpasswd"
@@ -108,7 +106,7 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-no-prefetch; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+for s in haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-prefetch; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -130,7 +128,7 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request"
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-no-prefetch sluice-memory-auth)
+NAMES=(direct haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-prefetch sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do

@@ -301,8 +301,7 @@ pub struct StoreConfig {
     pub fallback_min_replicas: usize,
     /// `prefetch` (Redis stores): while an endpoint is busy and its bucket at least half
     /// full, a replica takes a batch's worth of tokens ahead and spends them without a
-    /// round trip (see `crate::limiter::credit`). In a config file: on by default with
-    /// `backend = "redis"`, off with the other backends; here (built in code) off.
+    /// round trip (see `crate::limiter::credit`). Off by default.
     pub prefetch: bool,
 }
 
@@ -708,19 +707,10 @@ mod tests {
         assert_eq!(c.store.backend, Backend::Memory);
         assert_eq!(c.store.timeout, Duration::from_millis(100));
         assert_eq!(c.store.on_error, OnError::Local);
-        assert!(
-            !c.store.prefetch,
-            "the memory store has nothing to take ahead"
-        );
+        assert!(!c.store.prefetch, "taking tokens ahead is opt-in");
         let prefetch = |text: &str| Config::parse(text).unwrap().store.prefetch;
-        assert!(
-            prefetch("[store]\nbackend = \"redis\""),
-            "a single Redis takes tokens ahead by default"
-        );
-        assert!(!prefetch("[store]\nbackend = \"redis\"\nprefetch = false"));
-        assert!(!prefetch(
-            "[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://a/\"]"
-        ));
+        assert!(!prefetch("[store]\nbackend = \"redis\""), "on Redis too");
+        assert!(prefetch("[store]\nbackend = \"redis\"\nprefetch = true"));
         assert!(prefetch(
             "[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://a/\"]\nprefetch = true"
         ));

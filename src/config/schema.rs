@@ -285,11 +285,11 @@ impl Reader<'_> {
         }
     }
 
-    /// `prefetch`: Redis backends only (the memory store has no round trip to spare). On
-    /// by default with a single Redis, whose cooldown notices stop tokens held ahead as
-    /// they stop a waiter; off by default on a cluster or behind sentinels.
+    /// `prefetch`: Redis backends only (the memory store has no round trip to spare).
+    /// Off by default: tokens one replica holds ahead are out of the others' reach
+    /// until spent or given back (docs/operations.md).
     fn prefetch(&mut self, t: &Table<'_>, backend: Backend) -> bool {
-        let on = self.boolean(t, "store", "prefetch", backend == Backend::Redis);
+        let on = self.boolean(t, "store", "prefetch", false);
         if on && backend == Backend::Memory {
             let at = t.get("prefetch").map_or(0, |v| v.span().start);
             self.issue(

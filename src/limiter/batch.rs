@@ -375,7 +375,7 @@ mod tests {
 
     /// With prefetch, a batch asks ahead only while cooldown notices can stop what it
     /// takes (a single Redis whose subscription is up), or where there are none to wait
-    /// for (cluster, sentinel: opt-in there).
+    /// for (cluster, sentinel).
     #[test]
     fn nothing_is_asked_ahead_while_the_notices_are_down() {
         let watch = Arc::new(CooldownWatch::default());
