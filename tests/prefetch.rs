@@ -381,3 +381,63 @@ async fn a_cooldown_heard_from_another_replica_stops_tokens_held_ahead() {
     }
     println!("{rounds} rounds, {quick} quick enough for held tokens to be still live");
 }
+
+/// Why `store.prefetch` is opt-in: with the configuration's defaults, a burst that fits
+/// the endpoint's burst passes at once even when split across replicas and nothing may
+/// wait (`max_wait = 0`). With prefetch on, tokens one replica took ahead are out of the
+/// other's reach until spent or given back, so part of the same demand can be refused
+/// (printed, not asserted: it depends on the first replica's calls forming a batch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_burst_split_across_replicas_passes_at_once() {
+    let server = common::redis::RedisServer::start();
+    let text = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\n",
+        server.url()
+    );
+    let defaults = Config::parse(&text).unwrap().store;
+    assert!(!defaults.prefetch);
+    let burst = 20.0;
+    // 1 token a second: no refill worth counting during the test.
+    let ask = Ask::new(&policy(1.0, burst), 0.0, None);
+    for (round, prefetch) in [(0, false), (1, true)] {
+        let cfg = StoreConfig {
+            prefetch,
+            ..defaults.clone()
+        };
+        let connect = || async {
+            Arc::new(
+                RedisStore::connect(&cfg, StoreStats::default())
+                    .await
+                    .unwrap(),
+            )
+        };
+        let (a, b) = (connect().await, connect().await);
+        let endpoint = format!("split-{round}");
+        let burst_of = |s: &Arc<RedisStore>, n: usize| {
+            let tasks: Vec<_> = (0..n)
+                .map(|_| {
+                    let (s, e) = (Arc::clone(s), endpoint.clone());
+                    tokio::spawn(async move { s.acquire(&e, ask).await.unwrap() })
+                })
+                .collect();
+            async move {
+                let mut granted = 0;
+                for t in tasks {
+                    if matches!(t.await.unwrap(), Outcome::Granted { .. }) {
+                        granted += 1;
+                    }
+                }
+                granted
+            }
+        };
+        // Three on one replica (its first call goes alone, the other two as a batch,
+        // which may take tokens ahead), then the other seventeen of the burst elsewhere.
+        let first = burst_of(&a, 3).await;
+        let second = burst_of(&b, 17).await;
+        println!("prefetch {prefetch}: {first} + {second} of 20 granted at once");
+        assert_eq!(first, 3);
+        if !prefetch {
+            assert_eq!(second, 17, "a burst within the burst was refused");
+        }
+    }
+}
