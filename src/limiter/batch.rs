@@ -165,11 +165,11 @@ pub(super) async fn acquire(
     ask: Ask,
 ) -> Result<Outcome, StoreError> {
     if let Some(ahead) = &lanes.ahead {
-        let quiet = |since| {
+        let quiet = |bucket: &str, since| {
             lanes
                 .watch
                 .as_ref()
-                .is_none_or(|w| w.quiet_since(&calls.key(endpoint), since))
+                .is_none_or(|w| w.quiet_since(bucket, since))
         };
         if let Some(generation) = ahead.spend(endpoint, &ask, quiet) {
             return Ok(Outcome::Granted {
@@ -232,7 +232,8 @@ async fn call(
         (&lanes.ahead, asks.first(), outcomes.last())
     {
         if got > 0 {
-            let (serial, until, stale) = ahead.keep(endpoint, ask, got, *generation, sent);
+            let (serial, until, stale) =
+                ahead.keep(endpoint, &calls.key(endpoint), ask, got, *generation, sent);
             let (calls, lanes, endpoint, ask) = (
                 Arc::clone(calls),
                 Arc::clone(lanes),

@@ -42,6 +42,9 @@ struct Held {
     /// When the call that took the oldest of them was sent: a cooldown announced since
     /// voids them.
     since: Instant,
+    /// The endpoint's bucket key, as its cooldown notices name it (made once per call,
+    /// not per spend).
+    bucket: Box<str>,
     /// The bucket generation they belong to (a cooldown voids them).
     generation: u64,
     /// The policy they were taken under: an ask under another (a reload) does not spend them.
@@ -72,19 +75,22 @@ impl Credits {
     /// Spends one held token of `endpoint` for `ask`; its generation, or `None` when
     /// none is left, they are over, the ask is a confirmation or under another policy,
     /// or `quiet` cannot vouch that no cooldown started since they were asked for (it is
-    /// given the instant their call was sent).
+    /// given the bucket key and the instant their call was sent).
     pub(super) fn spend(
         &self,
         endpoint: &str,
         ask: &Ask,
-        quiet: impl FnOnce(Instant) -> bool,
+        quiet: impl FnOnce(&str, Instant) -> bool,
     ) -> Option<u64> {
         if ask.held.is_some() {
             return None;
         }
         let mut held = self.lock();
         let h = held.get_mut(endpoint)?;
-        if h.left == 0 || Instant::now() >= h.until || h.policy != policy_of(ask) || !quiet(h.since)
+        if h.left == 0
+            || Instant::now() >= h.until
+            || h.policy != policy_of(ask)
+            || !quiet(&h.bucket, h.since)
         {
             return None;
         }
@@ -109,12 +115,14 @@ impl Credits {
         from_batch.max(from_use).min(MOST)
     }
 
-    /// Keeps `n` tokens taken ahead by a call sent at `sent`. Returns the grant's serial
+    /// Keeps `n` tokens taken ahead by a call sent at `sent` for the bucket `bucket`
+    /// (its key). Returns the grant's serial
     /// and its end (for [`expire`](Self::expire)), and any earlier leftovers that cannot
     /// join them (over, or of another generation or policy) and must be given back now.
     pub(super) fn keep(
         &self,
         endpoint: &str,
+        bucket: &str,
         ask: &Ask,
         n: u32,
         generation: u64,
@@ -147,6 +155,7 @@ impl Credits {
                 size: left,
                 until,
                 since,
+                bucket: bucket.into(),
                 generation,
                 policy,
                 serial,
@@ -177,7 +186,7 @@ mod tests {
     use super::*;
 
     /// Nothing announced: every held token may be spent.
-    fn always(_: Instant) -> bool {
+    fn always(_: &str, _: Instant) -> bool {
         true
     }
 
@@ -195,7 +204,7 @@ mod tests {
     async fn held_tokens_are_spent_until_their_end_and_the_rest_comes_back() {
         let c = Credits::default();
         let sent = Instant::now();
-        let (serial, until, leftover) = c.keep("e", &ask(10.0), 3, 7, sent);
+        let (serial, until, leftover) = c.keep("e", "k", &ask(10.0), 3, 7, sent);
         assert_eq!((until, leftover), (sent + LIFETIME, None));
         assert_eq!(c.spend("e", &ask(10.0), always), Some(7));
         // Another policy (a reload) or a confirmation does not spend them.
@@ -217,7 +226,7 @@ mod tests {
         assert_eq!(c.wanted("e", 1), 0, "a lone request on a quiet endpoint");
         assert_eq!(c.wanted("e", 3), 12);
         assert_eq!(c.wanted("e", 1000), MOST);
-        let (_, _, _) = c.keep("e", &ask(10.0), 2, 0, Instant::now());
+        let (_, _, _) = c.keep("e", "k", &ask(10.0), 2, 0, Instant::now());
         assert_eq!(c.wanted("e", 1), 0, "tokens left: no need yet");
         c.spend("e", &ask(10.0), always).unwrap();
         c.spend("e", &ask(10.0), always).unwrap();
@@ -229,8 +238,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_new_grant_joins_live_tokens_and_hands_back_stale_ones() {
         let c = Credits::default();
-        let (first, _, _) = c.keep("e", &ask(10.0), 2, 1, Instant::now());
-        let (_, _, leftover) = c.keep("e", &ask(10.0), 3, 1, Instant::now());
+        let (first, _, _) = c.keep("e", "k", &ask(10.0), 2, 1, Instant::now());
+        let (_, _, leftover) = c.keep("e", "k", &ask(10.0), 3, 1, Instant::now());
         assert_eq!(leftover, None);
         assert_eq!(
             c.expire("e", first),
@@ -243,8 +252,8 @@ mod tests {
         }
         assert_eq!(spent, 5);
         // A cooldown in between (another generation): the old ones go back, not along.
-        let (_, _, _) = c.keep("f", &ask(10.0), 2, 1, Instant::now());
-        let (_, _, leftover) = c.keep("f", &ask(10.0), 3, 2, Instant::now());
+        let (_, _, _) = c.keep("f", "k", &ask(10.0), 2, 1, Instant::now());
+        let (_, _, leftover) = c.keep("f", "k", &ask(10.0), 3, 2, Instant::now());
         assert_eq!(leftover, Some((2, 1)));
         c.drop_endpoint("f");
         assert_eq!(c.spend("f", &ask(10.0), always), None);
@@ -258,16 +267,19 @@ mod tests {
     async fn a_cooldown_announced_since_they_were_asked_for_stops_held_tokens() {
         let c = Credits::default();
         let first = Instant::now();
-        let (serial, _, _) = c.keep("e", &ask(10.0), 3, 1, first);
+        let (serial, _, _) = c.keep("e", "k", &ask(10.0), 3, 1, first);
         tokio::time::advance(Duration::from_millis(1)).await;
         let announced = Instant::now();
-        let heard = |since: Instant| since > announced;
+        let heard = |key: &str, since: Instant| {
+            assert_eq!(key, "k");
+            since > announced
+        };
         assert_eq!(
             c.spend("e", &ask(10.0), heard),
             None,
             "announced after the call"
         );
-        let (_, _, leftover) = c.keep("e", &ask(10.0), 2, 1, Instant::now());
+        let (_, _, leftover) = c.keep("e", "k", &ask(10.0), 2, 1, Instant::now());
         assert_eq!(leftover, None, "joined, not handed back");
         assert_eq!(
             c.spend("e", &ask(10.0), heard),
@@ -277,7 +289,7 @@ mod tests {
         assert_eq!(c.expire("e", serial), None, "replaced by the joined grant");
         tokio::time::advance(Duration::from_millis(1)).await;
         let later = Instant::now();
-        let (serial, _, _) = c.keep("g", &ask(10.0), 2, 1, later);
+        let (serial, _, _) = c.keep("g", "k", &ask(10.0), 2, 1, later);
         assert!(later > announced);
         assert_eq!(
             c.spend("g", &ask(10.0), heard),
