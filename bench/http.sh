@@ -3,8 +3,10 @@
 #   direct to a local upstream | HAProxy 2.6 (nbthread 1, forwarding by the request
 #   target: set-dst url_ip / url_port) | a bare hyper forwarder (examples/bare_forward.rs:
 #   the proxy hop alone, no limiting; pooled client, and "held": sluice's shape on one
-#   thread) | sluice (memory store) | sluice (Redis store) |
-#   sluice (Redis store, store.prefetch on) | sluice (memory store, proxy authentication on)
+#   thread) | sluice (memory store) | sluice (Redis store, the default config: one replica
+#   alone in the store, so store.prefetch = "alone" takes tokens ahead) | sluice (Redis
+#   store shared with a second, idle replica: the default then takes none ahead) |
+#   sluice (memory store, proxy authentication on)
 # The limit is set far above the load so it never binds: this measures forwarding cost.
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
@@ -86,11 +88,14 @@ start_sluice sluice-redis "[store]
 backend = \"redis\"
 urls = [\"redis://127.0.0.1:$RP/\"]
 timeout = \"1s\""
-start_sluice sluice-redis-prefetch "[store]
+# The same default config on a Redis of its own that a second (idle) replica shares.
+RP2=$(free_port); redis-server --port "$RP2" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$RP2"
+SHARED="[store]
 backend = \"redis\"
-urls = [\"redis://127.0.0.1:$RP/\"]
-timeout = \"1s\"
-prefetch = true"
+urls = [\"redis://127.0.0.1:$RP2/\"]
+timeout = \"1s\""
+start_sluice sluice-redis-idle-peer "$SHARED"
+start_sluice sluice-redis-shared "$SHARED"
 # Proxy authentication on (bcrypt cost 10, as in production): kept-alive senders pay
 # bcrypt once, then hit the credentials cache.
 echo "bench-password" | target/release/sluice passwd bench > "$TMP/users.htpasswd"
@@ -106,7 +111,7 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-prefetch; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+for s in haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-shared; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -128,7 +133,7 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request"
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-prefetch sluice-memory-auth)
+NAMES=(direct haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-shared sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do

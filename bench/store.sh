@@ -19,7 +19,7 @@ for _ in $(seq 200); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 
 SHA=$(cat lua/bucket.lua lua/acquire.lua | redis-cli -p "$RP" -x script load)
 ceiling() { # $1 = pipeline depth
   redis-benchmark -p "$RP" -c 64 -n 400000 -r 10000 -P "$1" -q \
-    EVALSHA "$SHA" 1 'bench:{ep__rand_int__}' 1000000000 1000000000 0 0 0 0 '' \
+    EVALSHA "$SHA" 1 'bench:{ep__rand_int__}' 1000000000 1000000000 0 0 0 '' 0 0 '' \
     | tr '\r' '\n' | awk '/requests per second/ {for(i=1;i<=NF;i++) if ($i ~ /^[0-9.]+$/) v=$i} END {print v}'
 }
 # Unpipelined (one command in flight per connection) and pipelined 16 deep: sluice's

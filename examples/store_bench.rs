@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use sluice::config::{Backend, OnError, Policy, StoreConfig};
+use sluice::config::{Backend, OnError, Policy, Prefetch, StoreConfig};
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, StoreStats};
 
@@ -23,7 +23,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let secs: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
     let concurrency: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(64);
     let endpoints: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(10_000);
-    let prefetch = args.next().as_deref() == Some("prefetch");
+    // The store alone registers no heartbeat, so "alone" would never take any ahead.
+    let prefetch = if args.next().as_deref() == Some("prefetch") {
+        Prefetch::On
+    } else {
+        Prefetch::Off
+    };
     let cfg = StoreConfig {
         backend: Backend::Redis,
         urls: vec![url],

@@ -4,11 +4,15 @@
 -- Runs after bucket.lua (prepended at compile time).
 --
 -- KEYS[1]  "<prefix>{<endpoint>}"
+-- KEYS[2]  (`store.prefetch = "alone"`, only with tokens wanted ahead) the replicas'
+--          heartbeat set, "<prefix>{_replicas}:heartbeats" (see replicas.lua)
 -- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
 -- ARGV[4]  tokens wanted ahead (`store.prefetch`; 0 = none), ARGV[5] for how long (µs)
--- ARGV[6], ARGV[7]  the first ask: budget, the longest acceptable wait (µs), and its
+-- ARGV[6]  with KEYS[2]: this replica's id there; tokens go ahead only while it is the
+--          one live replica. ARGV[7] a heartbeat's time to live (ms). Else "" and 0.
+-- ARGV[8], ARGV[9]  the first ask: budget, the longest acceptable wait (µs), and its
 --          held generation ("" = none: take a token; else confirm that reservation)
--- ARGV[8], ARGV[9]  the second ask, and so on (src/limiter/batch.rs sends one pair per
+-- ARGV[10], ARGV[11]  the second ask, and so on (src/limiter/batch.rs sends one pair per
 --          request that queued while the previous call for this endpoint was in flight)
 -- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
 --          here, where turning a number into text is the costly part):
@@ -20,7 +24,8 @@
 --          <ahead>: the tokens taken ahead (0 or more), which the replica may spend
 --          without asking until ARGV[5] µs after it sent this call. Only when every ask
 --          went at once, no cooldown or decrease is in force, and the bucket keeps at
---          least half its burst: a busy endpoint far from its limit, never one that binds.
+--          least half its burst: a busy endpoint far from its limit, never one that binds;
+--          with KEYS[2], only while no other replica is alive to want them.
 --
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
@@ -30,7 +35,7 @@ refill(s)
 local out = {}
 local taken = false
 local all_now = true
-for i = 6, #ARGV - 1, 2 do
+for i = 8, #ARGV - 1, 2 do
   local held = ARGV[i + 1]
   if held ~= '' and tonumber(held) == s.g then
     -- The reservation survived (no cooldown voided it): go, taking nothing more.
@@ -49,9 +54,21 @@ for i = 6, #ARGV - 1, 2 do
     end
   end
 end
+--- Whether this replica (ARGV[6]) is the only live one in the heartbeat set KEYS[2]
+--- (live: heard within the time to live, as replicas.lua counts them).
+local function alone()
+  if not KEYS[2] then
+    return true
+  end
+  local since = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[7])
+  local mine = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[6]))
+  return mine ~= nil and mine > since
+    and redis.call('ZCOUNT', KEYS[2], '(' .. since, '+inf') == 1
+end
+
 local ahead = 0
 local wanted = tonumber(ARGV[4])
-if wanted > 0 and all_now and s.cu <= now and s.dr <= 0 then
+if wanted > 0 and all_now and s.cu <= now and s.dr <= 0 and alone() then
   ahead = math.min(wanted, math.floor(s.tk - burst / 2))
   if ahead > 0 then
     s.tk = s.tk - ahead

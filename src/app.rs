@@ -16,7 +16,7 @@ use crate::conn::Lifecycle;
 use crate::core::{App, Runtime, RuntimeError};
 use crate::destination::DestinationPolicy;
 use crate::forward::Forwarder;
-use crate::limiter::fallback::{Peers, Resilient, heartbeats};
+use crate::limiter::fallback::{Peers, Resilient, heartbeat, heartbeats};
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::RedisStore;
 use crate::limiter::{BucketStore, Limiter, StoreError};
@@ -61,16 +61,6 @@ pub enum StartError {
     },
 }
 
-/// A name for this replica in the store's heartbeat set, unique per process and store.
-fn replica_id() -> String {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{}-{nanos:x}-{n}", std::process::id())
-}
-
 /// Builds everything a request needs, once.
 pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     let runtime = Runtime::load(Arc::clone(&config))?;
@@ -95,11 +85,10 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
             };
             let primary = Arc::new(primary);
             let peers = Arc::new(Peers::new(config.store.fallback_min_replicas));
-            tokio::spawn(heartbeats(
-                Arc::downgrade(&primary),
-                replica_id(),
-                Arc::clone(&peers),
-            ));
+            // Registered before serving: a replica alone in the store takes tokens ahead
+            // (`store.prefetch = "alone"`) only until this one is seen.
+            heartbeat(&primary, &peers).await;
+            tokio::spawn(heartbeats(Arc::downgrade(&primary), Arc::clone(&peers)));
             let store =
                 Resilient::new(primary, config.store.on_error, metrics.store.clone(), peers);
             // Learn the store's state now, so /readyz and the log tell it from the start.

@@ -11,12 +11,13 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sluice::config::{Backend, Config, OnError, Policy, StoreConfig};
+use sluice::config::{Backend, Config, OnError, Policy, Prefetch, StoreConfig};
+use sluice::limiter::fallback::HEARTBEAT_TTL;
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, Outcome, StoreStats};
 use tokio::time::Instant;
 
-fn config(url: String, prefetch: bool) -> StoreConfig {
+fn config(url: String, prefetch: Prefetch) -> StoreConfig {
     StoreConfig {
         backend: Backend::Redis,
         urls: vec![url],
@@ -27,7 +28,7 @@ fn config(url: String, prefetch: bool) -> StoreConfig {
     }
 }
 
-async fn store(server: &common::redis::RedisServer, prefetch: bool) -> Arc<RedisStore> {
+async fn store(server: &common::redis::RedisServer, prefetch: Prefetch) -> Arc<RedisStore> {
     Arc::new(
         RedisStore::connect(&config(server.url(), prefetch), StoreStats::default())
             .await
@@ -50,7 +51,10 @@ fn policy(rate: f64, burst: f64) -> Policy {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_taking_tokens_ahead_never_exceed_rate_and_burst() {
     let server = common::redis::RedisServer::start();
-    let replicas = [store(&server, true).await, store(&server, true).await];
+    let replicas = [
+        store(&server, Prefetch::On).await,
+        store(&server, Prefetch::On).await,
+    ];
     let (rate, burst) = (400.0, 100.0);
     let ask = Ask::new(&policy(rate, burst), 50_000.0, None);
     let starts = Arc::new(Mutex::new(Vec::new()));
@@ -133,7 +137,7 @@ async fn replicas_taking_tokens_ahead_never_exceed_rate_and_burst() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unspent_tokens_held_ahead_come_back() {
     let server = common::redis::RedisServer::start();
-    let s = store(&server, true).await;
+    let s = store(&server, Prefetch::On).await;
     // 1 token/s: refill during the test is a few tokens at most.
     let p = policy(1.0, 1_000.0);
     let ask = Ask::new(&p, 0.0, None);
@@ -174,58 +178,82 @@ async fn unspent_tokens_held_ahead_come_back() {
     }
 }
 
+/// How many of `n` = 32 × 100 concurrent acquires of a busy endpoint far from its limit
+/// `store` left to Redis to decide (the rest it granted from tokens held ahead).
+async fn decided_by_redis(
+    server: &common::redis::RedisServer,
+    s: &Arc<RedisStore>,
+    endpoint: &str,
+) -> usize {
+    let ask = Ask::new(&policy(1e6, 1e6), 0.0, None);
+    // Load the script first (a cold Redis answers NOSCRIPT to concurrent calls).
+    s.acquire("warm", ask).await.unwrap();
+    let before = common::redis::evalsha_calls(server);
+    let monitor = server.monitor();
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let (s, e) = (Arc::clone(s), endpoint.to_owned());
+            tokio::spawn(async move {
+                for _ in 0..100 {
+                    let o = s.acquire(&e, ask).await.unwrap();
+                    assert!(matches!(o, Outcome::Granted { wait_us: 0.0, .. }));
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let calls = common::redis::evalsha_calls(server) - before;
+    // Every command so far is in the log once a marker sent after them is.
+    server.cli(&["ECHO", "load-done"]).unwrap();
+    common::redis::wait_until("MONITOR caught up", Duration::from_secs(10), || {
+        monitor.text().contains("load-done")
+    });
+    let (reserved, confirmed, _) = common::redis::acquires(&monitor.stop());
+    let asks = reserved + confirmed;
+    println!("{endpoint}: {calls} script calls, {asks} asks decided by Redis");
+    asks
+}
+
 /// A busy endpoint far from its limit: with prefetch, part of the acquires are answered
 /// from tokens held ahead and never reach Redis; without, every one does. (How many
 /// calls that spares depends on the machine's load against the 5 ms lifetime: about
 /// fourfold on a quiet machine, docs/BENCHMARKS.md; not asserted here.)
+/// The default, `"alone"`, takes tokens ahead only while this replica is the one live
+/// replica in the heartbeat set: never before it registered, and no more once another did.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefetch_spares_script_calls_far_from_the_limit() {
     let server = common::redis::RedisServer::start();
-    let p = policy(1e6, 1e6);
-    let ask = Ask::new(&p, 0.0, None);
     let n = 32 * 100;
-    let mut decided = Vec::new();
-    for prefetch in [false, true] {
-        let s = store(&server, prefetch).await;
-        // Load the script first (a cold Redis answers NOSCRIPT to concurrent calls).
-        s.acquire("warm", ask).await.unwrap();
-        let before = common::redis::evalsha_calls(&server);
-        let monitor = server.monitor();
-        let tasks: Vec<_> = (0..32)
-            .map(|_| {
-                let s = Arc::clone(&s);
-                tokio::spawn(async move {
-                    for _ in 0..100 {
-                        let o = s.acquire("busy", ask).await.unwrap();
-                        assert!(matches!(o, Outcome::Granted { wait_us: 0.0, .. }));
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
-        }
-        let calls = common::redis::evalsha_calls(&server) - before;
-        // Every command so far is in the log once a marker sent after them is.
-        server.cli(&["ECHO", "load-done"]).unwrap();
-        common::redis::wait_until("MONITOR caught up", Duration::from_secs(10), || {
-            monitor.text().contains("load-done")
-        });
-        let (reserved, confirmed, _) = common::redis::acquires(&monitor.stop());
-        let asks = reserved + confirmed;
-        println!(
-            "{n} acquires, prefetch {prefetch}: {calls} script calls, {asks} asks decided by Redis"
-        );
-        decided.push(asks);
-        server.cli(&["DEL", "sluice:{busy}"]).unwrap();
-    }
+    let off = store(&server, Prefetch::Off).await;
     assert_eq!(
-        decided[0], n,
+        decided_by_redis(&server, &off, "off").await,
+        n,
         "without prefetch Redis decides every acquire"
     );
+    let on = store(&server, Prefetch::On).await;
     assert!(
-        decided[1] < n,
+        decided_by_redis(&server, &on, "on").await < n,
         "with prefetch no acquire was answered from tokens held ahead"
+    );
+    let alone = store(&server, StoreConfig::default().prefetch).await;
+    assert_eq!(
+        decided_by_redis(&server, &alone, "unregistered").await,
+        n,
+        "a replica not (yet) in the heartbeat set took tokens ahead"
+    );
+    assert_eq!(alone.heartbeat(HEARTBEAT_TTL).await.unwrap(), 1);
+    assert!(
+        decided_by_redis(&server, &alone, "alone").await < n,
+        "a replica alone in the store took no token ahead"
+    );
+    let other = store(&server, Prefetch::Off).await;
+    assert_eq!(other.heartbeat(HEARTBEAT_TTL).await.unwrap(), 2);
+    assert_eq!(
+        decided_by_redis(&server, &alone, "shared").await,
+        n,
+        "a replica took tokens ahead while another was alive"
     );
 }
 
@@ -233,7 +261,7 @@ async fn prefetch_spares_script_calls_far_from_the_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_endpoint_spends_no_token_held_ahead() {
     let server = common::redis::RedisServer::start();
-    let s = store(&server, true).await;
+    let s = store(&server, Prefetch::On).await;
     let p = policy(1.0, 1_000.0);
     let ask = Ask::new(&p, 0.0, None);
     let tasks: Vec<_> = (0..20)
@@ -261,7 +289,7 @@ async fn a_throttled_endpoint_spends_no_token_held_ahead() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bucket_and_the_tokens_held_ahead_never_exceed_the_burst() {
     let server = common::redis::RedisServer::start();
-    let s = store(&server, true).await;
+    let s = store(&server, Prefetch::On).await;
     let p = policy(1_000.0, 100.0);
     let ask = Ask::new(&p, 0.0, None);
     // Redis' clock in the scripts' unit: µs since 2023-11-14 (lua/bucket.lua).
@@ -319,11 +347,11 @@ async fn a_cooldown_heard_from_another_replica_stops_tokens_held_ahead() {
     let stats = StoreStats::default();
     let heard = stats.notices.clone();
     let holder = Arc::new(
-        RedisStore::connect(&config(server.url(), true), stats)
+        RedisStore::connect(&config(server.url(), Prefetch::On), stats)
             .await
             .unwrap(),
     );
-    let other = store(&server, false).await;
+    let other = store(&server, Prefetch::Off).await;
     let p = policy(1.0, 1_000.0);
     let ask = Ask::new(&p, 0.0, None);
     let adaptive = p.adaptive.expect("adaptive by default");
@@ -382,11 +410,13 @@ async fn a_cooldown_heard_from_another_replica_stops_tokens_held_ahead() {
     println!("{rounds} rounds, {quick} quick enough for held tokens to be still live");
 }
 
-/// Why `store.prefetch` is opt-in: with the configuration's defaults, a burst that fits
-/// the endpoint's burst passes at once even when split across replicas and nothing may
-/// wait (`max_wait = 0`). With prefetch on, tokens one replica took ahead are out of the
-/// other's reach until spent or given back, so part of the same demand can be refused
-/// (printed, not asserted: it depends on the first replica's calls forming a batch).
+/// Why `store.prefetch` is not on whatever the replicas: with the configuration's
+/// defaults, a burst that fits the endpoint's burst passes at once even when split across
+/// replicas and nothing may wait (`max_wait = 0`). The default, `"alone"`, takes no token
+/// ahead while another replica is alive. With `prefetch = true`, tokens one replica took
+/// ahead are out of the other's reach until spent or given back, so part of the same
+/// demand can be refused (printed, not asserted: it depends on the first replica's calls
+/// forming a batch).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn by_default_a_burst_split_across_replicas_passes_at_once() {
     let server = common::redis::RedisServer::start();
@@ -395,21 +425,22 @@ async fn by_default_a_burst_split_across_replicas_passes_at_once() {
         server.url()
     );
     let defaults = Config::parse(&text).unwrap().store;
-    assert!(!defaults.prefetch);
+    assert_eq!(defaults.prefetch, Prefetch::Alone);
     let burst = 20.0;
     // 1 token a second: no refill worth counting during the test.
     let ask = Ask::new(&policy(1.0, burst), 0.0, None);
-    for (round, prefetch) in [(0, false), (1, true)] {
+    for (round, prefetch) in [(0, Prefetch::Alone), (1, Prefetch::On)] {
         let cfg = StoreConfig {
             prefetch,
             ..defaults.clone()
         };
+        // Each registered, as `sluice run` does before it serves.
         let connect = || async {
-            Arc::new(
-                RedisStore::connect(&cfg, StoreStats::default())
-                    .await
-                    .unwrap(),
-            )
+            let s = RedisStore::connect(&cfg, StoreStats::default())
+                .await
+                .unwrap();
+            s.heartbeat(HEARTBEAT_TTL).await.unwrap();
+            Arc::new(s)
         };
         let (a, b) = (connect().await, connect().await);
         let endpoint = format!("split-{round}");
@@ -434,9 +465,9 @@ async fn by_default_a_burst_split_across_replicas_passes_at_once() {
         // which may take tokens ahead), then the other seventeen of the burst elsewhere.
         let first = burst_of(&a, 3).await;
         let second = burst_of(&b, 17).await;
-        println!("prefetch {prefetch}: {first} + {second} of 20 granted at once");
+        println!("prefetch {prefetch:?}: {first} + {second} of 20 granted at once");
         assert_eq!(first, 3);
-        if !prefetch {
+        if prefetch == Prefetch::Alone {
             assert_eq!(second, 17, "a burst within the burst was refused");
         }
     }

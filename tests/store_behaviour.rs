@@ -15,8 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice::config::{
-    Adaptive, Backend, ClientCert, Config, OnError, Policy, StoreConfig, StoreTls,
+    Adaptive, Backend, ClientCert, Config, OnError, Policy, Prefetch, StoreConfig, StoreTls,
 };
+use sluice::limiter::fallback::HEARTBEAT_TTL;
 use sluice::limiter::memory::MemoryStore;
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, Limiter, Outcome, StoreFuture, StoreStats, View};
@@ -75,17 +76,19 @@ fn memory() -> Subject {
     }
 }
 
+/// A single Redis as `sluice run` uses it by default: one replica, registered in the
+/// heartbeat set, so `store.prefetch = "alone"` lets it take tokens ahead.
 async fn redis() -> Subject {
-    single_redis(false).await
+    single_redis(Prefetch::Alone).await
 }
 
-/// A single Redis with `store.prefetch` on: every behaviour above must hold unchanged
+/// A single Redis with `store.prefetch = true`: every behaviour above must hold unchanged
 /// (tokens are taken ahead only far from the limit, which these tests are not).
 async fn redis_prefetch() -> Subject {
-    single_redis(true).await
+    single_redis(Prefetch::On).await
 }
 
-async fn single_redis(prefetch: bool) -> Subject {
+async fn single_redis(prefetch: Prefetch) -> Subject {
     let server = common::redis::RedisServer::start();
     let store = RedisStore::connect(
         &StoreConfig {
@@ -96,6 +99,7 @@ async fn single_redis(prefetch: bool) -> Subject {
     )
     .await
     .unwrap();
+    assert_eq!(store.heartbeat(HEARTBEAT_TTL).await.unwrap(), 1);
     Subject {
         store: Arc::new(store),
         clock: Clock::Real,
@@ -709,13 +713,55 @@ async fn a_queued_acquire_that_hangs_up_spends_nothing() {
         }
     }
     assert_eq!(kept, 11, "the first eleven were not aborted");
-    let left = view(&s, "hangup", ask, None).await.tokens;
-    let refill = us(t0, Instant::now()) / 1e6;
     // Spent: the warm-up token and the eleven kept; the ten that hung up spent nothing.
     let expected = 100.0 - 12.0;
+    // Tokens the replica took ahead (the default for a lone replica) are given back at
+    // the end of their 5 ms lifetime: count the bucket once they were.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut left = view(&s, "hangup", ask, None).await.tokens;
+    while left < expected - 1e-6 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        left = view(&s, "hangup", ask, None).await.tokens;
+    }
+    let refill = us(t0, Instant::now()) / 1e6;
     assert!(
         left >= expected - 1e-6 && left <= expected + refill + 1e-6,
         "{left} tokens left, expected {expected} (+{refill} refill)"
+    );
+}
+
+/// An acquire that opened its endpoint's lane (nothing else in flight) and hangs up
+/// while its call is in flight spends nothing either: its reservation is given back.
+#[tokio::test]
+async fn an_opening_acquire_that_hangs_up_spends_nothing() {
+    let s = redis().await;
+    let server = s.single.as_ref().unwrap();
+    // 0.01 token/s: what refills during the test is far below one token.
+    let p = policy(0.01, 100.0, 0);
+    let ask = Ask::new(&p, 0.0, None);
+    s.store.acquire("opener", ask).await.unwrap();
+    // Redis stops answering: the next acquire opens the lane and its call stays in flight.
+    server.stop();
+    let opener = {
+        let store = Arc::clone(&s.store);
+        tokio::spawn(async move { store.acquire("opener", ask).await })
+    };
+    // Current-thread runtime: one yield runs the spawned acquire up to its wait.
+    tokio::task::yield_now().await;
+    opener.abort();
+    assert!(opener.await.unwrap_err().is_cancelled());
+    server.cont();
+    // Spent: the first token only; the one that hung up comes back once its call ends.
+    let expected = 100.0 - 1.0;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut left = view(&s, "opener", ask, None).await.tokens;
+    while left < expected - 1e-3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        left = view(&s, "opener", ask, None).await.tokens;
+    }
+    assert!(
+        (expected - 1e-3..=expected + 0.05).contains(&left),
+        "{left} tokens left, expected {expected}"
     );
 }
 

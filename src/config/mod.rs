@@ -299,10 +299,25 @@ pub struct StoreConfig {
     /// `fallback_min_replicas`: during an outage the local fallback enforces
     /// `rate / N` per replica, N = the replicas last seen alive, at least this many.
     pub fallback_min_replicas: usize,
-    /// `prefetch` (Redis stores): while an endpoint is busy and its bucket at least half
-    /// full, a replica takes a batch's worth of tokens ahead and spends them without a
-    /// round trip (see `crate::limiter::credit`). Off by default.
-    pub prefetch: bool,
+    /// `prefetch` (Redis stores): when a replica may take a batch's worth of tokens ahead
+    /// on an endpoint that is busy and whose bucket is at least half full, and spend them
+    /// without a round trip (see `crate::limiter::credit`).
+    pub prefetch: Prefetch,
+}
+
+/// `[store] prefetch`: when a replica takes tokens ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefetch {
+    /// `false`: never; every acquire is decided by Redis.
+    Off,
+    /// `"alone"` (the default): only while this replica is the only one alive in the
+    /// store's heartbeat set, checked by the script that hands the tokens out, so held
+    /// tokens are never out of another replica's reach. A single Redis or Sentinel only
+    /// (on a cluster the heartbeat set is in another slot than the bucket: never).
+    Alone,
+    /// `true`: whatever other replicas share the store (they may find up to half the
+    /// burst held elsewhere for 5 ms; docs/operations.md).
+    On,
 }
 
 /// `[store] tls_*`: files for TLS to Redis (`rediss://` URLs). Read at start and by
@@ -336,7 +351,7 @@ impl Default for StoreConfig {
             tls: StoreTls::default(),
             sentinel_master: None,
             fallback_min_replicas: 1,
-            prefetch: false,
+            prefetch: Prefetch::Alone,
         }
     }
 }
@@ -707,13 +722,33 @@ mod tests {
         assert_eq!(c.store.backend, Backend::Memory);
         assert_eq!(c.store.timeout, Duration::from_millis(100));
         assert_eq!(c.store.on_error, OnError::Local);
-        assert!(!c.store.prefetch, "taking tokens ahead is opt-in");
+        assert_eq!(
+            c.store.prefetch,
+            Prefetch::Alone,
+            "tokens are taken ahead only by a replica alone in the store"
+        );
         let prefetch = |text: &str| Config::parse(text).unwrap().store.prefetch;
-        assert!(!prefetch("[store]\nbackend = \"redis\""), "on Redis too");
-        assert!(prefetch("[store]\nbackend = \"redis\"\nprefetch = true"));
-        assert!(prefetch(
-            "[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://a/\"]\nprefetch = true"
-        ));
+        assert_eq!(prefetch("[store]\nbackend = \"redis\""), Prefetch::Alone);
+        assert_eq!(
+            prefetch("[store]\nbackend = \"redis\"\nprefetch = true"),
+            Prefetch::On
+        );
+        assert_eq!(
+            prefetch("[store]\nbackend = \"redis\"\nprefetch = false"),
+            Prefetch::Off
+        );
+        assert_eq!(
+            prefetch(
+                "[store]\nbackend = \"redis-sentinel\"\nsentinel_master = \"m\"\nprefetch = \"alone\""
+            ),
+            Prefetch::Alone
+        );
+        assert_eq!(
+            prefetch(
+                "[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://a/\"]\nprefetch = true"
+            ),
+            Prefetch::On
+        );
         assert_eq!(*c.defaults, Policy::default());
         assert_eq!(c.unknown, UnknownEndpoints::Default);
         assert!(!c.tls.intercept && !c.security.allow_private_destinations);
@@ -794,6 +829,11 @@ mod tests {
             ("[store]\non_error = \"panic\"", "store.on_error"),
             ("[store]\nprefetch = \"yes\"", "store.prefetch"),
             ("[store]\nprefetch = true", "store.prefetch"),
+            ("[store]\nprefetch = \"alone\"", "store.prefetch"),
+            (
+                "[store]\nbackend = \"redis\"\nprefetch = 1",
+                "store.prefetch",
+            ),
             (
                 "[store]\nfallback_min_replicas = 0",
                 "store.fallback_min_replicas",

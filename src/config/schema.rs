@@ -285,21 +285,43 @@ impl Reader<'_> {
         }
     }
 
-    /// `prefetch`: Redis backends only (the memory store has no round trip to spare).
-    /// Off by default: tokens one replica holds ahead are out of the others' reach
-    /// until spent or given back (docs/operations.md).
-    fn prefetch(&mut self, t: &Table<'_>, backend: Backend) -> bool {
-        let on = self.boolean(t, "store", "prefetch", false);
-        if on && backend == Backend::Memory {
-            let at = t.get("prefetch").map_or(0, |v| v.span().start);
+    /// `prefetch`: `false`, `true` or `"alone"` (the default); set explicitly, Redis
+    /// backends only (the memory store has no round trip to spare).
+    fn prefetch(&mut self, t: &Table<'_>, backend: Backend) -> Prefetch {
+        let Some(v) = t.get("prefetch") else {
+            return Prefetch::Alone;
+        };
+        let mode = match v.get_ref() {
+            DeValue::Boolean(true) => Prefetch::On,
+            DeValue::Boolean(false) => Prefetch::Off,
+            DeValue::String(s) if s.as_ref() == "alone" => Prefetch::Alone,
+            DeValue::String(s) => {
+                self.issue(
+                    v.span().start,
+                    "store.prefetch",
+                    format!("\"{s}\" is not one of true, false, \"alone\""),
+                );
+                return Prefetch::Alone;
+            }
+            other => {
+                self.type_issue(
+                    v,
+                    "store.prefetch",
+                    "true, false or \"alone\"",
+                    other.type_str(),
+                );
+                return Prefetch::Alone;
+            }
+        };
+        if mode != Prefetch::Off && backend == Backend::Memory {
             self.issue(
-                at,
+                v.span().start,
                 "store.prefetch",
                 "only used with a Redis backend (\"redis\", \"redis-cluster\", \"redis-sentinel\")"
                     .into(),
             );
         }
-        on
+        mode
     }
 
     /// `tls_ca_file`, `tls_cert_file`, `tls_key_file`: paths only (their contents are

@@ -9,18 +9,22 @@
 //! trip per batch rather than per request, and keeps its FIFO order: a batch is sent only
 //! after the previous call for its endpoint was decided.
 //!
-//! The first ask of a lane is sent by its own request; the batches after it by a task the
-//! lane owns, so a request that hangs up never strands the ones queued behind it. A
-//! queued ask whose request hung up before its batch left is not sent; one that hung up
-//! while its batch was in flight has its reservation given back.
+//! A lane's calls are sent by a task of its own, from its first ask (sent at once) until
+//! its queue is empty, so a request that hangs up never strands the ones queued behind
+//! it, nor tokens its call took ahead. An ask whose request hung up before its batch
+//! left is not sent; one that hung up while its batch was in flight has its reservation
+//! given back.
 //!
 //! A batch's outcomes reach requests waiting on other workers through each worker's
 //! [`Mailbox`]: one wake-up per worker and call, not one per request.
 //!
 //! With `store.prefetch`, a busy endpoint's calls also ask for tokens ahead, and the
-//! requests after them spend those without queueing at all (see [`super::credit`]) —
-//! on a single Redis only while the cooldown notices heard vouch that none started
-//! since those tokens were asked for.
+//! requests after them spend those without a round trip (see [`super::credit`]) — on a
+//! single Redis only while the cooldown notices heard vouch that none started since
+//! those tokens were asked for. Arrival order holds with them too: a request spends a
+//! held token at once only when nothing of its endpoint is in flight or queued here;
+//! otherwise it queues, and the queue is served from held tokens, in order, before any
+//! of it goes to Redis.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -132,14 +136,65 @@ impl Lanes {
         self.ahead.as_ref().map_or(0, |a| a.wanted(endpoint, batch))
     }
 
-    /// The next batch for `endpoint`, or `None` (and the lane closed) when none queued.
-    fn next(&self, endpoint: &str) -> Option<Vec<Waiter>> {
+    /// Spends a token `endpoint` holds ahead for `ask`, if the cooldown notices (when
+    /// there are any) vouch for it; its generation.
+    fn spend(&self, endpoint: &str, ask: &Ask) -> Option<u64> {
+        let ahead = self.ahead.as_ref()?;
+        let quiet = |bucket: &str, since| {
+            self.watch
+                .as_ref()
+                .is_none_or(|w| w.quiet_since(bucket, since))
+        };
+        ahead.spend(endpoint, ask, quiet)
+    }
+
+    /// Admits an ask of `endpoint`: granted from a held token when nothing of the
+    /// endpoint is in flight or queued here (none arrived before it and is undecided),
+    /// queued behind the call in flight, or made the lane's opener.
+    fn admit(&self, endpoint: &str, ask: Ask, home: Option<Arc<Mailbox<Parcel>>>) -> Admit {
+        let mut map = self.lock();
+        match map.get_mut(endpoint) {
+            Some(queue) => {
+                let (reply, outcome) = oneshot::channel();
+                queue.push(Waiter { ask, reply, home });
+                Admit::Queued(outcome)
+            }
+            None => {
+                if let Some(generation) = self.spend(endpoint, &ask) {
+                    return Admit::Spent(generation);
+                }
+                map.insert(endpoint.into(), Vec::new());
+                Admit::Open
+            }
+        }
+    }
+
+    /// What queued for `endpoint` while its call was in flight: the front of the queue
+    /// granted from held tokens, in order, then the next batch for Redis. `None` (and
+    /// the lane closed) when the queue is empty or held tokens served all of it.
+    fn next(&self, endpoint: &str) -> Option<Next> {
         let mut lanes = self.lock();
         let queue = lanes.get_mut(endpoint)?;
         queue.retain(|w| !w.reply.is_closed());
+        let mut served = Vec::new();
+        if self.ahead.is_some() {
+            let n = queue
+                .iter()
+                .map_while(|w| self.spend(endpoint, &w.ask))
+                .map(|generation| Outcome::Granted {
+                    wait_us: 0.0,
+                    generation,
+                })
+                .take(MAX_BATCH)
+                .collect::<Vec<_>>();
+            served = queue.drain(..n.len()).zip(n).collect();
+        }
         if queue.is_empty() {
             lanes.remove(endpoint);
-            return None;
+            return (!served.is_empty()).then_some(Next {
+                served,
+                batch: Vec::new(),
+            });
         }
         // One call shares one policy: a reload between two asks splits the batch.
         let first = queue[0].ask;
@@ -148,8 +203,28 @@ impl Lanes {
             .take(MAX_BATCH)
             .take_while(|w| same_policy(&w.ask, &first))
             .count();
-        Some(queue.drain(..n).collect())
+        Some(Next {
+            served,
+            batch: queue.drain(..n).collect(),
+        })
     }
+}
+
+/// How an ask entered its lane.
+enum Admit {
+    /// Granted from a token held ahead, with its generation.
+    Spent(u64),
+    /// Queued: its outcome comes with the next batch.
+    Queued(oneshot::Receiver<Result<Outcome, StoreError>>),
+    /// Nothing was in flight: this request sends its ask itself.
+    Open,
+}
+
+/// The next turn of a lane: asks granted from held tokens, and the batch for Redis
+/// (possibly empty).
+struct Next {
+    served: Vec<(Waiter, Outcome)>,
+    batch: Vec<Waiter>,
 }
 
 fn same_policy(a: &Ask, b: &Ask) -> bool {
@@ -164,57 +239,46 @@ pub(super) async fn acquire(
     endpoint: &str,
     ask: Ask,
 ) -> Result<Outcome, StoreError> {
-    if let Some(ahead) = &lanes.ahead {
-        let quiet = |bucket: &str, since| {
-            lanes
-                .watch
-                .as_ref()
-                .is_none_or(|w| w.quiet_since(bucket, since))
-        };
-        if let Some(generation) = ahead.spend(endpoint, &ask, quiet) {
+    match lanes.admit(endpoint, ask, mailbox_here()) {
+        Admit::Spent(generation) => {
             return Ok(Outcome::Granted {
                 wait_us: 0.0,
                 generation,
             });
         }
-    }
-    let home = mailbox_here();
-    let queued = {
-        let mut map = lanes.lock();
-        match map.get_mut(endpoint) {
-            Some(queue) => {
-                let (reply, outcome) = oneshot::channel();
-                queue.push(Waiter { ask, reply, home });
-                Some(outcome)
-            }
-            None => {
-                map.insert(endpoint.into(), Vec::new());
-                None
-            }
+        Admit::Queued(outcome) => {
+            return outcome.await.unwrap_or_else(|_| {
+                Err(StoreError::Unreachable(
+                    "the batch carrying this acquire was dropped".to_owned(),
+                ))
+            });
         }
-    };
-    if let Some(outcome) = queued {
-        return outcome.await.unwrap_or_else(|_| {
-            Err(StoreError::Unreachable(
-                "the batch carrying this acquire was dropped".to_owned(),
-            ))
-        });
+        Admit::Open => {}
     }
-    // This request opens the lane: its call goes alone, and whatever queues behind it
-    // is handed on when the call ends (or when this request hangs up).
-    let _handover = Handover {
-        calls,
-        lanes,
-        endpoint,
+
+    // This request opens the lane: its ask goes out alone, now, from a task of the lane's
+    // that then sends whatever queued behind it. A request that hangs up meanwhile thus
+    // strands nothing: its grant is given back and the tokens taken ahead are kept.
+    let (reply, outcome) = oneshot::channel();
+    let first = Next {
+        served: Vec::new(),
+        batch: vec![Waiter {
+            ask,
+            reply,
+            home: None,
+        }],
     };
-    // Boxed: a queued ask (most of them, on a busy endpoint) then carries a small
-    // future, not the whole script call's state, which only the lane's opener needs.
-    let asks = [ask];
-    let opening = Box::pin(call(calls, lanes, endpoint, &asks));
-    let mut outcomes = opening.await?;
-    outcomes
-        .pop()
-        .ok_or_else(|| StoreError::Protocol("acquire answered no outcome".to_owned()))
+    tokio::spawn(drain(
+        Arc::clone(calls),
+        Arc::clone(lanes),
+        endpoint.into(),
+        first,
+    ));
+    outcome.await.unwrap_or_else(|_| {
+        Err(StoreError::Unreachable(
+            "the call carrying this acquire was dropped".to_owned(),
+        ))
+    })
 }
 
 /// One script call for `asks`, asking tokens ahead when the endpoint is busy; keeps the
@@ -267,34 +331,20 @@ async fn give_back_ahead(calls: &Calls, endpoint: &str, ask: &Ask, (n, generatio
     }
 }
 
-/// Hands a lane's queue to a task when the call that opened it ends.
-struct Handover<'a> {
-    calls: &'a Arc<Calls>,
-    lanes: &'a Arc<Lanes>,
-    endpoint: &'a str,
-}
-
-impl Drop for Handover<'_> {
-    fn drop(&mut self) {
-        let Some(batch) = self.lanes.next(self.endpoint) else {
-            return;
-        };
-        let (calls, lanes) = (Arc::clone(self.calls), Arc::clone(self.lanes));
-        let endpoint: Box<str> = self.endpoint.into();
-        // Outside a runtime (only at shutdown) the queued asks are dropped, and their
-        // requests see the store as unreachable.
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(drain(calls, lanes, endpoint, batch));
-        }
-    }
-}
-
 /// Sends batches for `endpoint` until its lane is empty.
-async fn drain(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, first: Vec<Waiter>) {
+async fn drain(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, first: Next) {
     let lane = Arc::new((calls, endpoint));
     let (calls, endpoint) = (&lane.0, &*lane.1);
-    let mut batch = first;
+    let mut next = first;
     loop {
+        let Next { served, batch } = next;
+        if !served.is_empty() {
+            let (waiters, outcomes) = served.into_iter().unzip();
+            hand_out(&lane, waiters, outcomes).await;
+        }
+        if batch.is_empty() {
+            return;
+        }
         let asks: Vec<Ask> = batch.iter().map(|w| w.ask).collect();
         match call(calls, &lanes, endpoint, &asks).await {
             Ok(outcomes) if outcomes.len() == batch.len() => {
@@ -311,7 +361,7 @@ async fn drain(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, first: 
         // About a fifth fewer script calls per request under load (docs/BENCHMARKS.md).
         tokio::task::yield_now().await;
         match lanes.next(endpoint) {
-            Some(next) => batch = next,
+            Some(more) => next = more,
             None => return,
         }
     }
@@ -388,5 +438,60 @@ mod tests {
         assert_eq!(lanes.wanted("e", 10), 0, "subscription lost");
         assert_eq!(Lanes::new(true, None).wanted("e", 10), 40);
         assert_eq!(Lanes::new(false, None).wanted("e", 10), 0, "prefetch off");
+    }
+
+    /// An ask told apart by its budget.
+    fn ask(tag: f64) -> Ask {
+        Ask {
+            rate: 10.0,
+            burst: 100.0,
+            budget_us: tag,
+            recovery_us: 0.0,
+            held: None,
+        }
+    }
+
+    fn queued(admit: Admit) -> oneshot::Receiver<Result<Outcome, StoreError>> {
+        match admit {
+            Admit::Queued(rx) => rx,
+            Admit::Spent(_) => panic!("spent a held token"),
+            Admit::Open => panic!("opened a second call"),
+        }
+    }
+
+    /// Held tokens never let a request overtake one that arrived before it: while a
+    /// call of the endpoint is in flight, newcomers queue even with tokens held, and the
+    /// queue is served from them in arrival order before any of it goes to Redis.
+    #[tokio::test(start_paused = true)]
+    async fn held_tokens_serve_the_queue_in_arrival_order_before_newcomers() {
+        let lanes = Lanes::new(true, None);
+        assert!(matches!(lanes.admit("e", ask(1.0), None), Admit::Open));
+        // The opener's call comes back with two tokens ahead...
+        let credits = lanes.ahead.as_ref().unwrap();
+        credits.keep("e", "k", &ask(0.0), 2, 9, tokio::time::Instant::now());
+        // ... while three more requests arrived: they queue behind the call in flight.
+        let _second = queued(lanes.admit("e", ask(2.0), None));
+        let _third = queued(lanes.admit("e", ask(3.0), None));
+        let _fourth = queued(lanes.admit("e", ask(4.0), None));
+        let next = lanes.next("e").expect("a queue");
+        let budgets = |w: &[Waiter]| w.iter().map(|w| w.ask.budget_us).collect::<Vec<_>>();
+        let served: Vec<Waiter> = next.served.into_iter().map(|(w, _)| w).collect();
+        assert_eq!(
+            budgets(&served),
+            [2.0, 3.0],
+            "the first two, from the held tokens"
+        );
+        assert_eq!(budgets(&next.batch), [4.0], "the rest goes to Redis");
+        // That batch is in flight: a newcomer queues (no token left anyway).
+        let _fifth = queued(lanes.admit("e", ask(5.0), None));
+        let next = lanes.next("e").expect("the fifth");
+        assert!(next.served.is_empty());
+        assert_eq!(budgets(&next.batch), [5.0]);
+        // Its call came back with a token ahead and nothing queued behind it: the lane
+        // closes, and the next newcomer spends the token at once.
+        credits.keep("e", "k", &ask(0.0), 1, 9, tokio::time::Instant::now());
+        assert!(lanes.next("e").is_none());
+        assert!(matches!(lanes.admit("e", ask(6.0), None), Admit::Spent(9)));
+        assert!(matches!(lanes.admit("e", ask(7.0), None), Admit::Open));
     }
 }

@@ -87,23 +87,31 @@ impl Peers {
     }
 }
 
-/// Registers this replica (`id`) in the store every [`HEARTBEAT_EVERY`] and records the
-/// live count in `peers`; ends when the store is dropped. Failures are left to the
-/// request path to report (the fallback logs and meters them).
-pub async fn heartbeats(store: Weak<RedisStore>, id: String, peers: Arc<Peers>) {
-    let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+/// Registers this replica in the store once and records the live count in `peers`.
+/// Failures are left to the request path to report (the fallback logs and meters them).
+pub async fn heartbeat(store: &RedisStore, peers: &Peers) {
+    match store.heartbeat(HEARTBEAT_TTL).await {
+        Ok(n) => {
+            if n != peers.seen.swap(n, Ordering::Relaxed) {
+                tracing::info!(replicas = n, "replicas sharing the store");
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "replica heartbeat failed"),
+    }
+}
+
+/// Registers this replica every [`HEARTBEAT_EVERY`] from now on (the first [`heartbeat`]
+/// is the caller's, before it serves); ends when the store is dropped.
+pub async fn heartbeats(store: Weak<RedisStore>, peers: Arc<Peers>) {
+    let mut tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + HEARTBEAT_EVERY,
+        HEARTBEAT_EVERY,
+    );
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let Some(store) = store.upgrade() else { return };
-        match store.heartbeat(&id, HEARTBEAT_TTL).await {
-            Ok(n) => {
-                if n != peers.seen.swap(n, Ordering::Relaxed) {
-                    tracing::info!(replicas = n, "replicas sharing the store");
-                }
-            }
-            Err(e) => tracing::debug!(error = %e, "replica heartbeat failed"),
-        }
+        heartbeat(&store, &peers).await;
     }
 }
 

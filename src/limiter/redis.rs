@@ -34,11 +34,12 @@ use super::batch::{self, Lanes};
 use super::bucket::{Ask, Outcome, View};
 use super::cooldowns::{CooldownWatch, follow};
 use super::credit;
+use super::fallback::HEARTBEAT_TTL;
 use super::lease::{LeaseAsk, Leased};
 use super::per_thread::PerThread;
 use super::sentinel::SentinelConn;
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
-use crate::config::{Adaptive, Backend, StoreConfig, StoreTls, redact};
+use crate::config::{Adaptive, Backend, Prefetch, StoreConfig, StoreTls, redact};
 
 macro_rules! bucket_script {
     ($file:literal) => {
@@ -199,6 +200,17 @@ pub(super) struct Calls {
     prefix: String,
     timeout: Duration,
     stats: StoreStats,
+    /// `store.prefetch = "alone"` (single Redis, Sentinel): the heartbeat set and this
+    /// replica's id in it, which `acquire.lua` checks before handing tokens out ahead.
+    alone: Option<Alone>,
+}
+
+/// Where `acquire.lua` checks that this replica is the only live one.
+struct Alone {
+    /// `<prefix>{_replicas}:heartbeats`.
+    heartbeats: String,
+    /// This replica's member there.
+    replica: String,
 }
 
 /// Buckets shared by every replica through Redis.
@@ -343,6 +355,23 @@ impl RedisStore {
                 Conn::Single(Arc::new(PerThread::new(client, config)))
             }
         };
+        let replica = format!(
+            "{:016x}",
+            std::hash::RandomState::new().hash_one(std::process::id())
+        );
+        // Tokens ahead where the configuration lets them be taken: "alone" needs the
+        // heartbeat set in the script's reach, which a cluster keeps in another slot.
+        let (prefetch, alone) = match (cfg.prefetch, &conn) {
+            (Prefetch::Off, _) | (Prefetch::Alone, Conn::Cluster(_)) => (false, None),
+            (Prefetch::On, _) => (true, None),
+            (Prefetch::Alone, _) => (
+                true,
+                Some(Alone {
+                    heartbeats: replicas_key(&cfg.key_prefix),
+                    replica: replica.clone(),
+                }),
+            ),
+        };
         let calls = Calls {
             conn,
             scripts: Scripts {
@@ -357,14 +386,12 @@ impl RedisStore {
             prefix: cfg.key_prefix.clone(),
             timeout: cfg.timeout,
             stats,
+            alone,
         };
         Ok(RedisStore {
             calls: Arc::new(calls),
-            lanes: Arc::new(Lanes::new(cfg.prefetch, watch.clone())),
-            replica: format!(
-                "{:016x}",
-                std::hash::RandomState::new().hash_one(std::process::id())
-            ),
+            lanes: Arc::new(Lanes::new(prefetch, watch.clone())),
+            replica,
             channel,
             watch,
         })
@@ -378,15 +405,20 @@ impl RedisStore {
     /// The sorted set of replica heartbeats: `<prefix>{_replicas}:heartbeats` (never one
     /// of an endpoint's keys, `<prefix>{<endpoint>}` and `<prefix>{<endpoint>}:leases`).
     pub fn replicas_key(&self) -> String {
-        format!("{}{{_replicas}}:heartbeats", self.calls.prefix)
+        replicas_key(&self.calls.prefix)
     }
 
-    /// Registers replica `id` as alive for `ttl` and returns how many replicas are.
-    pub async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<usize, StoreError> {
+    /// Registers this replica as alive for `ttl` and returns how many replicas are.
+    pub async fn heartbeat(&self, ttl: Duration) -> Result<usize, StoreError> {
         let key = self.replicas_key();
         let mut inv = ScriptCall::new(&self.calls.scripts.replicas, &[&key], 2);
-        inv.arg(id).arg(ttl.as_millis() as u64);
+        inv.arg(&self.replica).arg(ttl.as_millis() as u64);
         self.calls.run::<usize>(inv).await
+    }
+
+    /// This replica's id in the heartbeat set (random per process).
+    pub fn replica(&self) -> &str {
+        &self.replica
     }
 
     /// The key of an endpoint's in-flight leases: `<prefix>{<endpoint>}:leases`, in the
@@ -405,6 +437,11 @@ impl RedisStore {
         m.push_str(&id.to_string());
         m
     }
+}
+
+/// The replicas' heartbeat set under `prefix`.
+fn replicas_key(prefix: &str) -> String {
+    format!("{prefix}{{_replicas}}:heartbeats")
 }
 
 impl Calls {
@@ -488,14 +525,19 @@ impl Calls {
         let Some(first) = asks.first() else {
             return Ok((Vec::new(), 0));
         };
+        let alone = self.alone.as_ref().filter(|_| ahead > 0);
         let mut inv = self.invocation(
             &self.scripts.acquire,
             endpoint,
-            None,
+            alone.map(|a| a.heartbeats.as_str()),
             first,
-            2 + 2 * asks.len(),
+            4 + 2 * asks.len(),
         );
         inv.arg(ahead).arg(Num(micros(credit::LIFETIME)));
+        match alone {
+            Some(a) => inv.arg(&a.replica).arg(HEARTBEAT_TTL.as_millis() as u64),
+            None => inv.arg("").arg(0),
+        };
         for ask in asks {
             inv.arg(Num::whole_micros(ask.budget_us));
             match ask.held {

@@ -645,8 +645,8 @@ pub fn evalsha_calls(server: &RedisServer) -> u64 {
 }
 
 /// What `acquire.lua` calls asked Redis, from a MONITOR log:
-/// `(reservations, confirmations, script calls)`. A call is `EVALSHA <acquire sha> 1 key
-/// rate burst recovery ahead ahead_us` followed by one `budget held` pair per ask
+/// `(reservations, confirmations, script calls)`. A call is `EVALSHA <acquire sha> <n>
+/// <n keys> rate burst recovery ahead ahead_us replica ttl` followed by one `budget held` pair per ask
 /// (several when concurrent asks were batched); a confirmation carries a held
 /// generation, a reservation `""`.
 pub fn acquires(monitor: &str) -> (usize, usize, usize) {
@@ -667,7 +667,8 @@ pub fn acquires(monitor: &str) -> (usize, usize, usize) {
             continue;
         }
         calls.2 += 1;
-        for pair in words[9..].chunks(2) {
+        let keys: usize = words[2].trim_matches('"').parse().unwrap();
+        for pair in words[3 + keys + 7..].chunks(2) {
             if pair.get(1) == Some(&"\"\"") {
                 calls.0 += 1;
             } else {
