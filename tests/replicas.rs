@@ -355,6 +355,71 @@ async fn three_replicas_taking_tokens_ahead_never_overdraw() {
     }
 }
 
+/// Requests of `ep` sent through `rs` (`senders` × `each`) and how many acquires Redis
+/// decided for them (the rest were granted from tokens held ahead).
+async fn load_decided(
+    redis: &common::redis::RedisServer,
+    rs: &[sluice::app::Running],
+    up: &Upstream,
+    ep: &str,
+    senders: usize,
+    each: usize,
+) -> (usize, usize) {
+    let monitor = redis.monitor();
+    let sent = load(rs, up, &[ep], senders, each).await;
+    // Every command so far is in the log once a marker sent after them is.
+    redis.cli(&["ECHO", "load-done"]).unwrap();
+    common::redis::wait_until("MONITOR caught up", Duration::from_secs(10), || {
+        monitor.text().contains("load-done")
+    });
+    let (reserved, confirmed, _) = common::redis::acquires(&monitor.stop());
+    (sent, reserved + confirmed)
+}
+
+/// The default `store.prefetch = "alone"`, end to end: one replica alone in the store
+/// takes tokens ahead on a busy endpoint (fewer acquires reach Redis than requests) and
+/// still never overdraws, delivers each request once and uses the rate; once a second
+/// replica has started, none are taken ahead: Redis decides every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_replica_takes_tokens_ahead_until_another_starts() {
+    let redis = common::redis::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n",
+        redis.url()
+    );
+    let (rate, burst) = (200.0, 600.0);
+    let policy = format!("[defaults]\nrate = {rate:.1}\nburst = {burst:.1}\nmax_wait = \"30s\"\n");
+    let mut rs = replicas(&store, &policy, 1).await;
+    let up = Upstream::start().await;
+    let (sent, decided) = load_decided(&redis, &rs, &up, "alone", 48, 25).await;
+    println!("alone: {sent} requests, {decided} decided by Redis");
+    assert!(
+        decided < sent,
+        "no request was granted from tokens held ahead"
+    );
+    let times = times_of(&up, "alone");
+    assert_eq!(
+        times.len(),
+        sent,
+        "every granted request arrived exactly once"
+    );
+    assert_no_overdraw(&times, rate, burst);
+    let achieved = sustained_rate(&times, burst as usize);
+    assert!(achieved >= 0.95 * rate, "{achieved:.1}/s");
+
+    rs.push(common::sluice(&format!("{store}{policy}")).await);
+    // All of it through the first replica; the second only exists.
+    let (sent, decided) = load_decided(&redis, &rs[..1], &up, "shared", 24, 20).await;
+    println!("shared: {sent} requests, {decided} decided by Redis");
+    assert_eq!(
+        decided, sent,
+        "tokens were taken ahead while another replica was alive"
+    );
+    for r in rs {
+        r.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_a_redis_cluster_never_overdraw() {
     let cluster = common::redis::RedisCluster::start();
