@@ -7,7 +7,8 @@
 -- KEYS[2]  (`store.prefetch = "alone"`, only with tokens wanted ahead) the replicas'
 --          heartbeat set, "<prefix>{_replicas}:heartbeats" (see replicas.lua)
 -- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
--- ARGV[4]  tokens wanted ahead (`store.prefetch`; 0 = none), ARGV[5] for how long (µs)
+-- ARGV[4]  tokens wanted ahead (`store.prefetch`; 0 = none), ARGV[5] how long they count
+--          as held unless given back sooner (µs; longer than the replica spends them)
 -- ARGV[6]  with KEYS[2]: this replica's id there; tokens go ahead only while it is the
 --          one live replica. ARGV[7] a heartbeat's time to live (ms). Else "" and 0.
 -- ARGV[8], ARGV[9]  the first ask: budget, the longest acceptable wait (µs), and its
@@ -22,7 +23,8 @@
 --          (whole µs, rounded up: never early). A granted reservation belongs to
 --          <generation>; a refused ask consumed nothing.
 --          <ahead>: the tokens taken ahead (0 or more), which the replica may spend
---          without asking until ARGV[5] µs after it sent this call. Only when every ask
+--          without asking for a while (src/limiter/credit.rs), then gives back the
+--          unspent ones (release.lua) before ARGV[5] µs are over. Only when every ask
 --          went at once, no cooldown or decrease is in force, and the bucket keeps at
 --          least half its burst: a busy endpoint far from its limit, never one that binds;
 --          with KEYS[2], only while no other replica is alive to want them.

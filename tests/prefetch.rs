@@ -133,7 +133,8 @@ async fn replicas_taking_tokens_ahead_never_exceed_rate_and_burst() {
 }
 
 /// Tokens taken ahead and never spent go back into the bucket at their end: a burst
-/// that stops loses nothing.
+/// that stops loses nothing, and at no moment are they neither in the bucket nor held
+/// (the bucket's view checked back to back until they are back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unspent_tokens_held_ahead_come_back() {
     let server = common::redis::RedisServer::start();
@@ -161,11 +162,17 @@ async fn unspent_tokens_held_ahead_come_back() {
     let expected = 1_000.0 - f64::from(n);
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let left = tokens().await;
+        let view = s.view("back", ask, None).await.unwrap().unwrap();
+        let left = view.tokens;
         let refill = t0.elapsed().as_secs_f64();
         assert!(
             left <= expected + refill + 1e-6,
             "{left} tokens: more than given"
+        );
+        assert!(
+            left + view.held_ahead >= expected - 1e-6,
+            "{left} tokens + {} held ahead: some are in neither",
+            view.held_ahead
         );
         if left >= expected - 1e-6 {
             break;

@@ -3,8 +3,10 @@
 //! When a busy endpoint's batch goes out while its bucket is far from binding,
 //! `acquire.lua` may hand the replica a few tokens more than the batch asked for. The
 //! replica spends them on the next requests without a round trip, until [`LIFETIME`]
-//! after it *sent* the call (so never after the server's own end for them, which is
-//! counted from when the script ran). The script refills the bucket only up to
+//! after it *sent* the call. The script counts them as held for [`HELD_FOR`], longer and
+//! from when it ran: never over while the replica may still spend them, and not over
+//! before the replica's give-back of the unspent ones arrives (which ends them at once),
+//! so at no moment is a token neither in the bucket nor spendable. The script refills the bucket only up to
 //! `burst − tokens held ahead` while they may be spent, so the bucket and every replica's
 //! held tokens together never exceed the burst: no window sees more than
 //! `rate × W + burst`, exactly as without prefetching.
@@ -26,6 +28,10 @@ use super::bucket::Ask;
 
 /// How long tokens taken ahead may be spent, from when their call was sent.
 pub(super) const LIFETIME: Duration = Duration::from_millis(5);
+/// How long the script counts them as held unless given back sooner: the lifetime, and
+/// as long again for the give-back of unspent ones (sent at the lifetime's end, on a
+/// timer of millisecond grain, from a busy worker) to arrive before it.
+pub(super) const HELD_FOR: Duration = Duration::from_millis(10);
 /// At most this many tokens are asked ahead at once.
 const MOST: u32 = 256;
 /// A batch of `n` asks asks this many times `n` ahead.

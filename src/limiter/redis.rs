@@ -533,7 +533,7 @@ impl Calls {
             first,
             4 + 2 * asks.len(),
         );
-        inv.arg(ahead).arg(Num(micros(credit::LIFETIME)));
+        inv.arg(ahead).arg(Num(micros(credit::HELD_FOR)));
         match alone {
             Some(a) => inv.arg(&a.replica).arg(HEARTBEAT_TTL.as_millis() as u64),
             None => inv.arg("").arg(0),
