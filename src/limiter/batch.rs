@@ -150,13 +150,23 @@ impl Lanes {
 
     /// Admits an ask of `endpoint`: granted from a held token when nothing of the
     /// endpoint is in flight or queued here (none arrived before it and is undecided),
-    /// queued behind the call in flight, or made the lane's opener.
-    fn admit(&self, endpoint: &str, ask: Ask, home: Option<Arc<Mailbox<Parcel>>>) -> Admit {
+    /// queued behind the call in flight (its outcome to come through `home()`), or made
+    /// the lane's opener.
+    fn admit(
+        &self,
+        endpoint: &str,
+        ask: Ask,
+        home: impl FnOnce() -> Option<Arc<Mailbox<Parcel>>>,
+    ) -> Admit {
         let mut map = self.lock();
         match map.get_mut(endpoint) {
             Some(queue) => {
                 let (reply, outcome) = oneshot::channel();
-                queue.push(Waiter { ask, reply, home });
+                queue.push(Waiter {
+                    ask,
+                    reply,
+                    home: home(),
+                });
                 Admit::Queued(outcome)
             }
             None => {
@@ -239,7 +249,7 @@ pub(super) async fn acquire(
     endpoint: &str,
     ask: Ask,
 ) -> Result<Outcome, StoreError> {
-    match lanes.admit(endpoint, ask, mailbox_here()) {
+    match lanes.admit(endpoint, ask, mailbox_here) {
         Admit::Spent(generation) => {
             return Ok(Outcome::Granted {
                 wait_us: 0.0,
@@ -465,14 +475,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn held_tokens_serve_the_queue_in_arrival_order_before_newcomers() {
         let lanes = Lanes::new(true, None);
-        assert!(matches!(lanes.admit("e", ask(1.0), None), Admit::Open));
+        assert!(matches!(lanes.admit("e", ask(1.0), || None), Admit::Open));
         // The opener's call comes back with two tokens ahead...
         let credits = lanes.ahead.as_ref().unwrap();
         credits.keep("e", "k", &ask(0.0), 2, 9, tokio::time::Instant::now());
         // ... while three more requests arrived: they queue behind the call in flight.
-        let _second = queued(lanes.admit("e", ask(2.0), None));
-        let _third = queued(lanes.admit("e", ask(3.0), None));
-        let _fourth = queued(lanes.admit("e", ask(4.0), None));
+        let _second = queued(lanes.admit("e", ask(2.0), || None));
+        let _third = queued(lanes.admit("e", ask(3.0), || None));
+        let _fourth = queued(lanes.admit("e", ask(4.0), || None));
         let next = lanes.next("e").expect("a queue");
         let budgets = |w: &[Waiter]| w.iter().map(|w| w.ask.budget_us).collect::<Vec<_>>();
         let served: Vec<Waiter> = next.served.into_iter().map(|(w, _)| w).collect();
@@ -483,7 +493,7 @@ mod tests {
         );
         assert_eq!(budgets(&next.batch), [4.0], "the rest goes to Redis");
         // That batch is in flight: a newcomer queues (no token left anyway).
-        let _fifth = queued(lanes.admit("e", ask(5.0), None));
+        let _fifth = queued(lanes.admit("e", ask(5.0), || None));
         let next = lanes.next("e").expect("the fifth");
         assert!(next.served.is_empty());
         assert_eq!(budgets(&next.batch), [5.0]);
@@ -491,7 +501,10 @@ mod tests {
         // closes, and the next newcomer spends the token at once.
         credits.keep("e", "k", &ask(0.0), 1, 9, tokio::time::Instant::now());
         assert!(lanes.next("e").is_none());
-        assert!(matches!(lanes.admit("e", ask(6.0), None), Admit::Spent(9)));
-        assert!(matches!(lanes.admit("e", ask(7.0), None), Admit::Open));
+        assert!(matches!(
+            lanes.admit("e", ask(6.0), || None),
+            Admit::Spent(9)
+        ));
+        assert!(matches!(lanes.admit("e", ask(7.0), || None), Admit::Open));
     }
 }
