@@ -212,12 +212,7 @@ async fn decided_by_redis(
         t.await.unwrap();
     }
     let calls = common::redis::evalsha_calls(server) - before;
-    // Every command so far is in the log once a marker sent after them is.
-    server.cli(&["ECHO", "load-done"]).unwrap();
-    common::redis::wait_until("MONITOR caught up", Duration::from_secs(10), || {
-        monitor.text().contains("load-done")
-    });
-    let (reserved, confirmed, _) = common::redis::acquires(&monitor.stop());
+    let (reserved, confirmed, _) = common::redis::acquires(&server.monitor_log(monitor));
     let asks = reserved + confirmed;
     println!("{endpoint}: {calls} script calls, {asks} asks decided by Redis");
     asks

@@ -367,12 +367,7 @@ async fn load_decided(
 ) -> (usize, usize) {
     let monitor = redis.monitor();
     let sent = load(rs, up, &[ep], senders, each).await;
-    // Every command so far is in the log once a marker sent after them is.
-    redis.cli(&["ECHO", "load-done"]).unwrap();
-    common::redis::wait_until("MONITOR caught up", Duration::from_secs(10), || {
-        monitor.text().contains("load-done")
-    });
-    let (reserved, confirmed, _) = common::redis::acquires(&monitor.stop());
+    let (reserved, confirmed, _) = common::redis::acquires(&redis.monitor_log(monitor));
     (sent, reserved + confirmed)
 }
 

@@ -316,7 +316,8 @@ pub enum Prefetch {
     /// (on a cluster the heartbeat set is in another slot than the bucket: never).
     Alone,
     /// `true`: whatever other replicas share the store (they may find up to half the
-    /// burst held elsewhere for 5 ms; docs/operations.md).
+    /// burst held elsewhere until it is spent or given back: about 5 ms, at most 10;
+    /// docs/operations.md).
     On,
 }
 

@@ -444,6 +444,16 @@ impl RedisServer {
         self.signal("-CONT");
     }
 
+    /// Stops `monitor` once it has logged every command this server ran so far (a
+    /// marker sent after them shows up in it) and returns that log.
+    pub fn monitor_log(&self, monitor: Monitor) -> String {
+        self.cli(&["ECHO", "caught-up"]).unwrap();
+        wait_until("MONITOR caught up", Duration::from_secs(10), || {
+            monitor.text().contains("caught-up")
+        });
+        monitor.stop()
+    }
+
     /// Same as [`stop`](Self::stop).
     pub fn pause(&self) {
         self.stop();
