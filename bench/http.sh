@@ -116,19 +116,23 @@ SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
 cpu_ticks() { [ -n "${1:-}" ] && awk '{print $14+$15}' "/proc/$1/stat" || echo 0; }
-run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request"
+# Involuntary context switches of all the process's threads: the kernel taking a core
+# from the proxy while it had work (what a p99 on shared cores is mostly made of).
+preempted() { [ -n "${1:-}" ] && { cat /proc/"$1"/task/*/status 2>/dev/null || true; } | awk '/^nonvoluntary_ctxt_switches/ {n+=$2} END {print n+0}' || echo 0; }
+run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request|preemptions per 100 requests"
   local port=${PORT_OF[$1]} pid=${PID_OF[$1]:-} args=${SCRIPT_OF[$1]}
   wrk -t"$THREADS" -c"$CONNS" -d2s $args "http://127.0.0.1:$port/" >/dev/null 2>&1 # warm-up
-  local before after; before=$(cpu_ticks "$pid")
+  local before after sw0 sw1; before=$(cpu_ticks "$pid"); sw0=$(preempted "$pid")
   wrk -t"$THREADS" -c"$CONNS" -d"$DURATION" --latency $args "http://127.0.0.1:$port/" > "$TMP/$1.txt"
-  after=$(cpu_ticks "$pid")
-  local rps p50 p99 n cpu
+  after=$(cpu_ticks "$pid"); sw1=$(preempted "$pid")
+  local rps p50 p99 n cpu sw
   rps=$(awk '/Requests\/sec/ {print $2}' "$TMP/$1.txt")
   p50=$(awk '$1=="50%" {print $2}' "$TMP/$1.txt")
   p99=$(awk '$1=="99%" {print $2}' "$TMP/$1.txt")
   n=$(awk '/requests in/ {print $1}' "$TMP/$1.txt")
   cpu=$(python3 -c "import os; t=os.sysconf('SC_CLK_TCK'); print('-' if not '$pid' else f'{($after-$before)/t*1e6/$n:.1f}')")
-  echo "$1|$rps|$p50|$p99|$cpu"
+  sw=$(python3 -c "print('-' if not '$pid' else f'{($sw1-$sw0)*100/$n:.1f}')")
+  echo "$1|$rps|$p50|$p99|$cpu|$sw"
 }
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
@@ -148,11 +152,11 @@ declare -A ROW
 for name in "${NAMES[@]}"; do ROW[$name]="$(printf '%s' "${ALL[$name]}" | grep . | median)"; done
 field() { echo "${ROW[$1]}" | cut -d'|' -f"$2"; }
 ratio() { python3 -c "a,b='$1','$2'; print('-' if '-' in (a,b) else f'{float(a)/float(b):.2f}')"; }
-TABLE="| scenario | req/s | p50 | p99 | proxy CPU µs/req | req/s vs HAProxy | CPU/req vs HAProxy | vs sluice-memory |
-|---|---|---|---|---|---|---|---|"
+TABLE="| scenario | req/s | p50 | p99 | proxy CPU µs/req | preempted /100 req | req/s vs HAProxy | CPU/req vs HAProxy | vs sluice-memory |
+|---|---|---|---|---|---|---|---|---|"
 for name in "${NAMES[@]}"; do
-  IFS='|' read -r n rps p50 p99 cpu <<<"${ROW[$name]}"
-  TABLE+=$'\n'"| $n | $rps | $p50 | $p99 | $cpu | $(ratio "$rps" "$(field haproxy 2)") | $(ratio "$cpu" "$(field haproxy 5)") | $(ratio "$rps" "$(field sluice-memory 2)") |"
+  IFS='|' read -r n rps p50 p99 cpu sw <<<"${ROW[$name]}"
+  TABLE+=$'\n'"| $n | $rps | $p50 | $p99 | $cpu | $sw | $(ratio "$rps" "$(field haproxy 2)") | $(ratio "$cpu" "$(field haproxy 5)") | $(ratio "$rps" "$(field sluice-memory 2)") |"
 done
 echo "$TABLE"
 if [ "${1:-}" = "--write" ]; then
@@ -165,7 +169,9 @@ block = (f"<!-- http:begin -->\nMeasured {datetime.date.today()} on this {cpus}-
          f"(load generator, upstream, proxy and Redis share the cores): "
          f"`wrk -t{threads} -c{conns} -d{dur} --latency`, 2 s warm-up, {rounds} interleaved rounds "
          f"(order rotated), median round shown. CPU µs/req is the proxy process's own "
-         f"utime+stime over the measured run divided by its requests.\n\n{table}\n<!-- http:end -->")
+         f"utime+stime over the measured run divided by its requests; preempted /100 req counts "
+         f"the kernel switching a proxy thread out while it could still run "
+         f"(nonvoluntary_ctxt_switches of all its threads) per 100 requests.\n\n{table}\n<!-- http:end -->")
 doc = re.sub(r"<!-- http:begin -->.*<!-- http:end -->", lambda m: block, doc, flags=re.S)
 open(path, "w").write(doc)
 PY

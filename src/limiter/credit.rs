@@ -105,8 +105,11 @@ impl Credits {
     }
 
     /// How many to ask ahead in a call for `batch` asks of `endpoint`: a batch of two or
-    /// more (concurrent demand), or an endpoint whose last tokens ran out before their
-    /// end (demand beyond them), asks ahead; a lone request on a quiet endpoint does not.
+    /// more (concurrent demand) asks ahead; so does an endpoint whose last tokens ran
+    /// out before their end (demand beyond them), twice as many as it held, so a
+    /// steady load soon needs one call per [`LIFETIME`] (or per [`MOST`] tokens) rather
+    /// than one per small grant, each a round trip its requests wait for. A lone
+    /// request on a quiet endpoint asks none.
     pub(super) fn wanted(&self, endpoint: &str, batch: usize) -> u32 {
         let from_batch = if batch >= 2 {
             PER_ASK.saturating_mul(u32::try_from(batch).unwrap_or(MOST))
@@ -117,7 +120,7 @@ impl Credits {
             .lock()
             .get(endpoint)
             .filter(|h| h.left == 0 && Instant::now() < h.until)
-            .map_or(0, |h| h.size);
+            .map_or(0, |h| h.size.saturating_mul(2));
         from_batch.max(from_use).min(MOST)
     }
 
@@ -236,7 +239,11 @@ mod tests {
         assert_eq!(c.wanted("e", 1), 0, "tokens left: no need yet");
         c.spend("e", &ask(10.0), always).unwrap();
         c.spend("e", &ask(10.0), always).unwrap();
-        assert_eq!(c.wanted("e", 1), 2, "ran out in time: ask as many again");
+        assert_eq!(c.wanted("e", 1), 4, "ran out in time: ask twice as many");
+        assert_eq!(c.wanted("e", 9), 36, "unless the batch asks more");
+        let (_, _, _) = c.keep("e", "k", &ask(10.0), 200, 0, Instant::now());
+        while c.spend("e", &ask(10.0), always).is_some() {}
+        assert_eq!(c.wanted("e", 1), MOST, "never more than the cap");
         tokio::time::advance(LIFETIME).await;
         assert_eq!(c.wanted("e", 1), 0, "demand is over");
     }
