@@ -136,6 +136,15 @@ impl Lanes {
         self.ahead.as_ref().map_or(0, |a| a.wanted(endpoint, batch))
     }
 
+    /// Whether the spend just made should top up `endpoint`'s held tokens, and by how
+    /// many (never while the cooldown notices could not vouch for them).
+    fn top_up(&self, endpoint: &str) -> Option<u32> {
+        if self.watch.as_ref().is_some_and(|w| !w.listening()) {
+            return None;
+        }
+        self.ahead.as_ref()?.top_up(endpoint)
+    }
+
     /// Spends a token `endpoint` holds ahead for `ask`, if the cooldown notices (when
     /// there are any) vouch for it; its generation.
     fn spend(&self, endpoint: &str, ask: &Ask) -> Option<u64> {
@@ -251,6 +260,15 @@ pub(super) async fn acquire(
 ) -> Result<Outcome, StoreError> {
     match lanes.admit(endpoint, ask, mailbox_here) {
         Admit::Spent(generation) => {
+            if let Some(want) = lanes.top_up(endpoint) {
+                tokio::spawn(top_up(
+                    Arc::clone(calls),
+                    Arc::clone(lanes),
+                    endpoint.into(),
+                    ask,
+                    want,
+                ));
+            }
             return Ok(Outcome::Granted {
                 wait_us: 0.0,
                 generation,
@@ -299,39 +317,74 @@ async fn call(
     endpoint: &str,
     asks: &[Ask],
 ) -> Result<Vec<Outcome>, StoreError> {
+    let Some(first) = asks.first() else {
+        return Ok(Vec::new());
+    };
     let want = lanes.wanted(endpoint, asks.len());
     let sent = tokio::time::Instant::now();
-    let (outcomes, got) = calls.acquire(endpoint, asks, want).await?;
-    if let (Some(ahead), Some(ask), Some(Outcome::Granted { generation, .. })) =
-        (&lanes.ahead, asks.first(), outcomes.last())
-    {
-        if got > 0 {
-            let (serial, until, stale) =
-                ahead.keep(endpoint, &calls.key(endpoint), ask, got, *generation, sent);
-            let (calls, lanes, endpoint, ask) = (
-                Arc::clone(calls),
-                Arc::clone(lanes),
-                Box::<str>::from(endpoint),
-                *ask,
-            );
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move {
-                    if let Some(stale) = stale {
-                        give_back_ahead(&calls, &endpoint, &ask, stale).await;
-                    }
-                    tokio::time::sleep_until(until).await;
-                    let left = lanes
-                        .ahead
-                        .as_ref()
-                        .and_then(|a| a.expire(&endpoint, serial));
-                    if let Some(left) = left {
-                        give_back_ahead(&calls, &endpoint, &ask, left).await;
-                    }
-                });
-            }
+    let (outcomes, got, generation) = calls.acquire(endpoint, first, asks, want).await?;
+    hold(calls, lanes, endpoint, first, got, generation, sent);
+    Ok(outcomes)
+}
+
+/// A call asking only for tokens ahead, sent when a request spent one of the last
+/// quarter that `endpoint` held: the next ones arrive before these run out, so its
+/// requests keep going without waiting for a round trip. No request waits for it,
+/// and none queues behind it (arrival order is the lane's, untouched).
+async fn top_up(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, ask: Ask, want: u32) {
+    let sent = tokio::time::Instant::now();
+    let got = match calls.acquire(&endpoint, &ask, &[], want).await {
+        Ok((_, got, generation)) => hold(&calls, &lanes, &endpoint, &ask, got, generation, sent),
+        Err(e) => {
+            tracing::debug!(endpoint = %endpoint, error = %e, "could not top up tokens held ahead");
+            0
+        }
+    };
+    if got == 0 {
+        if let Some(ahead) = &lanes.ahead {
+            ahead.topped(&endpoint);
         }
     }
-    Ok(outcomes)
+}
+
+/// Keeps `got` tokens taken ahead (of `generation`, by a call sent at `sent`) and
+/// arranges for the unspent ones to be given back at their end; returns `got`.
+fn hold(
+    calls: &Arc<Calls>,
+    lanes: &Arc<Lanes>,
+    endpoint: &str,
+    ask: &Ask,
+    got: u32,
+    generation: u64,
+    sent: tokio::time::Instant,
+) -> u32 {
+    let Some(ahead) = lanes.ahead.as_ref().filter(|_| got > 0) else {
+        return got;
+    };
+    let (serial, until, stale) =
+        ahead.keep(endpoint, &calls.key(endpoint), ask, got, generation, sent);
+    let (calls, lanes, endpoint, ask) = (
+        Arc::clone(calls),
+        Arc::clone(lanes),
+        Box::<str>::from(endpoint),
+        *ask,
+    );
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            if let Some(stale) = stale {
+                give_back_ahead(&calls, &endpoint, &ask, stale).await;
+            }
+            tokio::time::sleep_until(until).await;
+            let left = lanes
+                .ahead
+                .as_ref()
+                .and_then(|a| a.expire(&endpoint, serial));
+            if let Some(left) = left {
+                give_back_ahead(&calls, &endpoint, &ask, left).await;
+            }
+        });
+    }
+    got
 }
 
 /// Tokens taken ahead and never spent: back into the bucket.

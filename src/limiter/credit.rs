@@ -57,6 +57,8 @@ struct Held {
     policy: (f64, f64, f64),
     /// Which grant this is, so a late expiry of an earlier one leaves it alone.
     serial: u64,
+    /// A top-up call for more is in flight (see [`Credits::top_up`]).
+    topping: bool,
 }
 
 /// Leftovers to give back: `(tokens, generation)`.
@@ -124,6 +126,29 @@ impl Credits {
         from_batch.max(from_use).min(MOST)
     }
 
+    /// Whether a spend just now should send a top-up call, and for how many: once the
+    /// tokens of `endpoint` are down to a quarter of what it took while still live, and
+    /// no top-up is in flight (one is then marked in flight until [`keep`](Self::keep)
+    /// or [`topped`](Self::topped)). Twice what it took, as in [`wanted`](Self::wanted):
+    /// the next tokens arrive before these run out, and the endpoint's requests never
+    /// wait for the round trip.
+    pub(super) fn top_up(&self, endpoint: &str) -> Option<u32> {
+        let mut held = self.lock();
+        let h = held.get_mut(endpoint)?;
+        if h.topping || h.left > h.size / 4 || Instant::now() >= h.until {
+            return None;
+        }
+        h.topping = true;
+        Some(h.size.saturating_mul(2).min(MOST))
+    }
+
+    /// A top-up brought nothing (refused ahead, or failed): another may go.
+    pub(super) fn topped(&self, endpoint: &str) {
+        if let Some(h) = self.lock().get_mut(endpoint) {
+            h.topping = false;
+        }
+    }
+
     /// Keeps `n` tokens taken ahead by a call sent at `sent` for the bucket `bucket`
     /// (its key). Returns the grant's serial
     /// and its end (for [`expire`](Self::expire)), and any earlier leftovers that cannot
@@ -168,6 +193,7 @@ impl Credits {
                 generation,
                 policy,
                 serial,
+                topping: false,
             },
         );
         (serial, until, leftover)
@@ -246,6 +272,30 @@ mod tests {
         assert_eq!(c.wanted("e", 1), MOST, "never more than the cap");
         tokio::time::advance(LIFETIME).await;
         assert_eq!(c.wanted("e", 1), 0, "demand is over");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_top_up_goes_once_when_a_quarter_is_left() {
+        let c = Credits::default();
+        assert_eq!(c.top_up("e"), None, "nothing held");
+        let (_, _, _) = c.keep("e", "k", &ask(10.0), 8, 0, Instant::now());
+        for _ in 0..5 {
+            c.spend("e", &ask(10.0), always).unwrap();
+            assert_eq!(c.top_up("e"), None, "more than a quarter left");
+        }
+        c.spend("e", &ask(10.0), always).unwrap();
+        assert_eq!(c.top_up("e"), Some(16), "two of eight left: twice as many");
+        assert_eq!(c.top_up("e"), None, "one in flight");
+        c.topped("e");
+        assert_eq!(
+            c.top_up("e"),
+            Some(16),
+            "it brought nothing: another may go"
+        );
+        let (_, _, _) = c.keep("e", "k", &ask(10.0), 16, 0, Instant::now());
+        assert_eq!(c.top_up("e"), None, "joined: 18 left");
+        tokio::time::advance(LIFETIME).await;
+        assert_eq!(c.top_up("e"), None, "over: the next call asks instead");
     }
 
     #[tokio::test(start_paused = true)]

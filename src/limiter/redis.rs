@@ -515,22 +515,25 @@ impl Calls {
     /// would. They share the first ask's rate, burst and recovery (one endpoint's policy).
     ///
     /// `ahead`: tokens wanted ahead (`store.prefetch`); the second value is how many
-    /// the script handed out (see `lua/acquire.lua`).
+    /// the script handed out (see `lua/acquire.lua`), the third the bucket generation
+    /// they belong to. `policy` gives the rate, burst and recovery; with no asks, the
+    /// call only asks ahead (a top-up of tokens held ahead).
     pub(super) async fn acquire(
         &self,
         endpoint: &str,
+        policy: &Ask,
         asks: &[Ask],
         ahead: u32,
-    ) -> Result<(Vec<Outcome>, u32), StoreError> {
-        let Some(first) = asks.first() else {
-            return Ok((Vec::new(), 0));
-        };
+    ) -> Result<(Vec<Outcome>, u32, u64), StoreError> {
+        if asks.is_empty() && ahead == 0 {
+            return Ok((Vec::new(), 0, 0));
+        }
         let alone = self.alone.as_ref().filter(|_| ahead > 0);
         let mut inv = self.invocation(
             &self.scripts.acquire,
             endpoint,
             alone.map(|a| a.heartbeats.as_str()),
-            first,
+            policy,
             4 + 2 * asks.len(),
         );
         inv.arg(ahead).arg(Num(micros(credit::HELD_FOR)));
@@ -545,13 +548,13 @@ impl Calls {
                 None => inv.arg(""),
             };
         }
-        let (outcomes, got) = decisions(&self.run(inv).await?, asks.len())?;
+        let (outcomes, got, generation) = decisions(&self.run(inv).await?, asks.len())?;
         if !(0.0..=f64::from(ahead)).contains(&got) {
             return Err(StoreError::Protocol(format!(
                 "acquire handed out {got} tokens ahead, {ahead} were asked"
             )));
         }
-        Ok((outcomes, got as u32))
+        Ok((outcomes, got as u32, generation))
     }
 
     /// Runs one plain command (not a script), bounded and recorded like the scripts;
@@ -717,9 +720,9 @@ fn num(v: &Value) -> Result<f64, StoreError> {
 }
 
 /// The answer of `lua/acquire.lua` for `n` asks, `"<generation> <ahead> <ask>..."`
-/// with one word per ask (`G`, `G<µs>`, `R<µs>`, `C<µs>`): the outcomes in order and
-/// the tokens taken ahead.
-fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64), StoreError> {
+/// with one word per ask (`G`, `G<µs>`, `R<µs>`, `C<µs>`): the outcomes in order, the
+/// tokens taken ahead and the bucket's generation.
+fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64, u64), StoreError> {
     let bad = || StoreError::Protocol(format!("unexpected acquire reply {v:?}"));
     let Value::BulkString(text) = v else {
         return Err(bad());
@@ -729,7 +732,8 @@ fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64), StoreError> {
     let generation = number(words.next())? as u64;
     let ahead = number(words.next())?;
     let mut outcomes = Vec::with_capacity(n);
-    for word in words {
+    // No asks (a top-up): the answer ends with the separator after `<ahead>`.
+    for word in words.filter(|w| n > 0 || !w.is_empty()) {
         let (&kind, us) = word.split_first().ok_or_else(bad)?;
         let us = match (kind, us) {
             (b'G', []) => 0.0,
@@ -750,7 +754,7 @@ fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64), StoreError> {
     if outcomes.len() != n {
         return Err(bad());
     }
-    Ok((outcomes, ahead))
+    Ok((outcomes, ahead, generation))
 }
 
 /// A whole number as Lua writes one: digits, or an exponent form from 1e14 on.
@@ -915,7 +919,8 @@ mod tests {
     #[test]
     fn acquire_answers_are_read_in_order_and_checked() {
         let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        let (outcomes, ahead) = decisions(&v("7 3 G G1500 R20 C1e+15"), 4).unwrap();
+        let (outcomes, ahead, generation) = decisions(&v("7 3 G G1500 R20 C1e+15"), 4).unwrap();
+        assert_eq!(generation, 7);
         assert_eq!(ahead, 3.0);
         assert_eq!(
             outcomes,
@@ -953,6 +958,9 @@ mod tests {
             assert!(decisions(&v(bad), 2).is_err(), "{bad:?} accepted");
         }
         assert!(decisions(&Value::Array(vec![Value::Int(1)]), 1).is_err());
+        // A top-up (no asks): the generation and the tokens ahead, nothing else.
+        assert_eq!(decisions(&v("9 40 "), 0).unwrap(), (Vec::new(), 40.0, 9));
+        assert!(decisions(&v("9 40 G"), 0).is_err());
     }
 
     /// Whole numbers go as integers, others keep every digit a float has.
