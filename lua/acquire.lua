@@ -14,7 +14,8 @@
 -- ARGV[8], ARGV[9]  the first ask: budget, the longest acceptable wait (µs), and its
 --          held generation ("" = none: take a token; else confirm that reservation)
 -- ARGV[10], ARGV[11]  the second ask, and so on (src/limiter/batch.rs sends one pair per
---          request that queued while the previous call for this endpoint was in flight)
+--          request that queued while the previous call for this endpoint was in flight).
+--          No ask at all: a top-up, asking only for tokens ahead (ARGV[4]).
 -- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
 --          here, where turning a number into text is the costly part):
 --            "<generation> <ahead> <ask 1> <ask 2> ..."
