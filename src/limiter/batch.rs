@@ -103,6 +103,8 @@ pub(super) struct Lanes {
     /// Cooldown notices heard (single Redis): held tokens are spent only while they
     /// vouch that no cooldown started since. `None`: spent until their end.
     watch: Option<Arc<CooldownWatch>>,
+    /// Whether held tokens are topped up before they run out (see [`top_up`]).
+    top_ups: bool,
 }
 
 impl Lanes {
@@ -113,7 +115,16 @@ impl Lanes {
             queues: Mutex::default(),
             ahead: prefetch.then(Credits::default),
             watch,
+            top_ups: false,
         }
+    }
+
+    /// These lanes, topping held tokens up before they run out (`store.prefetch =
+    /// "alone"`: with `true`, other replicas would find them held for as long as the
+    /// traffic lasts, rather than for about 5 ms).
+    pub(super) fn with_top_ups(mut self) -> Lanes {
+        self.top_ups = self.ahead.is_some();
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<Box<str>, Vec<Waiter>>> {
@@ -139,7 +150,7 @@ impl Lanes {
     /// Whether the spend just made should top up `endpoint`'s held tokens, and by how
     /// many (never while the cooldown notices could not vouch for them).
     fn top_up(&self, endpoint: &str) -> Option<u32> {
-        if self.watch.as_ref().is_some_and(|w| !w.listening()) {
+        if !self.top_ups || self.watch.as_ref().is_some_and(|w| !w.listening()) {
             return None;
         }
         self.ahead.as_ref()?.top_up(endpoint)
@@ -501,6 +512,29 @@ mod tests {
         assert_eq!(lanes.wanted("e", 10), 0, "subscription lost");
         assert_eq!(Lanes::new(true, None).wanted("e", 10), 40);
         assert_eq!(Lanes::new(false, None).wanted("e", 10), 0, "prefetch off");
+    }
+
+    /// Top-ups only where they were asked for ("alone"), and never while the cooldown
+    /// notices are down.
+    #[tokio::test(start_paused = true)]
+    async fn held_tokens_are_topped_up_only_where_wanted() {
+        let low = |lanes: &Lanes| {
+            let ahead = lanes.ahead.as_ref().unwrap();
+            let (_, _, _) = ahead.keep("e", "k", &ask(0.0), 4, 1, tokio::time::Instant::now());
+            for _ in 0..3 {
+                ahead.spend("e", &ask(0.0), |_, _| true).unwrap();
+            }
+        };
+        let plain = Lanes::new(true, None);
+        low(&plain);
+        assert_eq!(plain.top_up("e"), None, "prefetch = true: no top-ups");
+        let watch = Arc::new(CooldownWatch::default());
+        let alone = Lanes::new(true, Some(Arc::clone(&watch))).with_top_ups();
+        low(&alone);
+        assert_eq!(alone.top_up("e"), None, "notices down");
+        watch.subscribed(true);
+        assert_eq!(alone.top_up("e"), Some(8));
+        assert!(Lanes::new(false, None).with_top_ups().top_up("e").is_none());
     }
 
     /// An ask told apart by its budget.

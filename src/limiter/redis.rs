@@ -388,9 +388,16 @@ impl RedisStore {
             stats,
             alone,
         };
+        // Top-ups keep a busy endpoint's held tokens from running out, so some stay
+        // held for as long as its traffic lasts: only where no other replica could
+        // want them ("alone", checked by the script at every top-up).
+        let mut lanes = Lanes::new(prefetch, watch.clone());
+        if calls.alone.is_some() {
+            lanes = lanes.with_top_ups();
+        }
         Ok(RedisStore {
             calls: Arc::new(calls),
-            lanes: Arc::new(Lanes::new(prefetch, watch.clone())),
+            lanes: Arc::new(lanes),
             replica,
             channel,
             watch,
