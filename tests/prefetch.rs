@@ -474,3 +474,41 @@ async fn by_default_a_burst_split_across_replicas_passes_at_once() {
         }
     }
 }
+
+/// A top-up is an `acquire.lua` call with no asks: it takes tokens ahead under the same
+/// rule as any call, never below half the burst, and its answer names the generation
+/// they belong to.
+#[tokio::test]
+async fn a_call_with_no_asks_takes_tokens_ahead_down_to_half_the_burst() {
+    let server = common::redis::RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let script = redis::Script::new(concat!(
+        include_str!("../lua/bucket.lua"),
+        include_str!("../lua/acquire.lua")
+    ));
+    // rate 1/s, burst 100: under a token of refill between the calls.
+    let mut top_up = async |ahead: u32| -> String {
+        script
+            .key("t{e}")
+            .arg(1)
+            .arg(100)
+            .arg(0)
+            .arg(ahead)
+            .arg(10_000)
+            .arg("")
+            .arg(0)
+            .invoke_async(&mut conn)
+            .await
+            .unwrap()
+    };
+    let first = top_up(20).await;
+    let generation = first.split(' ').next().unwrap().to_owned();
+    assert_eq!(first, format!("{generation} 20 "), "as many as asked");
+    assert_eq!(
+        top_up(100).await,
+        format!("{generation} 30 "),
+        "down to half the burst"
+    );
+    assert_eq!(top_up(100).await, format!("{generation} 0 "), "no further");
+}

@@ -345,7 +345,10 @@ async fn call(
 async fn top_up(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, ask: Ask, want: u32) {
     let sent = tokio::time::Instant::now();
     let got = match calls.acquire(&endpoint, &ask, &[], want).await {
-        Ok((_, got, generation)) => hold(&calls, &lanes, &endpoint, &ask, got, generation, sent),
+        Ok((_, got, generation)) => {
+            hold(&calls, &lanes, &endpoint, &ask, got, generation, sent);
+            got
+        }
         Err(e) => {
             tracing::debug!(endpoint = %endpoint, error = %e, "could not top up tokens held ahead");
             0
@@ -359,7 +362,7 @@ async fn top_up(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, ask: A
 }
 
 /// Keeps `got` tokens taken ahead (of `generation`, by a call sent at `sent`) and
-/// arranges for the unspent ones to be given back at their end; returns `got`.
+/// arranges for the unspent ones to be given back at their end.
 fn hold(
     calls: &Arc<Calls>,
     lanes: &Arc<Lanes>,
@@ -368,9 +371,9 @@ fn hold(
     got: u32,
     generation: u64,
     sent: tokio::time::Instant,
-) -> u32 {
+) {
     let Some(ahead) = lanes.ahead.as_ref().filter(|_| got > 0) else {
-        return got;
+        return;
     };
     let (serial, until, stale) =
         ahead.keep(endpoint, &calls.key(endpoint), ask, got, generation, sent);
@@ -395,7 +398,6 @@ fn hold(
             }
         });
     }
-    got
 }
 
 /// Tokens taken ahead and never spent: back into the bucket.
