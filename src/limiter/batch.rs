@@ -147,25 +147,24 @@ impl Lanes {
         self.ahead.as_ref().map_or(0, |a| a.wanted(endpoint, batch))
     }
 
-    /// Whether the spend just made should top up `endpoint`'s held tokens, and by how
-    /// many (never while the cooldown notices could not vouch for them).
-    fn top_up(&self, endpoint: &str) -> Option<u32> {
-        if !self.top_ups || self.watch.as_ref().is_some_and(|w| !w.listening()) {
-            return None;
-        }
-        self.ahead.as_ref()?.top_up(endpoint)
-    }
-
     /// Spends a token `endpoint` holds ahead for `ask`, if the cooldown notices (when
     /// there are any) vouch for it; its generation.
     fn spend(&self, endpoint: &str, ask: &Ask) -> Option<u64> {
+        self.spend_then(endpoint, ask, false).map(|(g, _)| g)
+    }
+
+    /// [`spend`](Self::spend), and with `top_up` (and top-ups on, and the cooldown
+    /// notices able to vouch for more), whether to top the endpoint's held tokens up
+    /// now and by how many.
+    fn spend_then(&self, endpoint: &str, ask: &Ask, top_up: bool) -> Option<(u64, Option<u32>)> {
         let ahead = self.ahead.as_ref()?;
         let quiet = |bucket: &str, since| {
             self.watch
                 .as_ref()
                 .is_none_or(|w| w.quiet_since(bucket, since))
         };
-        ahead.spend(endpoint, ask, quiet)
+        let top_up = top_up && self.top_ups && self.watch.as_ref().is_none_or(|w| w.listening());
+        ahead.spend_then(endpoint, ask, quiet, top_up)
     }
 
     /// Admits an ask of `endpoint`: granted from a held token when nothing of the
@@ -190,8 +189,8 @@ impl Lanes {
                 Admit::Queued(outcome)
             }
             None => {
-                if let Some(generation) = self.spend(endpoint, &ask) {
-                    return Admit::Spent(generation);
+                if let Some((generation, top_up)) = self.spend_then(endpoint, &ask, true) {
+                    return Admit::Spent(generation, top_up);
                 }
                 map.insert(endpoint.into(), Vec::new());
                 Admit::Open
@@ -242,8 +241,9 @@ impl Lanes {
 
 /// How an ask entered its lane.
 enum Admit {
-    /// Granted from a token held ahead, with its generation.
-    Spent(u64),
+    /// Granted from a token held ahead, with its generation, and how many to top
+    /// the endpoint's held tokens up by now, if that spend calls for it.
+    Spent(u64, Option<u32>),
     /// Queued: its outcome comes with the next batch.
     Queued(oneshot::Receiver<Result<Outcome, StoreError>>),
     /// Nothing was in flight: this request sends its ask itself.
@@ -270,8 +270,8 @@ pub(super) async fn acquire(
     ask: Ask,
 ) -> Result<Outcome, StoreError> {
     match lanes.admit(endpoint, ask, mailbox_here) {
-        Admit::Spent(generation) => {
-            if let Some(want) = lanes.top_up(endpoint) {
+        Admit::Spent(generation, topping) => {
+            if let Some(want) = topping {
                 tokio::spawn(top_up(
                     Arc::clone(calls),
                     Arc::clone(lanes),
@@ -516,27 +516,37 @@ mod tests {
         assert_eq!(Lanes::new(false, None).wanted("e", 10), 0, "prefetch off");
     }
 
-    /// Top-ups only where they were asked for ("alone"), and never while the cooldown
-    /// notices are down.
+    /// Top-ups only where they were asked for ("alone"): a request that spends one of
+    /// the last quarter of the held tokens is told to send one.
     #[tokio::test(start_paused = true)]
     async fn held_tokens_are_topped_up_only_where_wanted() {
         let low = |lanes: &Lanes| {
             let ahead = lanes.ahead.as_ref().unwrap();
             let (_, _, _) = ahead.keep("e", "k", &ask(0.0), 4, 1, tokio::time::Instant::now());
-            for _ in 0..3 {
+            for _ in 0..2 {
                 ahead.spend("e", &ask(0.0), |_, _| true).unwrap();
             }
         };
         let plain = Lanes::new(true, None);
         low(&plain);
-        assert_eq!(plain.top_up("e"), None, "prefetch = true: no top-ups");
+        assert!(
+            matches!(plain.admit("e", ask(0.0), || None), Admit::Spent(1, None)),
+            "prefetch = true: no top-ups"
+        );
         let watch = Arc::new(CooldownWatch::default());
-        let alone = Lanes::new(true, Some(Arc::clone(&watch))).with_top_ups();
-        low(&alone);
-        assert_eq!(alone.top_up("e"), None, "notices down");
         watch.subscribed(true);
-        assert_eq!(alone.top_up("e"), Some(8));
-        assert!(Lanes::new(false, None).with_top_ups().top_up("e").is_none());
+        let alone = Lanes::new(true, Some(watch)).with_top_ups();
+        low(&alone);
+        assert!(matches!(
+            alone.admit("e", ask(0.0), || None),
+            Admit::Spent(1, Some(8))
+        ));
+        assert!(
+            matches!(alone.admit("e", ask(0.0), || None), Admit::Spent(1, None)),
+            "one in flight"
+        );
+        let off = Lanes::new(false, None).with_top_ups();
+        assert!(matches!(off.admit("e", ask(0.0), || None), Admit::Open));
     }
 
     /// An ask told apart by its budget.
@@ -553,7 +563,7 @@ mod tests {
     fn queued(admit: Admit) -> oneshot::Receiver<Result<Outcome, StoreError>> {
         match admit {
             Admit::Queued(rx) => rx,
-            Admit::Spent(_) => panic!("spent a held token"),
+            Admit::Spent(..) => panic!("spent a held token"),
             Admit::Open => panic!("opened a second call"),
         }
     }
@@ -592,7 +602,7 @@ mod tests {
         assert!(lanes.next("e").is_none());
         assert!(matches!(
             lanes.admit("e", ask(6.0), || None),
-            Admit::Spent(9)
+            Admit::Spent(9, _)
         ));
         assert!(matches!(lanes.admit("e", ask(7.0), || None), Admit::Open));
     }

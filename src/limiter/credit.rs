@@ -83,13 +83,31 @@ impl Credits {
     /// Spends one held token of `endpoint` for `ask`; its generation, or `None` when
     /// none is left, they are over, the ask is a confirmation or under another policy,
     /// or `quiet` cannot vouch that no cooldown started since they were asked for (it is
-    /// given the bucket key and the instant their call was sent).
+    /// given the bucket key and the instant their call was sent). (The lanes use
+    /// [`spend_then`](Self::spend_then), which also decides a top-up.)
+    #[cfg(test)]
     pub(super) fn spend(
         &self,
         endpoint: &str,
         ask: &Ask,
         quiet: impl FnOnce(&str, Instant) -> bool,
     ) -> Option<u64> {
+        self.spend_then(endpoint, ask, quiet, false).map(|(g, _)| g)
+    }
+
+    /// [`spend`](Self::spend), and with `top_ups`, whether that spend calls for a top-up
+    /// and for how many, in the same look-up: once the tokens are down to a quarter of
+    /// what was taken and no top-up is in flight (one is then marked in flight until
+    /// [`keep`](Self::keep) or [`topped`](Self::topped)). Twice what was taken, as in
+    /// [`wanted`](Self::wanted): the next tokens arrive before these run out, and the
+    /// endpoint's requests never wait for the round trip.
+    pub(super) fn spend_then(
+        &self,
+        endpoint: &str,
+        ask: &Ask,
+        quiet: impl FnOnce(&str, Instant) -> bool,
+        top_ups: bool,
+    ) -> Option<(u64, Option<u32>)> {
         if ask.held.is_some() {
             return None;
         }
@@ -103,7 +121,12 @@ impl Credits {
             return None;
         }
         h.left -= 1;
-        Some(h.generation)
+        let top_up = top_ups && !h.topping && h.left <= h.size / 4;
+        h.topping |= top_up;
+        Some((
+            h.generation,
+            top_up.then(|| h.size.saturating_mul(2).min(MOST)),
+        ))
     }
 
     /// How many to ask ahead in a call for `batch` asks of `endpoint`: a batch of two or
@@ -124,22 +147,6 @@ impl Credits {
             .filter(|h| h.left == 0 && Instant::now() < h.until)
             .map_or(0, |h| h.size.saturating_mul(2));
         from_batch.max(from_use).min(MOST)
-    }
-
-    /// Whether a spend just now should send a top-up call, and for how many: once the
-    /// tokens of `endpoint` are down to a quarter of what it took while still live, and
-    /// no top-up is in flight (one is then marked in flight until [`keep`](Self::keep)
-    /// or [`topped`](Self::topped)). Twice what it took, as in [`wanted`](Self::wanted):
-    /// the next tokens arrive before these run out, and the endpoint's requests never
-    /// wait for the round trip.
-    pub(super) fn top_up(&self, endpoint: &str) -> Option<u32> {
-        let mut held = self.lock();
-        let h = held.get_mut(endpoint)?;
-        if h.topping || h.left > h.size / 4 || Instant::now() >= h.until {
-            return None;
-        }
-        h.topping = true;
-        Some(h.size.saturating_mul(2).min(MOST))
     }
 
     /// A top-up brought nothing (refused ahead, or failed): another may go.
@@ -277,25 +284,33 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_top_up_goes_once_when_a_quarter_is_left() {
         let c = Credits::default();
-        assert_eq!(c.top_up("e"), None, "nothing held");
+        let spend = || c.spend_then("e", &ask(10.0), always, true);
+        assert_eq!(spend(), None, "nothing held");
         let (_, _, _) = c.keep("e", "k", &ask(10.0), 8, 0, Instant::now());
         for _ in 0..5 {
-            c.spend("e", &ask(10.0), always).unwrap();
-            assert_eq!(c.top_up("e"), None, "more than a quarter left");
+            assert_eq!(spend(), Some((0, None)), "more than a quarter left");
         }
-        c.spend("e", &ask(10.0), always).unwrap();
-        assert_eq!(c.top_up("e"), Some(16), "two of eight left: twice as many");
-        assert_eq!(c.top_up("e"), None, "one in flight");
+        assert_eq!(
+            spend(),
+            Some((0, Some(16))),
+            "two of eight left: twice as many"
+        );
+        assert_eq!(spend(), Some((0, None)), "one in flight");
         c.topped("e");
         assert_eq!(
-            c.top_up("e"),
-            Some(16),
+            spend(),
+            Some((0, Some(16))),
             "it brought nothing: another may go"
         );
         let (_, _, _) = c.keep("e", "k", &ask(10.0), 16, 0, Instant::now());
-        assert_eq!(c.top_up("e"), None, "joined: 18 left");
+        assert_eq!(spend(), Some((0, None)), "joined: 15 of 16 left");
+        assert_eq!(
+            c.spend_then("e", &ask(10.0), always, false),
+            Some((0, None)),
+            "top-ups off"
+        );
         tokio::time::advance(LIFETIME).await;
-        assert_eq!(c.top_up("e"), None, "over: the next call asks instead");
+        assert_eq!(spend(), None, "over: the next call asks instead");
     }
 
     #[tokio::test(start_paused = true)]
