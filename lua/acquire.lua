@@ -18,7 +18,7 @@
 --          No ask at all: a top-up, asking only for tokens ahead (ARGV[4]).
 -- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
 --          here, where turning a number into text is the costly part):
---            "<generation> <ahead> <ask 1> <ask 2> ..."
+--            "<generation> <ahead> <hold> <ask 1> <ask 2> ..."
 --          each ask one word: "G" granted now, "G<µs>" granted to start after <µs>, "R<µs>"
 --          refused by the rate, retry after <µs>, "C<µs>" refused because of a cooldown
 --          (whole µs, rounded up: never early). A granted reservation belongs to
@@ -29,6 +29,8 @@
 --          went at once, no cooldown or decrease is in force, and the bucket keeps at
 --          least half its burst: a busy endpoint far from its limit, never one that binds;
 --          with KEYS[2], only while no other replica is alive to want them.
+--          <hold>: with tokens ahead, the hold they joined (`cs`, see bucket.lua), which
+--          their give-back names; else 0.
 --
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
@@ -74,8 +76,13 @@ local wanted = tonumber(ARGV[4])
 if wanted > 0 and all_now and s.cu <= now and s.dr <= 0 and alone() then
   ahead = math.min(wanted, math.floor(s.tk - burst / 2))
   if ahead > 0 then
+    local held = held_ahead(s)
+    if held == 0 then
+      -- A new hold: a give-back for an earlier one must not lower this one's count.
+      s.cs = now
+    end
     s.tk = s.tk - ahead
-    s.cr = held_ahead(s) + ahead
+    s.cr = held + ahead
     s.ce = math.max(s.ce, now + tonumber(ARGV[5]))
     taken = true
   else
@@ -85,4 +92,5 @@ end
 if taken then
   save(s)
 end
-return s.g .. ' ' .. ahead .. ' ' .. table.concat(out, ' ')
+local hold = ahead > 0 and str(s.cs) or '0'
+return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. table.concat(out, ' ')

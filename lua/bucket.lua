@@ -21,6 +21,8 @@
 --   fs at floor since (µs)   fl floor last given by feedback (for the key's TTL only)
 --   cr tokens taken ahead by replicas (`store.prefetch`) and not yet expired
 --   ce when those end (µs)
+--   cs when Redis began counting the tokens held now (µs): names that hold, so a
+--      give-back that arrives after it ended (and another began) lowers nothing but its own
 --
 -- Tokens taken ahead (Redis only; the memory store never takes any): acquire.lua may
 -- hand a replica `cr` tokens to spend without asking, until `ce`. Until then the bucket
@@ -53,7 +55,7 @@ end
 
 --- The stored state, or nil when the key does not exist (a fresh full bucket).
 --- `loaded` keeps the values as read, so `save` writes only what changed.
-local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce' }
+local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce', 'cs' }
 local loaded = nil
 local function load()
   local raw = redis.call('HMGET', key, unpack(FIELDS))
@@ -64,17 +66,18 @@ local function load()
                              tonumber(raw[4]), tonumber(raw[5])
   local cu, g, th, fs, fl = tonumber(raw[6]), tonumber(raw[7]), tonumber(raw[8]),
                             tonumber(raw[9]), tonumber(raw[10] or '')
-  local cr, ce = tonumber(raw[11] or '0'), tonumber(raw[12] or '0')
+  local cr, ce, cs = tonumber(raw[11] or '0'), tonumber(raw[12] or '0'),
+                     tonumber(raw[13] or '0')
   loaded = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-             fl = fl, cr = cr, ce = ce }
+             fl = fl, cr = cr, ce = ce, cs = cs }
   return { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-           fl = fl, cr = cr, ce = ce }
+           fl = fl, cr = cr, ce = ce, cs = cs }
 end
 
 --- bucket::fresh
 local function fresh()
   return { tk = burst, ts = now, dr = 0, da = 0, du = 0, cu = 0, g = 0, th = 0, fs = 0,
-           cr = 0, ce = 0 }
+           cr = 0, ce = 0, cs = 0 }
 end
 
 --- Tokens replicas hold ahead that may still be spent (0 once their time is over).

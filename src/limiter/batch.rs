@@ -35,7 +35,7 @@ use tokio::sync::oneshot;
 use super::StoreError;
 use super::bucket::{Ask, Outcome};
 use super::cooldowns::CooldownWatch;
-use super::credit::{Credits, Leftover};
+use super::credit::{Credits, Leftover, Taken};
 use super::mailbox::Mailbox;
 use super::redis::Calls;
 
@@ -333,8 +333,8 @@ async fn call(
     };
     let want = lanes.wanted(endpoint, asks.len());
     let sent = tokio::time::Instant::now();
-    let (outcomes, got, generation) = calls.acquire(endpoint, first, asks, want).await?;
-    hold(calls, lanes, endpoint, first, got, generation, sent);
+    let (outcomes, taken) = calls.acquire(endpoint, first, asks, want).await?;
+    hold(calls, lanes, endpoint, first, taken, sent);
     Ok(outcomes)
 }
 
@@ -345,9 +345,9 @@ async fn call(
 async fn top_up(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, ask: Ask, want: u32) {
     let sent = tokio::time::Instant::now();
     let got = match calls.acquire(&endpoint, &ask, &[], want).await {
-        Ok((_, got, generation)) => {
-            hold(&calls, &lanes, &endpoint, &ask, got, generation, sent);
-            got
+        Ok((_, taken)) => {
+            hold(&calls, &lanes, &endpoint, &ask, taken, sent);
+            taken.n
         }
         Err(e) => {
             tracing::debug!(endpoint = %endpoint, error = %e, "could not top up tokens held ahead");
@@ -361,22 +361,20 @@ async fn top_up(calls: Arc<Calls>, lanes: Arc<Lanes>, endpoint: Box<str>, ask: A
     }
 }
 
-/// Keeps `got` tokens taken ahead (of `generation`, by a call sent at `sent`) and
-/// arranges for the unspent ones to be given back at their end.
+/// Keeps the tokens `taken` ahead by a call sent at `sent` and arranges for the unspent
+/// ones to be given back at their end.
 fn hold(
     calls: &Arc<Calls>,
     lanes: &Arc<Lanes>,
     endpoint: &str,
     ask: &Ask,
-    got: u32,
-    generation: u64,
+    taken: Taken,
     sent: tokio::time::Instant,
 ) {
-    let Some(ahead) = lanes.ahead.as_ref().filter(|_| got > 0) else {
+    let Some(ahead) = lanes.ahead.as_ref().filter(|_| taken.n > 0) else {
         return;
     };
-    let (serial, until, stale) =
-        ahead.keep(endpoint, &calls.key(endpoint), ask, got, generation, sent);
+    let (serial, until, stale) = ahead.keep(endpoint, &calls.key(endpoint), ask, taken, sent);
     let (calls, lanes, endpoint, ask) = (
         Arc::clone(calls),
         Arc::clone(lanes),
@@ -401,8 +399,8 @@ fn hold(
 }
 
 /// Tokens taken ahead and never spent: back into the bucket.
-async fn give_back_ahead(calls: &Calls, endpoint: &str, ask: &Ask, (n, generation): Leftover) {
-    if let Err(e) = calls.give_back_ahead(endpoint, ask, generation, n).await {
+async fn give_back_ahead(calls: &Calls, endpoint: &str, ask: &Ask, left: Leftover) {
+    if let Err(e) = calls.give_back_ahead(endpoint, ask, left).await {
         tracing::debug!(endpoint, error = %e, "could not give back tokens held ahead");
     }
 }
@@ -522,7 +520,17 @@ mod tests {
     async fn held_tokens_are_topped_up_only_where_wanted() {
         let low = |lanes: &Lanes| {
             let ahead = lanes.ahead.as_ref().unwrap();
-            let (_, _, _) = ahead.keep("e", "k", &ask(0.0), 4, 1, tokio::time::Instant::now());
+            let (_, _, _) = ahead.keep(
+                "e",
+                "k",
+                &ask(0.0),
+                Taken {
+                    n: 4,
+                    generation: 1,
+                    hold: 0,
+                },
+                tokio::time::Instant::now(),
+            );
             for _ in 0..2 {
                 ahead.spend("e", &ask(0.0), |_, _| true).unwrap();
             }
@@ -577,7 +585,17 @@ mod tests {
         assert!(matches!(lanes.admit("e", ask(1.0), || None), Admit::Open));
         // The opener's call comes back with two tokens ahead...
         let credits = lanes.ahead.as_ref().unwrap();
-        credits.keep("e", "k", &ask(0.0), 2, 9, tokio::time::Instant::now());
+        credits.keep(
+            "e",
+            "k",
+            &ask(0.0),
+            Taken {
+                n: 2,
+                generation: 9,
+                hold: 0,
+            },
+            tokio::time::Instant::now(),
+        );
         // ... while three more requests arrived: they queue behind the call in flight.
         let _second = queued(lanes.admit("e", ask(2.0), || None));
         let _third = queued(lanes.admit("e", ask(3.0), || None));
@@ -598,7 +616,17 @@ mod tests {
         assert_eq!(budgets(&next.batch), [5.0]);
         // Its call came back with a token ahead and nothing queued behind it: the lane
         // closes, and the next newcomer spends the token at once.
-        credits.keep("e", "k", &ask(0.0), 1, 9, tokio::time::Instant::now());
+        credits.keep(
+            "e",
+            "k",
+            &ask(0.0),
+            Taken {
+                n: 1,
+                generation: 9,
+                hold: 0,
+            },
+            tokio::time::Instant::now(),
+        );
         assert!(lanes.next("e").is_none());
         assert!(matches!(
             lanes.admit("e", ask(6.0), || None),

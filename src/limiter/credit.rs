@@ -53,6 +53,8 @@ struct Held {
     bucket: Box<str>,
     /// The bucket generation they belong to (a cooldown voids them).
     generation: u64,
+    /// The script's hold they are counted in (see [`Taken::hold`]).
+    hold: u64,
     /// The policy they were taken under: an ask under another (a reload) does not spend them.
     policy: (f64, f64, f64),
     /// Which grant this is, so a late expiry of an earlier one leaves it alone.
@@ -61,8 +63,21 @@ struct Held {
     topping: bool,
 }
 
-/// Leftovers to give back: `(tokens, generation)`.
-pub(super) type Leftover = (u32, u64);
+/// Tokens taken ahead by one call, or left over to give back: how many, the bucket
+/// generation and the hold they belong to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Taken {
+    /// How many.
+    pub(super) n: u32,
+    /// The bucket generation (a cooldown voids them).
+    pub(super) generation: u64,
+    /// The hold the script counts them in (`<hold>` in `lua/acquire.lua`): a give-back
+    /// names it, so one that arrives after that hold ended lowers no later hold's count.
+    pub(super) hold: u64,
+}
+
+/// Leftovers to give back.
+pub(super) type Leftover = Taken;
 
 /// Every endpoint's tokens held ahead by this replica.
 #[derive(Default)]
@@ -156,19 +171,24 @@ impl Credits {
         }
     }
 
-    /// Keeps `n` tokens taken ahead by a call sent at `sent` for the bucket `bucket`
+    /// Keeps the tokens `taken` ahead by a call sent at `sent` for the bucket `bucket`
     /// (its key). Returns the grant's serial
     /// and its end (for [`expire`](Self::expire)), and any earlier leftovers that cannot
-    /// join them (over, or of another generation or policy) and must be given back now.
+    /// join them (over, or of another generation, hold or policy) and must be given back
+    /// now.
     pub(super) fn keep(
         &self,
         endpoint: &str,
         bucket: &str,
         ask: &Ask,
-        n: u32,
-        generation: u64,
+        taken: Taken,
         sent: Instant,
     ) -> (u64, Instant, Option<Leftover>) {
+        let Taken {
+            n,
+            generation,
+            hold,
+        } = taken;
         let serial = self
             .serial
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -179,14 +199,20 @@ impl Credits {
         let mut since = sent;
         let mut leftover = None;
         if let Some(old) = held.get(endpoint) {
-            let joins =
-                Instant::now() < old.until && old.generation == generation && old.policy == policy;
+            let joins = Instant::now() < old.until
+                && old.generation == generation
+                && old.hold == hold
+                && old.policy == policy;
             if joins {
                 // Still spendable: the script counted them in this grant's hold too.
                 left += old.left;
                 since = since.min(old.since);
             } else if old.left > 0 {
-                leftover = Some((old.left, old.generation));
+                leftover = Some(Taken {
+                    n: old.left,
+                    generation: old.generation,
+                    hold: old.hold,
+                });
             }
         }
         held.insert(
@@ -198,6 +224,7 @@ impl Credits {
                 since,
                 bucket: bucket.into(),
                 generation,
+                hold,
                 policy,
                 serial,
                 topping: false,
@@ -214,7 +241,11 @@ impl Credits {
             return None;
         }
         let h = held.remove(endpoint)?;
-        (h.left > 0).then_some((h.left, h.generation))
+        (h.left > 0).then_some(Taken {
+            n: h.left,
+            generation: h.generation,
+            hold: h.hold,
+        })
     }
 
     /// Forgets what `endpoint` holds (it answered 429: its cooldown voids them).
@@ -242,11 +273,20 @@ mod tests {
         }
     }
 
+    /// `n` tokens of `generation`, in hold 0.
+    fn t(n: u32, generation: u64) -> Taken {
+        Taken {
+            n,
+            generation,
+            hold: 0,
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn held_tokens_are_spent_until_their_end_and_the_rest_comes_back() {
         let c = Credits::default();
         let sent = Instant::now();
-        let (serial, until, leftover) = c.keep("e", "k", &ask(10.0), 3, 7, sent);
+        let (serial, until, leftover) = c.keep("e", "k", &ask(10.0), t(3, 7), sent);
         assert_eq!((until, leftover), (sent + LIFETIME, None));
         assert_eq!(c.spend("e", &ask(10.0), always), Some(7));
         // Another policy (a reload) or a confirmation does not spend them.
@@ -258,7 +298,7 @@ mod tests {
         assert_eq!(c.spend("e", &confirm, always), None);
         tokio::time::advance(LIFETIME).await;
         assert_eq!(c.spend("e", &ask(10.0), always), None, "over at their end");
-        assert_eq!(c.expire("e", serial), Some((2, 7)), "two were never spent");
+        assert_eq!(c.expire("e", serial), Some(t(2, 7)), "two were never spent");
         assert_eq!(c.expire("e", serial), None, "given back once");
     }
 
@@ -268,13 +308,13 @@ mod tests {
         assert_eq!(c.wanted("e", 1), 0, "a lone request on a quiet endpoint");
         assert_eq!(c.wanted("e", 3), 12);
         assert_eq!(c.wanted("e", 1000), MOST);
-        let (_, _, _) = c.keep("e", "k", &ask(10.0), 2, 0, Instant::now());
+        let (_, _, _) = c.keep("e", "k", &ask(10.0), t(2, 0), Instant::now());
         assert_eq!(c.wanted("e", 1), 0, "tokens left: no need yet");
         c.spend("e", &ask(10.0), always).unwrap();
         c.spend("e", &ask(10.0), always).unwrap();
         assert_eq!(c.wanted("e", 1), 4, "ran out in time: ask twice as many");
         assert_eq!(c.wanted("e", 9), 36, "unless the batch asks more");
-        let (_, _, _) = c.keep("e", "k", &ask(10.0), 200, 0, Instant::now());
+        let (_, _, _) = c.keep("e", "k", &ask(10.0), t(200, 0), Instant::now());
         while c.spend("e", &ask(10.0), always).is_some() {}
         assert_eq!(c.wanted("e", 1), MOST, "never more than the cap");
         tokio::time::advance(LIFETIME).await;
@@ -286,7 +326,7 @@ mod tests {
         let c = Credits::default();
         let spend = || c.spend_then("e", &ask(10.0), always, true);
         assert_eq!(spend(), None, "nothing held");
-        let (_, _, _) = c.keep("e", "k", &ask(10.0), 8, 0, Instant::now());
+        let (_, _, _) = c.keep("e", "k", &ask(10.0), t(8, 0), Instant::now());
         for _ in 0..5 {
             assert_eq!(spend(), Some((0, None)), "more than a quarter left");
         }
@@ -302,7 +342,7 @@ mod tests {
             Some((0, Some(16))),
             "it brought nothing: another may go"
         );
-        let (_, _, _) = c.keep("e", "k", &ask(10.0), 16, 0, Instant::now());
+        let (_, _, _) = c.keep("e", "k", &ask(10.0), t(16, 0), Instant::now());
         assert_eq!(spend(), Some((0, None)), "joined: 15 of 16 left");
         assert_eq!(
             c.spend_then("e", &ask(10.0), always, false),
@@ -316,8 +356,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_new_grant_joins_live_tokens_and_hands_back_stale_ones() {
         let c = Credits::default();
-        let (first, _, _) = c.keep("e", "k", &ask(10.0), 2, 1, Instant::now());
-        let (_, _, leftover) = c.keep("e", "k", &ask(10.0), 3, 1, Instant::now());
+        let (first, _, _) = c.keep("e", "k", &ask(10.0), t(2, 1), Instant::now());
+        let (_, _, leftover) = c.keep("e", "k", &ask(10.0), t(3, 1), Instant::now());
         assert_eq!(leftover, None);
         assert_eq!(
             c.expire("e", first),
@@ -330,11 +370,22 @@ mod tests {
         }
         assert_eq!(spent, 5);
         // A cooldown in between (another generation): the old ones go back, not along.
-        let (_, _, _) = c.keep("f", "k", &ask(10.0), 2, 1, Instant::now());
-        let (_, _, leftover) = c.keep("f", "k", &ask(10.0), 3, 2, Instant::now());
-        assert_eq!(leftover, Some((2, 1)));
+        let (_, _, _) = c.keep("f", "k", &ask(10.0), t(2, 1), Instant::now());
+        let (_, _, leftover) = c.keep("f", "k", &ask(10.0), t(3, 2), Instant::now());
+        assert_eq!(leftover, Some(t(2, 1)));
         c.drop_endpoint("f");
         assert_eq!(c.spend("f", &ask(10.0), always), None);
+        // Another hold (the script's ended before this grant): the old ones go back,
+        // naming their own hold, so the give-back lowers nothing of the new one's count.
+        let (_, _, _) = c.keep("h", "k", &ask(10.0), t(2, 1), Instant::now());
+        let new = Taken { hold: 5, ..t(3, 1) };
+        let (_, _, leftover) = c.keep("h", "k", &ask(10.0), new, Instant::now());
+        assert_eq!(leftover, Some(t(2, 1)));
+        let mut spent = 0;
+        while c.spend("h", &ask(10.0), always).is_some() {
+            spent += 1;
+        }
+        assert_eq!(spent, 3, "only the new hold's tokens are spent");
     }
 
     /// A cooldown announced after the call that took the tokens was sent stops them at
@@ -345,7 +396,7 @@ mod tests {
     async fn a_cooldown_announced_since_they_were_asked_for_stops_held_tokens() {
         let c = Credits::default();
         let first = Instant::now();
-        let (serial, _, _) = c.keep("e", "k", &ask(10.0), 3, 1, first);
+        let (serial, _, _) = c.keep("e", "k", &ask(10.0), t(3, 1), first);
         tokio::time::advance(Duration::from_millis(1)).await;
         let announced = Instant::now();
         let heard = |key: &str, since: Instant| {
@@ -357,7 +408,7 @@ mod tests {
             None,
             "announced after the call"
         );
-        let (_, _, leftover) = c.keep("e", "k", &ask(10.0), 2, 1, Instant::now());
+        let (_, _, leftover) = c.keep("e", "k", &ask(10.0), t(2, 1), Instant::now());
         assert_eq!(leftover, None, "joined, not handed back");
         assert_eq!(
             c.spend("e", &ask(10.0), heard),
@@ -367,13 +418,13 @@ mod tests {
         assert_eq!(c.expire("e", serial), None, "replaced by the joined grant");
         tokio::time::advance(Duration::from_millis(1)).await;
         let later = Instant::now();
-        let (serial, _, _) = c.keep("g", "k", &ask(10.0), 2, 1, later);
+        let (serial, _, _) = c.keep("g", "k", &ask(10.0), t(2, 1), later);
         assert!(later > announced);
         assert_eq!(
             c.spend("g", &ask(10.0), heard),
             Some(1),
             "asked for after it"
         );
-        assert_eq!(c.expire("g", serial), Some((1, 1)));
+        assert_eq!(c.expire("g", serial), Some(t(1, 1)));
     }
 }

@@ -30,6 +30,8 @@ use redis::{
 };
 use tokio::time::Instant;
 
+use super::credit::Taken;
+
 use super::batch::{self, Lanes};
 use super::bucket::{Ask, Outcome, View};
 use super::cooldowns::{CooldownWatch, follow};
@@ -521,19 +523,24 @@ impl Calls {
     /// One `acquire.lua` call deciding `asks` in order, as separate calls at one instant
     /// would. They share the first ask's rate, burst and recovery (one endpoint's policy).
     ///
-    /// `ahead`: tokens wanted ahead (`store.prefetch`); the second value is how many
-    /// the script handed out (see `lua/acquire.lua`), the third the bucket generation
-    /// they belong to. `policy` gives the rate, burst and recovery; with no asks, the
-    /// call only asks ahead (a top-up of tokens held ahead).
+    /// `ahead`: tokens wanted ahead (`store.prefetch`); the second value is what the
+    /// script handed out (see `lua/acquire.lua`): how many, the bucket generation they
+    /// (and the grants) belong to, and their hold. `policy` gives the rate, burst and
+    /// recovery; with no asks, the call only asks ahead (a top-up of tokens held ahead).
     pub(super) async fn acquire(
         &self,
         endpoint: &str,
         policy: &Ask,
         asks: &[Ask],
         ahead: u32,
-    ) -> Result<(Vec<Outcome>, u32, u64), StoreError> {
+    ) -> Result<(Vec<Outcome>, Taken), StoreError> {
         if asks.is_empty() && ahead == 0 {
-            return Ok((Vec::new(), 0, 0));
+            let none = Taken {
+                n: 0,
+                generation: 0,
+                hold: 0,
+            };
+            return Ok((Vec::new(), none));
         }
         let alone = self.alone.as_ref().filter(|_| ahead > 0);
         let mut inv = self.invocation(
@@ -555,13 +562,18 @@ impl Calls {
                 None => inv.arg(""),
             };
         }
-        let (outcomes, got, generation) = decisions(&self.run(inv).await?, asks.len())?;
+        let (outcomes, got, generation, hold) = decisions(&self.run(inv).await?, asks.len())?;
         if !(0.0..=f64::from(ahead)).contains(&got) {
             return Err(StoreError::Protocol(format!(
                 "acquire handed out {got} tokens ahead, {ahead} were asked"
             )));
         }
-        Ok((outcomes, got as u32, generation))
+        let taken = Taken {
+            n: got as u32,
+            generation,
+            hold,
+        };
+        Ok((outcomes, taken))
     }
 
     /// Runs one plain command (not a script), bounded and recorded like the scripts;
@@ -601,16 +613,15 @@ impl Calls {
         self.run::<Value>(inv).await.map(drop)
     }
 
-    /// Gives back `n` tokens taken ahead of `generation` and never spent.
+    /// Gives back tokens taken ahead and never spent.
     pub(super) async fn give_back_ahead(
         &self,
         endpoint: &str,
         ask: &Ask,
-        generation: u64,
-        n: u32,
+        left: Taken,
     ) -> Result<(), StoreError> {
         let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 3);
-        inv.arg(generation).arg(n).arg(1);
+        inv.arg(left.generation).arg(left.n).arg(left.hold);
         self.run::<Value>(inv).await.map(drop)
     }
 }
@@ -726,10 +737,10 @@ fn num(v: &Value) -> Result<f64, StoreError> {
         .ok_or_else(|| StoreError::Protocol(format!("script answered {v:?}, not a number")))
 }
 
-/// The answer of `lua/acquire.lua` for `n` asks, `"<generation> <ahead> <ask>..."`
+/// The answer of `lua/acquire.lua` for `n` asks, `"<generation> <ahead> <hold> <ask>..."`
 /// with one word per ask (`G`, `G<µs>`, `R<µs>`, `C<µs>`): the outcomes in order, the
-/// tokens taken ahead and the bucket's generation.
-fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64, u64), StoreError> {
+/// tokens taken ahead, the bucket's generation and the hold of the tokens ahead.
+fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64, u64, u64), StoreError> {
     let bad = || StoreError::Protocol(format!("unexpected acquire reply {v:?}"));
     let Value::BulkString(text) = v else {
         return Err(bad());
@@ -738,8 +749,9 @@ fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64, u64), StoreError
     let number = |w: Option<&[u8]>| w.and_then(whole).ok_or_else(bad);
     let generation = number(words.next())? as u64;
     let ahead = number(words.next())?;
+    let hold = number(words.next())? as u64;
     let mut outcomes = Vec::with_capacity(n);
-    // No asks (a top-up): the answer ends with the separator after `<ahead>`.
+    // No asks (a top-up): the answer ends with the separator after `<hold>`.
     for word in words.filter(|w| n > 0 || !w.is_empty()) {
         let (&kind, us) = word.split_first().ok_or_else(bad)?;
         let us = match (kind, us) {
@@ -761,7 +773,7 @@ fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64, u64), StoreError
     if outcomes.len() != n {
         return Err(bad());
     }
-    Ok((outcomes, ahead, generation))
+    Ok((outcomes, ahead, generation, hold))
 }
 
 /// A whole number as Lua writes one: digits, or an exponent form from 1e14 on.
@@ -926,9 +938,11 @@ mod tests {
     #[test]
     fn acquire_answers_are_read_in_order_and_checked() {
         let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        let (outcomes, ahead, generation) = decisions(&v("7 3 G G1500 R20 C1e+15"), 4).unwrap();
+        let (outcomes, ahead, generation, hold) =
+            decisions(&v("7 3 95012345678901 G G1500 R20 C1e+15"), 4).unwrap();
         assert_eq!(generation, 7);
         assert_eq!(ahead, 3.0);
+        assert_eq!(hold, 95_012_345_678_901);
         assert_eq!(
             outcomes,
             vec![
@@ -951,23 +965,27 @@ mod tests {
             ]
         );
         for bad in [
-            "7 0 G",
-            "7 0 G G G",
-            "7 0 X1 G",
-            "7 0 R G",
-            "7 0 G  G",
-            "7 0 G -5",
-            "7 0 Gx G",
-            "x 0 G G",
+            "7 0 0 G",
+            "7 0 0 G G G",
+            "7 0 0 X1 G",
+            "7 0 0 R G",
+            "7 0 0 G  G",
+            "7 0 0 G -5",
+            "7 0 0 Gx G",
+            "x 0 0 G G",
+            "7 0 G G",
             "7",
             "",
         ] {
             assert!(decisions(&v(bad), 2).is_err(), "{bad:?} accepted");
         }
         assert!(decisions(&Value::Array(vec![Value::Int(1)]), 1).is_err());
-        // A top-up (no asks): the generation and the tokens ahead, nothing else.
-        assert_eq!(decisions(&v("9 40 "), 0).unwrap(), (Vec::new(), 40.0, 9));
-        assert!(decisions(&v("9 40 G"), 0).is_err());
+        // A top-up (no asks): the generation, the tokens ahead and their hold, nothing else.
+        assert_eq!(
+            decisions(&v("9 40 12 "), 0).unwrap(),
+            (Vec::new(), 40.0, 9, 12)
+        );
+        assert!(decisions(&v("9 40 12 G"), 0).is_err());
     }
 
     /// Whole numbers go as integers, others keep every digit a float has.

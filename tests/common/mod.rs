@@ -246,10 +246,26 @@ pub fn assert_no_overdraw(times: &[Instant], rate: f64, burst: f64) {
             let n = (j - i) as f64;
             assert!(
                 n <= bound,
-                "{n} arrivals in a {w}s window (bound {bound}: rate {rate}, burst {burst})"
+                "{n} arrivals in a {w}s window (bound {bound}: rate {rate}, burst {burst}); \
+                 it starts at arrival {i}, {:?} after the first; arrivals from the first, \
+                 by 10 ms: {:?}",
+                t[i] - t[0],
+                by_10ms(&t)
             );
         }
     }
+}
+
+/// How many of the sorted `t` arrived in each 10 ms from the first, for the first 60.
+fn by_10ms(t: &[Instant]) -> Vec<usize> {
+    let mut counts = vec![0; 60];
+    for &at in t {
+        let slot = ((at - t[0]).as_millis() / 10) as usize;
+        if let Some(c) = counts.get_mut(slot) {
+            *c += 1;
+        }
+    }
+    counts
 }
 
 /// Sustained rate after the initial burst: (n - burst) / (last - first).
