@@ -256,8 +256,23 @@ pub fn assert_no_overdraw(times: &[Instant], rate: f64, burst: f64) {
     }
 }
 
+/// The most arrivals in any window of `w` seconds (for reports).
+pub fn most_in_window(times: &[Instant], w: f64) -> usize {
+    let mut t: Vec<Instant> = times.to_vec();
+    t.sort();
+    let win = Duration::from_secs_f64(w);
+    let (mut j, mut most) = (0, 0);
+    for i in 0..t.len() {
+        while j < t.len() && t[j] < t[i] + win {
+            j += 1;
+        }
+        most = most.max(j - i);
+    }
+    most
+}
+
 /// How many of the sorted `t` arrived in each 10 ms from the first, for the first 60.
-fn by_10ms(t: &[Instant]) -> Vec<usize> {
+pub fn by_10ms(t: &[Instant]) -> Vec<usize> {
     let mut counts = vec![0; 60];
     for &at in t {
         let slot = ((at - t[0]).as_millis() / 10) as usize;
