@@ -878,3 +878,54 @@ async fn tls_verifies_the_server_and_presents_the_client_certificate() {
         Outcome::Granted { .. }
     ));
 }
+
+/// `acquire.lua` straight on a Redis: a batch whose bucket has a token for every ask
+/// (the script's quick path) answers and takes exactly what as many one-ask calls do,
+/// a confirmation of the live generation taking nothing; a batch one token short goes
+/// the long way and answers the same as one-ask calls too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_decides_as_one_call_per_ask() {
+    let server = common::redis::RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let script = redis::Script::new(concat!(
+        include_str!("../lua/bucket.lua"),
+        include_str!("../lua/acquire.lua")
+    ));
+    // 1 token a second, burst 6: under a token of refill over the test.
+    let mut call = async |key: &str, asks: &[&str]| -> (String, f64) {
+        let mut inv = script.key(key);
+        inv.arg(1).arg(6).arg(0).arg(0).arg(0).arg("").arg(0);
+        for held in asks {
+            inv.arg(1_000_000).arg(*held);
+        }
+        let reply: String = inv.invoke_async(&mut conn).await.unwrap();
+        let tokens: f64 = redis::cmd("HGET")
+            .arg(key)
+            .arg("tk")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        (reply, tokens)
+    };
+    // Five asks, the third a confirmation of generation 0 (the live one): four tokens.
+    let asks = ["", "", "0", "", ""];
+    let (batch, left) = call("b{quick}", &asks).await;
+    assert_eq!(batch, "0 0 0 G G G G G");
+    let mut singles = Vec::new();
+    let mut single_left = 0.0;
+    for held in asks {
+        let (reply, tokens) = call("b{single}", &[held]).await;
+        singles.push(reply.rsplit(' ').next().unwrap().to_owned());
+        single_left = tokens;
+    }
+    assert_eq!(singles, ["G"; 5]);
+    assert!((left - 2.0).abs() < 0.01, "{left} tokens left, not 2");
+    assert!((single_left - left).abs() < 0.01, "{single_left} vs {left}");
+    // Three asks on two tokens: two now, the third waits about a second.
+    let (batch, _) = call("b{quick}", &["", "", ""]).await;
+    let words: Vec<&str> = batch.split(' ').skip(3).collect();
+    assert_eq!(&words[..2], ["G", "G"]);
+    let wait: f64 = words[2].strip_prefix('G').unwrap().parse().unwrap();
+    assert!((900_000.0..=1_000_000.0).contains(&wait), "{batch}");
+}
