@@ -12,7 +12,10 @@
 //! `rate × W + burst`, exactly as without prefetching.
 //!
 //! Tokens still unspent at the end are given back (`release.lua`), so a burst that stops
-//! loses nothing; tokens of an endpoint that answered 429 are dropped (its cooldown
+//! loses nothing. A give-back names the script's hold it belongs to ([`Taken::hold`]): one
+//! that arrives after its hold ended (a late timer on a busy replica) refunds its tokens
+//! but lowers no later hold's count, which would let the bucket refill past
+//! `burst − held`; tokens of an endpoint that answered 429 are dropped (its cooldown
 //! voids them anyway). A held token is spent only while the caller can vouch that no
 //! cooldown of its endpoint has started since its call was sent (on a single Redis: the
 //! cooldown notices heard, as for a waiter that slept; see `super::cooldowns`), so a

@@ -213,6 +213,11 @@ struct Alone {
     heartbeats: String,
     /// This replica's member there.
     replica: String,
+    /// The last heartbeat counted other live replicas: nothing is asked ahead until one
+    /// counts none, so while the store is shared its calls skip the script's check (two
+    /// sorted-set look-ups and a key each). The script still checks every call that
+    /// asks, so a replica that started since the last heartbeat is never missed.
+    others: std::sync::atomic::AtomicBool,
 }
 
 /// Buckets shared by every replica through Redis.
@@ -371,6 +376,7 @@ impl RedisStore {
                 Some(Alone {
                     heartbeats: replicas_key(&cfg.key_prefix),
                     replica: replica.clone(),
+                    others: std::sync::atomic::AtomicBool::new(false),
                 }),
             ),
         };
@@ -422,7 +428,13 @@ impl RedisStore {
         let key = self.replicas_key();
         let mut inv = ScriptCall::new(&self.calls.scripts.replicas, &[&key], 2);
         inv.arg(&self.replica).arg(ttl.as_millis() as u64);
-        self.calls.run::<usize>(inv).await
+        let live = self.calls.run::<usize>(inv).await?;
+        if let Some(alone) = &self.calls.alone {
+            alone
+                .others
+                .store(live > 1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(live)
     }
 
     /// This replica's id in the heartbeat set (random per process).
@@ -534,6 +546,11 @@ impl Calls {
         asks: &[Ask],
         ahead: u32,
     ) -> Result<(Vec<Outcome>, Taken), StoreError> {
+        let shared = self
+            .alone
+            .as_ref()
+            .is_some_and(|a| a.others.load(std::sync::atomic::Ordering::Relaxed));
+        let ahead = if shared { 0 } else { ahead };
         if asks.is_empty() && ahead == 0 {
             let none = Taken {
                 n: 0,

@@ -646,10 +646,16 @@ impl Monitor {
 
 /// Calls of any script (`EVALSHA`) `server` has run so far, from `INFO commandstats`.
 pub fn evalsha_calls(server: &RedisServer) -> u64 {
+    command_calls(server, "evalsha")
+}
+
+/// How many times `server` ran `command` (lower case), scripts' commands included.
+pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
     let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
     stats
         .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .and_then(|l| l.split(',').next())
         .map_or(0, |n| n.parse().unwrap())
 }
