@@ -481,12 +481,8 @@ async fn by_default_a_burst_split_across_replicas_passes_at_once() {
 #[tokio::test]
 async fn a_call_with_no_asks_takes_tokens_ahead_down_to_half_the_burst() {
     let server = common::redis::RedisServer::start();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let script = redis::Script::new(concat!(
-        include_str!("../lua/bucket.lua"),
-        include_str!("../lua/acquire.lua")
-    ));
+    let mut conn = common::redis::connection(&server).await;
+    let script = common::redis::acquire_script();
     // rate 1/s, burst 100: under a token of refill between the calls.
     let mut top_up = async |ahead: u32| -> String {
         script
@@ -533,16 +529,9 @@ async fn a_call_with_no_asks_takes_tokens_ahead_down_to_half_the_burst() {
 async fn a_late_give_back_lowers_no_later_hold() {
     let server = common::redis::RedisServer::start();
     let s = store(&server, Prefetch::On).await;
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let acquire = redis::Script::new(concat!(
-        include_str!("../lua/bucket.lua"),
-        include_str!("../lua/acquire.lua")
-    ));
-    let release = redis::Script::new(concat!(
-        include_str!("../lua/bucket.lua"),
-        include_str!("../lua/release.lua")
-    ));
+    let mut conn = common::redis::connection(&server).await;
+    let acquire = common::redis::acquire_script();
+    let release = common::redis::release_script();
     // 1 000 tokens/s, burst 100: a full refill within a tenth of a second.
     let (rate, burst) = (1_000.0, 100.0);
     let ask = Ask::new(&policy(rate, burst), 0.0, None);
@@ -581,7 +570,7 @@ async fn a_late_give_back_lowers_no_later_hold() {
     assert_eq!(second, 10);
     assert_ne!(first_hold, second_hold, "a new hold");
     // The first call's 20, never spent, given back late, naming their hold.
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = common::redis::connection(&server).await;
     let refunded: i64 = release
         .key(key)
         .arg(rate)

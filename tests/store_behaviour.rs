@@ -886,12 +886,8 @@ async fn tls_verifies_the_server_and_presents_the_client_certificate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_decides_as_one_call_per_ask() {
     let server = common::redis::RedisServer::start();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let script = redis::Script::new(concat!(
-        include_str!("../lua/bucket.lua"),
-        include_str!("../lua/acquire.lua")
-    ));
+    let mut conn = common::redis::connection(&server).await;
+    let script = common::redis::acquire_script();
     // 1 token a second, burst 6: under a token of refill over the test.
     let mut call = async |key: &str, asks: &[&str]| -> (String, f64) {
         let mut inv = script.key(key);

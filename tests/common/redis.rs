@@ -660,18 +660,38 @@ pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
         .map_or(0, |n| n.parse().unwrap())
 }
 
+/// `lua/acquire.lua` as sluice sends it (after the bucket prelude), to call directly.
+pub fn acquire_script() -> redis::Script {
+    redis::Script::new(concat!(
+        include_str!("../../lua/bucket.lua"),
+        include_str!("../../lua/acquire.lua")
+    ))
+}
+
+/// `lua/release.lua` as sluice sends it.
+pub fn release_script() -> redis::Script {
+    redis::Script::new(concat!(
+        include_str!("../../lua/bucket.lua"),
+        include_str!("../../lua/release.lua")
+    ))
+}
+
+/// A connection of the test's own to `server`, to call scripts and commands directly.
+pub async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
 /// What `acquire.lua` calls asked Redis, from a MONITOR log:
 /// `(reservations, confirmations, script calls)`. A call is `EVALSHA <acquire sha> <n>
 /// <n keys> rate burst recovery ahead ahead_us replica ttl` followed by one `budget held` pair per ask
 /// (several when concurrent asks were batched); a confirmation carries a held
 /// generation, a reservation `""`.
 pub fn acquires(monitor: &str) -> (usize, usize, usize) {
-    let sha = redis::Script::new(concat!(
-        include_str!("../../lua/bucket.lua"),
-        include_str!("../../lua/acquire.lua")
-    ))
-    .get_hash()
-    .to_owned();
+    let sha = acquire_script().get_hash().to_owned();
     let quoted = format!("\"{sha}\"");
     let mut calls = (0, 0, 0);
     for line in monitor.lines().filter(|l| !l.contains("lua]")) {
