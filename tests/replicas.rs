@@ -354,12 +354,6 @@ async fn three_replicas_taking_tokens_ahead_never_overdraw() {
         sent,
         "every granted request arrived exactly once"
     );
-    println!(
-        "most in 0.25 s: {} (bound {}); by 10 ms: {:?}",
-        common::most_in_window(&times, 0.25),
-        rate * 0.25 + burst,
-        common::by_10ms(&times)
-    );
     assert_no_overdraw(&times, rate, burst);
     let achieved = sustained_rate(&times, burst as usize);
     eprintln!(
@@ -414,12 +408,6 @@ async fn a_lone_replica_takes_tokens_ahead_until_another_starts() {
         times.len(),
         sent,
         "every granted request arrived exactly once"
-    );
-    println!(
-        "most in 0.25 s: {} (bound {}); by 10 ms: {:?}",
-        common::most_in_window(&times, 0.25),
-        rate * 0.25 + burst,
-        common::by_10ms(&times)
     );
     assert_no_overdraw(&times, rate, burst);
     let achieved = sustained_rate(&times, burst as usize);
