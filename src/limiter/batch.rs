@@ -498,6 +498,15 @@ async fn give_back(calls: &Calls, endpoint: &str, ask: &Ask, outcome: Outcome) {
 mod tests {
     use super::*;
 
+    /// `n` tokens ahead of `generation`, in hold 0.
+    fn taken(n: u32, generation: u64) -> Taken {
+        Taken {
+            n,
+            generation,
+            hold: 0,
+        }
+    }
+
     /// With prefetch, a batch asks ahead only while cooldown notices can stop what it
     /// takes (a single Redis whose subscription is up), or where there are none to wait
     /// for (cluster, sentinel).
@@ -524,11 +533,7 @@ mod tests {
                 "e",
                 "k",
                 &ask(0.0),
-                Taken {
-                    n: 4,
-                    generation: 1,
-                    hold: 0,
-                },
+                taken(4, 1),
                 tokio::time::Instant::now(),
             );
             for _ in 0..2 {
@@ -589,11 +594,7 @@ mod tests {
             "e",
             "k",
             &ask(0.0),
-            Taken {
-                n: 2,
-                generation: 9,
-                hold: 0,
-            },
+            taken(2, 9),
             tokio::time::Instant::now(),
         );
         // ... while three more requests arrived: they queue behind the call in flight.
@@ -620,11 +621,7 @@ mod tests {
             "e",
             "k",
             &ask(0.0),
-            Taken {
-                n: 1,
-                generation: 9,
-                hold: 0,
-            },
+            taken(1, 9),
             tokio::time::Instant::now(),
         );
         assert!(lanes.next("e").is_none());
