@@ -68,7 +68,7 @@ struct Held {
 
 /// Tokens taken ahead by one call, or left over to give back: how many, the bucket
 /// generation and the hold they belong to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Taken {
     /// How many.
     pub(super) n: u32,

@@ -17,6 +17,7 @@
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use base64::Engine;
@@ -217,7 +218,7 @@ struct Alone {
     /// counts none, so while the store is shared its calls skip the script's check (two
     /// sorted-set look-ups and a key each). The script still checks every call that
     /// asks, so a replica that started since the last heartbeat is never missed.
-    others: std::sync::atomic::AtomicBool,
+    others: AtomicBool,
 }
 
 /// Buckets shared by every replica through Redis.
@@ -376,7 +377,7 @@ impl RedisStore {
                 Some(Alone {
                     heartbeats: replicas_key(&cfg.key_prefix),
                     replica: replica.clone(),
-                    others: std::sync::atomic::AtomicBool::new(false),
+                    others: AtomicBool::new(false),
                 }),
             ),
         };
@@ -430,9 +431,7 @@ impl RedisStore {
         inv.arg(&self.replica).arg(ttl.as_millis() as u64);
         let live = self.calls.run::<usize>(inv).await?;
         if let Some(alone) = &self.calls.alone {
-            alone
-                .others
-                .store(live > 1, std::sync::atomic::Ordering::Relaxed);
+            alone.others.store(live > 1, Ordering::Relaxed);
         }
         Ok(live)
     }
@@ -549,15 +548,10 @@ impl Calls {
         let shared = self
             .alone
             .as_ref()
-            .is_some_and(|a| a.others.load(std::sync::atomic::Ordering::Relaxed));
+            .is_some_and(|a| a.others.load(Ordering::Relaxed));
         let ahead = if shared { 0 } else { ahead };
         if asks.is_empty() && ahead == 0 {
-            let none = Taken {
-                n: 0,
-                generation: 0,
-                hold: 0,
-            };
-            return Ok((Vec::new(), none));
+            return Ok((Vec::new(), Taken::default()));
         }
         let alone = self.alone.as_ref().filter(|_| ahead > 0);
         let mut inv = self.invocation(
