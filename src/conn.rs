@@ -180,7 +180,7 @@ pub async fn serve<I, S, B>(
         // first head from the start, as if its first byte had come: a sender that
         // connects and says nothing holds its place under `max_connections` no longer
         // than one that trickles.
-        activity.head.store(true, Ordering::Relaxed);
+        activity.expect_head();
         let idle = activity.watch(timeouts.idle, Some(timeouts.header_read));
         let mut builder = http1::Builder::new();
         if writes == Writes::Flat {
@@ -198,19 +198,39 @@ pub async fn serve<I, S, B>(
 }
 
 /// Runs a served connection until it ends on its own (sender closed, error), goes idle,
-/// or shutdown begins; then `graceful` asks it to finish its in-flight work, and it is
-/// awaited.
+/// or shutdown asks it to finish; logs how it ended.
+async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
+    conn: C,
+    graceful: impl FnOnce(Pin<&mut C>),
+    idle: impl Future<Output = Quiet> + Send + 'static,
+    shutdown: watch::Receiver<bool>,
+) {
+    match watched(conn, graceful, idle, shutdown).await {
+        Err(Quiet::Idle) => tracing::debug!("closing idle connection"),
+        Err(Quiet::SlowHead) => {
+            tracing::debug!("closing connection: request head not finished in time")
+        }
+        Ok(Err(e)) => tracing::debug!(error = %e, "connection ended with an error"),
+        Ok(Ok(())) => {}
+    }
+}
+
+/// Runs `conn` until it ends on its own, goes idle ([`Quiet::Idle`]: it is dropped), or
+/// takes too long over a request head ([`Quiet::SlowHead`]: dropped, nothing of it was
+/// forwarded, and the connection closes without an answer, as nginx does at
+/// `client_header_timeout`). When shutdown begins, `graceful` asks it to finish its
+/// in-flight work, and it is awaited.
 ///
 /// Idleness and shutdown are watched by a task of their own, which raises a flag: the
 /// connection's task, woken for every read and write, then looks at one atomic instead
 /// of polling a timer and a watch channel each time (about 600 instructions per
 /// request, docs/BENCHMARKS.md).
-async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
+pub(crate) async fn watched<C: Future>(
     conn: C,
     graceful: impl FnOnce(Pin<&mut C>),
     idle: impl Future<Output = Quiet> + Send + 'static,
     mut shutdown: watch::Receiver<bool>,
-) {
+) -> Result<C::Output, Quiet> {
     let stop = Arc::new(Stop::default());
     let watcher = tokio::spawn({
         let stop = Arc::clone(&stop);
@@ -229,15 +249,11 @@ async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
     let _watcher = AbortOnDrop(watcher);
     tokio::pin!(conn);
     let mut graceful = Some(graceful);
-    let result = std::future::poll_fn(|cx| {
+    std::future::poll_fn(|cx| {
         stop.waker.register(cx.waker());
         match stop.flag.load(Ordering::Acquire) {
-            // Quiet for too long with nothing in flight: nothing is lost by closing.
-            Stop::IDLE => return Poll::Ready(None),
-            // A head begun and not finished in time (a trickling or stalled sender):
-            // nothing of it was forwarded, and the connection is closed without an
-            // answer, as nginx does at `client_header_timeout`.
-            Stop::SLOW_HEAD => return Poll::Ready(Some(Err(Ended::SlowHead))),
+            Stop::IDLE => return Poll::Ready(Err(Quiet::Idle)),
+            Stop::SLOW_HEAD => return Poll::Ready(Err(Quiet::SlowHead)),
             Stop::DOWN => {
                 if let Some(g) = graceful.take() {
                     g(conn.as_mut());
@@ -245,27 +261,9 @@ async fn drive<C: Future<Output = Result<(), hyper::Error>>>(
             }
             _ => {}
         }
-        conn.as_mut()
-            .poll(cx)
-            .map(|r| Some(r.map_err(Ended::Hyper)))
+        conn.as_mut().poll(cx).map(Ok)
     })
-    .await;
-    match result {
-        None => tracing::debug!("closing idle connection"),
-        Some(Err(Ended::SlowHead)) => {
-            tracing::debug!("closing connection: request head not finished in time")
-        }
-        Some(Err(Ended::Hyper(e))) => tracing::debug!(error = %e, "connection ended with an error"),
-        Some(Ok(())) => {}
-    }
-}
-
-/// Why a served connection ended before its sender closed it.
-enum Ended {
-    /// A request head was begun and not finished within the header-read timeout.
-    SlowHead,
-    /// hyper gave up on the connection.
-    Hyper(hyper::Error),
+    .await
 }
 
 /// Why [`Activity::watch`] says a connection should close.
@@ -334,9 +332,15 @@ impl Activity {
         self.moved.store(true, Ordering::Relaxed);
     }
 
+    /// Counts a head as arriving from now (a new connection owes its first head from
+    /// the start, as if its first byte had come).
+    pub(crate) fn expect_head(&self) {
+        self.head.store(true, Ordering::Relaxed);
+    }
+
     /// Records bytes read from the sender: activity, and the start of a head when no
     /// request is in flight.
-    fn read(&self) {
+    pub(crate) fn read(&self) {
         self.touch();
         if self.in_flight.load(Ordering::Relaxed) == 0 && !self.head.load(Ordering::Relaxed) {
             self.head.store(true, Ordering::Relaxed);
@@ -541,7 +545,8 @@ impl<F: Future> Future for CountedFuture<F> {
 pub struct InFlight(Arc<Activity>);
 
 impl InFlight {
-    fn enter(a: Arc<Activity>) -> InFlight {
+    /// Counts a request whose head is whole as in flight on `a`'s connection.
+    pub(crate) fn enter(a: Arc<Activity>) -> InFlight {
         a.in_flight.fetch_add(1, Ordering::Relaxed);
         // The head is whole: it reached the service.
         a.heads.fetch_add(1, Ordering::Relaxed);

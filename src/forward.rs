@@ -354,6 +354,17 @@ impl Forwarder {
             .store(Arc::new(pool(&self.tls, self.timeout, &self.policy)));
     }
 
+    /// How long a request may wait for its response head (`upstream_timeout`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Bumped by every destination policy change: a connection opened under an older
+    /// one is not reused.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
     /// The destination policy in force.
     pub fn policy(&self) -> Arc<DestinationPolicy> {
         self.policy.load_full()
@@ -678,7 +689,7 @@ pub fn strip_hop_by_hop_and(h: &mut HeaderMap, also: &[&HeaderName]) {
 
 /// Where `name` is in [`HOP_BY_HOP`]: a `match` on the text, half the instructions of
 /// comparing `HeaderName`s one by one.
-fn hop_by_hop_index(name: &str) -> Option<usize> {
+pub(crate) fn hop_by_hop_index(name: &str) -> Option<usize> {
     Some(match name {
         "connection" => 0,
         "te" => 1,

@@ -194,10 +194,10 @@ pub struct Who {
 
 /// A validated request target.
 #[derive(Debug, Clone)]
-struct Target {
+pub(crate) struct Target {
     /// Normalised host (lowercase, no trailing dot, IPv6 without brackets).
-    host: String,
-    port: u16,
+    pub(crate) host: String,
+    pub(crate) port: u16,
 }
 
 impl Target {
@@ -256,7 +256,7 @@ struct Asking<'a> {
 }
 
 /// A request admitted to leave.
-struct Admitted {
+pub(crate) struct Admitted {
     ep: Resolved,
     label: EndpointLabel,
     grant: Grant,
@@ -269,7 +269,7 @@ struct Admitted {
 }
 
 /// A refusal, with the label it is counted under (when the endpoint is known).
-struct Refused {
+pub(crate) struct Refused {
     label: Option<EndpointLabel>,
     error: ProxyError,
 }
@@ -303,7 +303,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
 }
 
 /// Counts, logs and renders a refusal or failure.
-fn refuse(app: &App, r: Refused, peer: SocketAddr, method: &str, trace: &Trace) -> Response<Body> {
+pub(crate) fn refuse(app: &App, r: Refused, peer: SocketAddr, method: &str, trace: &Trace) -> Response<Body> {
     let label = r.label.unwrap_or_else(|| app.metrics.other());
     app.metrics.outcome(&label, r.error.reason());
     decision::refused(peer, method, trace, &r.error);
@@ -549,39 +549,7 @@ async fn forward_request(
     conn: &Conn,
     trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
-    let rt = app.runtime.load_full();
-    // The request is edited in place: taken apart and put back together, it would be
-    // copied twice.
-    let uri = target_uri(req.uri(), conn.tunnel.as_ref())?;
-    let default_port = if uri.scheme() == Some(&Scheme::HTTPS) {
-        443
-    } else {
-        80
-    };
-    let authority = uri
-        .authority()
-        .ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
-    let target = conn.target.of(authority, default_port)?;
-    trace.destination = uri.authority().cloned();
-    // Only a name with several values can be a second Host: counting names against
-    // values costs nothing, a lookup hashes the name.
-    let h = req.headers();
-    if h.len() != h.keys_len() && h.get_all(HOST).iter().count() > 1 {
-        return Err(ProxyError::BadRequest("more than one Host header".into()).into());
-    }
-    let who = identify(&rt, req.headers(), conn).await?;
-    trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
-    let ask = Asking {
-        headers: req.headers(),
-        who: &who,
-        target: &target,
-        path: uri.path(),
-        resolve_dns: false,
-        peer: conn.peer.ip(),
-        last: &conn.endpoint,
-    };
-    let admitted = admission(app, &rt, ask, trace).await?;
-
+    let (rt, uri, _target, admitted) = admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
     let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
     strip_hop_by_hop_and(req.headers_mut(), &own);
     // The upstream's Host comes from the target we checked, never from the sender:
@@ -599,7 +567,68 @@ async fn forward_request(
         }
     };
     trace.upstream = Some(sent.elapsed());
-    trace.status = Some(resp.status().as_u16());
+    let slot = answered(app, admitted, resp.status(), resp.headers(), trace).await;
+    let mut resp = resp;
+    strip_hop_by_hop(resp.headers_mut());
+    strip_sluice_headers(resp.headers_mut());
+    Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot))))
+}
+
+/// Steps 1–6 of the module doc for a request that is forwarded (not a CONNECT): the
+/// target checked, the sender identified, the request admitted. Returns the
+/// configuration it was admitted under, the absolute URI to forward to and its checked
+/// target. Both HTTP engines (hyper's, and the plain lane of [`crate::lane`]) call it.
+pub(crate) async fn admit_plain(
+    app: &App,
+    uri: &Uri,
+    headers: &HeaderMap,
+    conn: &Conn,
+    trace: &mut Trace,
+) -> Result<(Arc<Runtime>, Uri, Arc<Target>, Admitted), Refused> {
+    let rt = app.runtime.load_full();
+    let uri = target_uri(uri, conn.tunnel.as_ref())?;
+    let default_port = if uri.scheme() == Some(&Scheme::HTTPS) {
+        443
+    } else {
+        80
+    };
+    let authority = uri
+        .authority()
+        .ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
+    let target = conn.target.of(authority, default_port)?;
+    trace.destination = uri.authority().cloned();
+    // Only a name with several values can be a second Host: counting names against
+    // values costs nothing, a lookup hashes the name.
+    if headers.len() != headers.keys_len() && headers.get_all(HOST).iter().count() > 1 {
+        return Err(ProxyError::BadRequest("more than one Host header".into()).into());
+    }
+    let who = identify(&rt, headers, conn).await?;
+    trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
+    let ask = Asking {
+        headers,
+        who: &who,
+        target: &target,
+        path: uri.path(),
+        resolve_dns: false,
+        peer: conn.peer.ip(),
+        last: &conn.endpoint,
+    };
+    let admitted = admission(app, &rt, ask, trace).await?;
+    Ok((rt, uri, target, admitted))
+}
+
+/// The upstream answered an admitted request: counts and traces the answer, and feeds
+/// it to the endpoint's adaptive state when it carries something (429s, 503 +
+/// `Retry-After`, quota headers). Returns the in-flight slot, to hold until the
+/// response body ends.
+pub(crate) async fn answered(
+    app: &App,
+    admitted: Admitted,
+    status: StatusCode,
+    headers: &HeaderMap,
+    trace: &mut Trace,
+) -> Option<Slot> {
+    trace.status = Some(status.as_u16());
     trace.outcome = admitted.outcome;
     let Admitted {
         ep,
@@ -608,29 +637,18 @@ async fn forward_request(
         slot,
         ..
     } = admitted;
-    app.metrics.upstream_code(&label, resp.status().as_u16());
+    app.metrics.upstream_code(&label, status.as_u16());
     app.metrics.outcome(&label, outcome);
-    let worth_reading = adapt::worth_reading(resp.status(), resp.headers());
-    if let (Some(adaptive), true) = (ep.policy.adaptive, worth_reading) {
-        let observing = Box::pin(observe(
-            app,
-            &ep,
-            &label,
-            &adaptive,
-            resp.status(),
-            resp.headers(),
-        ));
+    if let (Some(adaptive), true) = (ep.policy.adaptive, adapt::worth_reading(status, headers)) {
+        let observing = Box::pin(observe(app, &ep, &label, &adaptive, status, headers));
         observing.await;
     }
-    let mut resp = resp;
-    strip_hop_by_hop(resp.headers_mut());
-    strip_sluice_headers(resp.headers_mut());
-    Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot))))
+    slot
 }
 
 /// A send that failed after admission: when no whole request left (the resolved address
 /// was refused, or the sender's own body was malformed), the token goes back.
-async fn after_admission(app: &App, a: &Admitted, e: ForwardError) -> Refused {
+pub(crate) async fn after_admission(app: &App, a: &Admitted, e: ForwardError) -> Refused {
     let nothing_whole_left = matches!(e, ForwardError::Denied(_) | ForwardError::SenderBody(_));
     if nothing_whole_left && a.grant.generation != NO_TOKEN {
         app.limiter.refund(&a.ep.id, &a.ep.policy, a.grant).await;

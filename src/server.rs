@@ -82,6 +82,10 @@ async fn accept_proxy(
         idle: cfg.proxy.idle_timeout,
     };
     let open = app.metrics.connections.clone();
+    let lane = crate::lane::enabled();
+    if !lane {
+        tracing::info!("SLUICE_PLAIN_LANE=0: every sender connection is served by hyper");
+    }
     accept_loop(
         app,
         listener,
@@ -102,18 +106,17 @@ async fn accept_proxy(
                 target: Default::default(),
             });
             let signal = app.lifecycle.signal();
-            let svc = service_fn(move |req| {
-                let (a, c) = (Arc::clone(&app), Arc::clone(&conn));
-                async move { Ok::<_, Infallible>(crate::proxy::handle(a, req, c).await) }
-            });
-            serve(
-                TokioIo::new(stream),
-                svc,
-                Version::HTTP_11,
-                timeouts,
-                Writes::Flat,
-                signal,
-            )
+            async move {
+                if lane {
+                    return crate::lane::serve(app, stream, conn, timeouts, signal).await;
+                }
+                let svc = service_fn(move |req| {
+                    let (a, c) = (Arc::clone(&app), Arc::clone(&conn));
+                    async move { Ok::<_, Infallible>(crate::proxy::handle(a, req, c).await) }
+                });
+                let io = TokioIo::new(stream);
+                serve(io, svc, Version::HTTP_11, timeouts, Writes::Flat, signal).await
+            }
         },
     )
     .await

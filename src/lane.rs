@@ -1,0 +1,1062 @@
+//! The plain lane: sluice's own HTTP/1.1 engine for the request a forward proxy sees
+//! most — an absolute-form `http://` request, HTTP/1.1, with no body or a
+//! `Content-Length` one, on a kept-alive sender connection.
+//!
+//! Heads are parsed with `httparse` (the parser hyper itself uses); the request goes out
+//! on the sender connection's own upstream connection, written and read in the
+//! connection's task; the response head is rewritten (hop-by-hop and `X-Sluice-*`
+//! headers removed) and its body is copied as it comes, framed by its `Content-Length`,
+//! by its chunked framing (scanned, never re-encoded), or by the upstream closing.
+//! Admission, 429 feedback, metrics and the decision log are the ones every other form
+//! of request goes through ([`crate::proxy::admit_plain`], [`crate::proxy::answered`]).
+//! It costs about a third of the CPU of the same hop through hyper's server and client
+//! (docs/BENCHMARKS.md).
+//!
+//! Anything else hands the connection, with the bytes read so far, to hyper
+//! ([`crate::conn::serve`]) for the rest of its life, before any of that request is
+//! acted on: HTTP/1.0, CONNECT, origin-form and `https://` targets, chunked or
+//! upgrading requests, `Expect`, `Connection` options, a second `Content-Length` or
+//! `Host`, header bytes hyper's types refuse, more than [`MAX_HEADERS`] headers, a head
+//! over [`MAX_HEAD_BYTES`] or one `httparse` rejects. So every unusual request gets
+//! hyper's handling and answers exactly as before, and the lane only ever sees requests
+//! whose framing is unambiguous.
+//!
+//! `SLUICE_PLAIN_LANE=0` in the environment turns the lane off (every connection is
+//! hyper's): an operator's escape hatch, and the A/B of `bench/http.sh`.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{CONNECTION, CONTENT_LENGTH, EXPECT, HOST, TRANSFER_ENCODING, UPGRADE};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version};
+use http_body_util::BodyExt;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::time::{Instant, Sleep};
+
+use crate::conn::{Activity, InFlight, MAX_HEAD_BYTES, Quiet, Timeouts, Writes, watched};
+use crate::core::App;
+use crate::decision::{self, Trace};
+use crate::forward::{ForwardError, hop_by_hop_index};
+use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
+
+/// Most headers a request or response head may have in the lane (hyper's own limit);
+/// a request with more is handed to hyper, which answers 431.
+pub const MAX_HEADERS: usize = 100;
+
+/// Whether the lane serves plain requests (`SLUICE_PLAIN_LANE=0` turns it off); read
+/// once, at start-up.
+pub fn enabled() -> bool {
+    std::env::var("SLUICE_PLAIN_LANE").map_or(true, |v| v != "0")
+}
+
+/// Serves one sender connection: plain requests in the lane, and the whole connection
+/// by hyper from the first request that is not plain.
+pub async fn serve(
+    app: Arc<App>,
+    stream: TcpStream,
+    conn: Arc<Conn>,
+    timeouts: Timeouts,
+    shutdown: watch::Receiver<bool>,
+) {
+    let activity = Activity::new();
+    activity.expect_head();
+    let idle = Arc::clone(&activity).watch(timeouts.idle, Some(timeouts.header_read));
+    let timer = Box::pin(tokio::time::sleep(Duration::ZERO));
+    let mut lane = Lane {
+        app,
+        conn,
+        stream,
+        activity,
+        inb: BytesMut::with_capacity(8192),
+        out: Vec::with_capacity(1024),
+        up: None,
+        timer,
+    };
+    let closing = AtomicBool::new(false);
+    let ended = watched(
+        lane.run(&closing),
+        |_| closing.store(true, Ordering::Relaxed),
+        idle,
+        shutdown.clone(),
+    )
+    .await;
+    let pre = match ended {
+        Ok(Ok(Some(pre))) => pre,
+        Ok(Ok(None)) => return,
+        Ok(Err(e)) => return tracing::debug!(error = %e, "connection ended with an error"),
+        Err(Quiet::Idle) => return tracing::debug!("closing idle connection"),
+        Err(Quiet::SlowHead) => {
+            return tracing::debug!("closing connection: request head not finished in time");
+        }
+    };
+    let Lane {
+        app, conn, stream, ..
+    } = lane;
+    let io = Rewind {
+        pre,
+        inner: TokioIo::new(stream),
+    };
+    let svc = service_fn(move |req| {
+        let (a, c) = (Arc::clone(&app), Arc::clone(&conn));
+        async move { Ok::<_, Infallible>(proxy::handle(a, req, c).await) }
+    });
+    crate::conn::serve(io, svc, Version::HTTP_11, timeouts, Writes::Flat, shutdown).await;
+}
+
+/// One sender connection in the lane.
+struct Lane {
+    app: Arc<App>,
+    conn: Arc<Conn>,
+    stream: TcpStream,
+    activity: Arc<Activity>,
+    /// Bytes read from the sender and not yet used.
+    inb: BytesMut,
+    /// The next bytes to write (a head, and the body bytes that came with it).
+    out: Vec<u8>,
+    /// The connection's own upstream connection, between requests.
+    up: Option<Upstream>,
+    /// The upstream timeout, set again for each request (one timer per connection).
+    timer: Pin<Box<Sleep>>,
+}
+
+/// A kept-alive upstream connection.
+struct Upstream {
+    /// The request authority it was opened for, byte for byte.
+    authority: Box<str>,
+    /// The destination policy generation it was checked under.
+    generation: u64,
+    stream: TcpStream,
+    /// Bytes read from it and not yet used.
+    buf: BytesMut,
+    /// The `Host` its requests carry.
+    host: Box<str>,
+    /// When its last response ended.
+    used: Instant,
+}
+
+/// A plain request's head, parsed.
+struct Head {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    /// Length of the head in bytes.
+    len: usize,
+    /// Its `Content-Length` (0 without one).
+    body: u64,
+}
+
+/// What the sender's bytes hold next.
+enum Next {
+    Head(Head),
+    /// Not the lane's: hyper serves the connection from here.
+    Handoff,
+    /// The sender closed, or shutdown began between requests.
+    Closed,
+}
+
+/// Why an exchange did not complete.
+enum Failure {
+    /// Answered by sluice (refused, or the upstream failed before its head came);
+    /// `clean` when nothing of the request's body was read yet.
+    Refused(Refused, bool),
+    /// The connection is cut (the response had begun, or the sender is gone).
+    Io(io::Error),
+}
+
+impl Lane {
+    /// Serves requests until the sender closes, shutdown asks the connection to finish,
+    /// or a request is not the lane's: then the bytes read of it, for hyper.
+    async fn run(&mut self, closing: &AtomicBool) -> io::Result<Option<Bytes>> {
+        loop {
+            let head = match self.next_head(closing).await? {
+                Next::Head(h) => h,
+                Next::Handoff => return Ok(Some(self.inb.split().freeze())),
+                Next::Closed => return Ok(None),
+            };
+            if !self.exchange(head).await? || closing.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Reads until a whole head is there (or it is not one the lane serves).
+    async fn next_head(&mut self, closing: &AtomicBool) -> io::Result<Next> {
+        loop {
+            if !self.inb.is_empty() {
+                match parse_request(&self.inb) {
+                    Parsed::Partial if self.inb.len() >= MAX_HEAD_BYTES => {
+                        return Ok(Next::Handoff);
+                    }
+                    Parsed::Partial => {}
+                    Parsed::Handoff => return Ok(Next::Handoff),
+                    Parsed::Head(h) => return Ok(Next::Head(h)),
+                }
+            }
+            let (inb, stream) = (&mut self.inb, &self.stream);
+            let n = std::future::poll_fn(|cx| {
+                if inb.is_empty() && closing.load(Ordering::Relaxed) {
+                    return Poll::Ready(Ok(0));
+                }
+                poll_read(stream, inb, cx)
+            })
+            .await?;
+            if n == 0 {
+                return Ok(Next::Closed);
+            }
+            self.activity.read();
+        }
+    }
+
+    /// One request and its response. Whether the connection can carry another.
+    async fn exchange(&mut self, head: Head) -> io::Result<bool> {
+        self.inb.advance(head.len);
+        let in_flight = InFlight::enter(Arc::clone(&self.activity));
+        let mut trace = Trace::default();
+        match self.forward(&head, &mut trace, in_flight).await {
+            Ok(keep) => {
+                let log = self.app.runtime.load().config.log;
+                let (app, peer) = (&self.app, self.conn.peer);
+                decision::forwarded(&log, &app.sampler, peer, head.method.as_str(), &trace);
+                Ok(keep)
+            }
+            Err(Failure::Refused(r, clean)) => {
+                let peer = self.conn.peer;
+                let resp = proxy::refuse(&self.app, r, peer, head.method.as_str(), &trace);
+                let answering = Box::pin(self.refusal(resp, clean.then_some(head.body)));
+                answering.await
+            }
+            Err(Failure::Io(e)) => Err(e),
+        }
+    }
+
+    /// Admits, sends and relays one request. Whether the connection can carry another.
+    async fn forward(
+        &mut self,
+        head: &Head,
+        trace: &mut Trace,
+        in_flight: InFlight,
+    ) -> Result<bool, Failure> {
+        let app = Arc::clone(&self.app);
+        let admitting = proxy::admit_plain(&app, &head.uri, &head.headers, &self.conn, trace);
+        let (rt, uri, target, admitted) = admitting
+            .await
+            .map_err(|r| Failure::Refused(r, true))?;
+        let fail = |e: ForwardError, clean: bool| {
+            let app = &app;
+            let admitted = &admitted;
+            async move {
+                let failing = Box::pin(proxy::after_admission(app, admitted, e));
+                Failure::Refused(failing.await, clean)
+            }
+        };
+        let authority = uri.authority().map_or("", |a| a.as_str());
+        let generation = app.forwarder.generation();
+        let kept = self.up.take().filter(|u| {
+            u.generation == generation && *u.authority == *authority && still_open(u)
+        });
+        let mut up = match kept {
+            Some(u) => u,
+            None => match Box::pin(open(&app, &target.host, target.port, authority)).await {
+                Ok(u) => u,
+                Err(e) => return Err(fail(e, true).await),
+            },
+        };
+        up.generation = generation;
+        // The request head, and whatever of its body came with it.
+        let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
+        request_head(&mut self.out, head, &uri, &up.host, &own);
+        let with_head = (self.inb.len() as u64).min(head.body) as usize;
+        self.out.extend_from_slice(&self.inb[..with_head]);
+        self.inb.advance(with_head);
+        let body_left = head.body - with_head as u64;
+
+        let sent = Instant::now();
+        let limit = app.forwarder.timeout();
+        self.timer.as_mut().reset(sent + limit);
+        let sending = send(
+            &mut up,
+            &mut self.out,
+            &self.stream,
+            &mut self.inb,
+            body_left,
+            head.method == Method::HEAD,
+        );
+        let answer = match within(self.timer.as_mut(), sending).await {
+            Some(Ok(a)) => a,
+            Some(Err(e)) => return Err(fail(e, head.body == 0).await),
+            None => return Err(fail(ForwardError::Timeout(limit), head.body == 0).await),
+        };
+        trace.upstream = Some(sent.elapsed());
+        let empty = HeaderMap::new();
+        let headers = answer.headers.as_ref().unwrap_or(&empty);
+        let slot = proxy::answered(&app, admitted, answer.status, headers, trace).await;
+
+        // The response head (in `out`) with the body bytes that came with it, then the
+        // rest of the body as it comes.
+        let mut relay = answer.framing;
+        let now = relay.take(&up.buf).map_err(Failure::Io)?;
+        self.out.extend_from_slice(&up.buf[..now]);
+        up.buf.advance(now);
+        write_all(&self.stream, &self.out).await.map_err(Failure::Io)?;
+        self.activity.touch();
+        // From here the connection is idle when no byte moves (a sender that stops
+        // reading the body is closed at `idle_timeout`).
+        drop(in_flight);
+        while !relay.done() {
+            up.buf.clear();
+            let n = read(&up.stream, &mut up.buf).await.map_err(Failure::Io)?;
+            if n == 0 {
+                relay.closed().map_err(Failure::Io)?;
+                break;
+            }
+            let n = relay.take(&up.buf).map_err(Failure::Io)?;
+            write_all(&self.stream, &up.buf[..n]).await.map_err(Failure::Io)?;
+            up.buf.advance(n);
+            self.activity.touch();
+        }
+        drop(slot);
+        let delimited = relay.delimited();
+        if delimited && !answer.close && up.buf.is_empty() {
+            up.used = sent;
+            self.up = Some(up);
+        }
+        Ok(delimited)
+    }
+
+    /// Writes sluice's own answer. `body` is the request's `Content-Length` when none
+    /// of it was read yet: skipped when all of it is here, and the connection carries
+    /// on; otherwise it closes.
+    async fn refusal(
+        &mut self,
+        resp: http::Response<crate::error::Body>,
+        body: Option<u64>,
+    ) -> io::Result<bool> {
+        let keep = match body {
+            Some(n) if self.inb.len() as u64 >= n => {
+                self.inb.advance(n as usize);
+                true
+            }
+            _ => false,
+        };
+        let (parts, body) = resp.into_parts();
+        let bytes = match body {
+            http_body_util::Either::Right(full) => match full.collect().await {
+                Ok(c) => c.to_bytes(),
+                Err(never) => match never {},
+            },
+            http_body_util::Either::Left(_) => Bytes::new(),
+        };
+        let out = &mut self.out;
+        out.clear();
+        let status = parts.status;
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(status.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+        out.extend_from_slice(b"\r\n");
+        for (k, v) in &parts.headers {
+            header_line(out, k.as_str().as_bytes(), v.as_bytes());
+        }
+        header_line(out, b"content-length", bytes.len().to_string().as_bytes());
+        header_line(out, b"date", httpdate::fmt_http_date(SystemTime::now()).as_bytes());
+        if !keep {
+            header_line(out, b"connection", b"close");
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(&bytes);
+        write_all(&self.stream, &self.out).await?;
+        self.activity.touch();
+        Ok(keep)
+    }
+}
+
+/// What the upstream answered: its head, parsed and rewritten for the sender.
+struct Answer {
+    status: StatusCode,
+    /// The response's headers, only when the limiter reads them (429, 503, quota
+    /// headers): most responses are never turned into a map.
+    headers: Option<HeaderMap>,
+    framing: Framing,
+    /// The upstream closes the connection after this response.
+    close: bool,
+}
+
+/// Writes the request (head, then the rest of its body from the sender) and reads the
+/// response head into `out`, rewritten. The upstream's bytes after the head stay in
+/// `up.buf`.
+async fn send(
+    up: &mut Upstream,
+    out: &mut Vec<u8>,
+    sender: &TcpStream,
+    inb: &mut BytesMut,
+    mut body_left: u64,
+    head_request: bool,
+) -> Result<Answer, ForwardError> {
+    let upstream_write = |e: io::Error| ForwardError::Other(format!("upstream write failed: {e}"));
+    write_all(&up.stream, out).await.map_err(upstream_write)?;
+    while body_left > 0 {
+        inb.clear();
+        let n = read(sender, inb)
+            .await
+            .map_err(|e| ForwardError::SenderBody(e.to_string()))?;
+        if n == 0 {
+            return Err(ForwardError::SenderBody(format!(
+                "the sender closed with {body_left} bytes of its Content-Length unsent"
+            )));
+        }
+        let take = (n as u64).min(body_left) as usize;
+        write_all(&up.stream, &inb[..take])
+            .await
+            .map_err(upstream_write)?;
+        inb.advance(take);
+        body_left -= take as u64;
+    }
+    up.buf.clear();
+    loop {
+        if !up.buf.is_empty() {
+            match parse_response(&up.buf, head_request, out)? {
+                Some((len, Some(answer))) => {
+                    up.buf.advance(len);
+                    return Ok(answer);
+                }
+                // An interim (1xx) response: not forwarded, the final one follows.
+                Some((len, None)) => {
+                    up.buf.advance(len);
+                    continue;
+                }
+                None if up.buf.len() >= MAX_HEAD_BYTES => {
+                    return Err(ForwardError::Other(format!(
+                        "upstream response head larger than {MAX_HEAD_BYTES} bytes"
+                    )));
+                }
+                None => {}
+            }
+        }
+        let n = read(&up.stream, &mut up.buf)
+            .await
+            .map_err(|e| ForwardError::Other(format!("upstream read failed: {e}")))?;
+        if n == 0 {
+            return Err(ForwardError::Other(
+                "the upstream closed the connection before answering".into(),
+            ));
+        }
+    }
+}
+
+/// What a request head parses into.
+enum Parsed {
+    Partial,
+    Handoff,
+    Head(Head),
+}
+
+/// Parses a request head, and decides whether the lane serves it (see the module doc).
+fn parse_request(buf: &[u8]) -> Parsed {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut slots);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(_) => return Parsed::Handoff,
+    };
+    let (Some(1), Some(method), Some(path)) = (req.version, req.method, req.path) else {
+        return Parsed::Handoff;
+    };
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return Parsed::Handoff;
+    };
+    if method == Method::CONNECT || !path.starts_with("http://") {
+        return Parsed::Handoff;
+    }
+    let Ok(uri) = Uri::try_from(path) else {
+        return Parsed::Handoff;
+    };
+    if uri.authority().is_none() {
+        return Parsed::Handoff;
+    }
+    let mut headers = HeaderMap::with_capacity(req.headers.len());
+    let mut body = None;
+    let mut hosts = 0;
+    for h in req.headers.iter() {
+        let Ok(name) = HeaderName::from_bytes(h.name.as_bytes()) else {
+            return Parsed::Handoff;
+        };
+        if name == TRANSFER_ENCODING || name == UPGRADE || name == EXPECT || name == CONNECTION {
+            return Parsed::Handoff;
+        }
+        if name == CONTENT_LENGTH {
+            match (body, content_length(h.value)) {
+                (None, Some(n)) => body = Some(n),
+                _ => return Parsed::Handoff,
+            }
+        } else if name == HOST {
+            hosts += 1;
+        }
+        let Ok(value) = HeaderValue::from_bytes(h.value) else {
+            return Parsed::Handoff;
+        };
+        headers.append(name, value);
+    }
+    if hosts > 1 {
+        return Parsed::Handoff;
+    }
+    Parsed::Head(Head {
+        method,
+        uri,
+        headers,
+        len,
+        body: body.unwrap_or(0),
+    })
+}
+
+/// A `Content-Length` value: ASCII digits only, no sign, no list, at most 18 of them.
+fn content_length(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(v).ok()?.parse().ok()
+}
+
+/// Writes the request head for the upstream into `out`: origin-form, `Host` from the
+/// checked target, the sender's headers less hop-by-hop ones, its `Host` and `own`.
+fn request_head(out: &mut Vec<u8>, head: &Head, uri: &Uri, host: &str, own: &[&HeaderName]) {
+    out.clear();
+    out.extend_from_slice(head.method.as_str().as_bytes());
+    out.push(b' ');
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    out.extend_from_slice(if path.is_empty() { "/" } else { path }.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (k, v) in &head.headers {
+        if *k == HOST || hop_by_hop_index(k.as_str()).is_some() || own.contains(&k) {
+            continue;
+        }
+        header_line(out, k.as_str().as_bytes(), v.as_bytes());
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn header_line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Parses a response head from `buf`; `None` while it is incomplete. On a whole head,
+/// its length and, for a final response, the [`Answer`], with the head rewritten for
+/// the sender into `out`; an interim (1xx) response gives no answer.
+fn parse_response(
+    buf: &[u8],
+    head_request: bool,
+    out: &mut Vec<u8>,
+) -> Result<Option<(usize, Option<Answer>)>, ForwardError> {
+    let bad = |why: String| ForwardError::Other(format!("malformed upstream response: {why}"));
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut slots);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(bad(e.to_string())),
+    };
+    let code = resp.code.unwrap_or(0);
+    let status = StatusCode::from_u16(code).map_err(|e| bad(e.to_string()))?;
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        return Err(bad("101 Switching Protocols to a request that asked for no upgrade".into()));
+    }
+    if status.is_informational() {
+        return Ok(Some((len, None)));
+    }
+    // What frames the body, what the upstream says of its connection, and the names
+    // its `Connection` lists (they go, like the hop-by-hop ones).
+    let mut chunked = None;
+    let mut length: Option<u64> = None;
+    let mut close = false;
+    let mut listed: Vec<&str> = Vec::new();
+    let mut worth_reading = code == 429 || code == 503;
+    for h in resp.headers.iter() {
+        let name = h.name;
+        if name.eq_ignore_ascii_case("transfer-encoding") {
+            let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
+            chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case("content-length") {
+            let n = content_length(h.value.trim_ascii())
+                .ok_or_else(|| bad("invalid Content-Length".into()))?;
+            if length.is_some_and(|l| l != n) {
+                return Err(bad("conflicting Content-Length values".into()));
+            }
+            length = Some(n);
+        } else if name.eq_ignore_ascii_case("connection") {
+            for token in std::str::from_utf8(h.value).unwrap_or("").split(',') {
+                let token = token.trim();
+                if token.eq_ignore_ascii_case("close") {
+                    close = true;
+                } else if !token.is_empty() {
+                    listed.push(token);
+                }
+            }
+        }
+        if !worth_reading && contains_ignore_case(name.as_bytes(), b"ratelimit") {
+            worth_reading = true;
+        }
+    }
+    let framing = if head_request || code == 204 || code == 304 {
+        Framing::Length(0)
+    } else {
+        match (chunked, length) {
+            (Some(true), _) => Framing::Chunked(Chunks::default()),
+            (Some(false), _) | (None, None) => Framing::UntilClose,
+            (None, Some(n)) => Framing::Length(n),
+        }
+    };
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for h in resp.headers.iter() {
+        let lower = h.name.to_ascii_lowercase();
+        let dropped = match hop_by_hop_index(&lower) {
+            // Transfer-Encoding frames the body, which is relayed as it came.
+            Some(i) => i != 3,
+            None => {
+                lower.starts_with("x-sluice-")
+                    || (lower == "content-length" && chunked.is_some())
+                    || listed.iter().any(|n| n.eq_ignore_ascii_case(&lower))
+            }
+        };
+        if !dropped {
+            header_line(out, h.name.as_bytes(), h.value);
+        }
+    }
+    if matches!(framing, Framing::UntilClose) {
+        header_line(out, b"connection", b"close");
+    }
+    out.extend_from_slice(b"\r\n");
+    let headers = worth_reading.then(|| {
+        let mut map = HeaderMap::with_capacity(resp.headers.len());
+        for h in resp.headers.iter() {
+            if let (Ok(k), Ok(v)) = (
+                HeaderName::from_bytes(h.name.as_bytes()),
+                HeaderValue::from_bytes(h.value),
+            ) {
+                map.append(k, v);
+            }
+        }
+        map
+    });
+    Ok(Some((
+        len,
+        Some(Answer {
+            status,
+            headers,
+            framing,
+            close,
+        }),
+    )))
+}
+
+fn contains_ignore_case(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len())
+        .any(|w| w.eq_ignore_ascii_case(needle))
+}
+
+/// How a response body ends.
+enum Framing {
+    /// After this many more bytes.
+    Length(u64),
+    /// With its last chunk (and trailers).
+    Chunked(Chunks),
+    /// When the upstream closes (the sender connection closes after it).
+    UntilClose,
+}
+
+impl Framing {
+    /// How many of `bytes` (the next bytes from the upstream) belong to the body.
+    fn take(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        match self {
+            Framing::Length(n) => {
+                let take = (*n).min(bytes.len() as u64);
+                *n -= take;
+                Ok(take as usize)
+            }
+            Framing::Chunked(c) => c.scan(bytes),
+            Framing::UntilClose => Ok(bytes.len()),
+        }
+    }
+
+    fn done(&self) -> bool {
+        match self {
+            Framing::Length(n) => *n == 0,
+            Framing::Chunked(c) => c.done(),
+            Framing::UntilClose => false,
+        }
+    }
+
+    /// The upstream closed: the end of a close-delimited body, or a body cut short.
+    fn closed(&self) -> io::Result<()> {
+        match self {
+            Framing::UntilClose => Ok(()),
+            _ => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the upstream closed in the middle of a response body",
+            )),
+        }
+    }
+
+    /// Whether the body's end is known without the connection closing.
+    fn delimited(&self) -> bool {
+        !matches!(self, Framing::UntilClose)
+    }
+}
+
+/// Finds where a chunked body ends, without decoding it: sizes, extensions, data and
+/// trailers are relayed as they came.
+#[derive(Debug, Default)]
+struct Chunks {
+    state: Chunk,
+    /// Bytes left of the current chunk's data (or its size, while it is read).
+    size: u64,
+    digits: u8,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    #[default]
+    Size,
+    Extension,
+    SizeLf,
+    Data,
+    DataCr,
+    DataLf,
+    TrailerStart,
+    Trailer,
+    TrailerLf,
+    EndLf,
+    Done,
+}
+
+impl Chunks {
+    fn done(&self) -> bool {
+        self.state == Chunk::Done
+    }
+
+    /// How many of `bytes` belong to the body (all of them unless it ends in them).
+    fn scan(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let bad = |what: &str| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("malformed chunked body from the upstream: {what}"),
+            )
+        };
+        let mut i = 0;
+        while i < bytes.len() {
+            let b = bytes[i];
+            match self.state {
+                Chunk::Size => match (b as char).to_digit(16) {
+                    Some(d) if self.digits < 15 => {
+                        self.size = self.size * 16 + u64::from(d);
+                        self.digits += 1;
+                    }
+                    Some(_) => return Err(bad("chunk size too large")),
+                    None if self.digits == 0 => return Err(bad("no chunk size")),
+                    None if b == b';' || b == b' ' || b == b'\t' => {
+                        self.state = Chunk::Extension
+                    }
+                    None if b == b'\r' => self.state = Chunk::SizeLf,
+                    None => return Err(bad("bad byte in a chunk size")),
+                },
+                Chunk::Extension => {
+                    if b == b'\r' {
+                        self.state = Chunk::SizeLf;
+                    }
+                }
+                Chunk::SizeLf => {
+                    if b != b'\n' {
+                        return Err(bad("chunk size line not ended by CRLF"));
+                    }
+                    self.state = if self.size == 0 {
+                        Chunk::TrailerStart
+                    } else {
+                        Chunk::Data
+                    };
+                }
+                Chunk::Data => {
+                    let take = self.size.min((bytes.len() - i) as u64);
+                    self.size -= take;
+                    i += take as usize;
+                    if self.size == 0 {
+                        self.state = Chunk::DataCr;
+                    }
+                    continue;
+                }
+                Chunk::DataCr if b == b'\r' => self.state = Chunk::DataLf,
+                Chunk::DataLf if b == b'\n' => {
+                    self.state = Chunk::Size;
+                    self.digits = 0;
+                }
+                Chunk::DataCr | Chunk::DataLf => return Err(bad("chunk data not ended by CRLF")),
+                Chunk::TrailerStart if b == b'\r' => self.state = Chunk::EndLf,
+                Chunk::TrailerStart | Chunk::Trailer => {
+                    self.state = if b == b'\r' {
+                        Chunk::TrailerLf
+                    } else {
+                        Chunk::Trailer
+                    };
+                }
+                Chunk::TrailerLf if b == b'\n' => self.state = Chunk::TrailerStart,
+                Chunk::TrailerLf => return Err(bad("trailer line not ended by CRLF")),
+                Chunk::EndLf if b == b'\n' => {
+                    self.state = Chunk::Done;
+                    return Ok(i + 1);
+                }
+                Chunk::EndLf => return Err(bad("last chunk not ended by CRLF")),
+                Chunk::Done => return Ok(i),
+            }
+            i += 1;
+        }
+        Ok(i)
+    }
+}
+
+/// Whether a kept upstream connection can carry the next request: used in the last
+/// second (servers keep idle connections open for seconds), or, idle longer, not
+/// closed by the upstream meanwhile (one non-blocking read).
+fn still_open(up: &Upstream) -> bool {
+    if up.used.elapsed() < Duration::from_secs(1) {
+        return true;
+    }
+    let mut probe = [0u8; 1];
+    matches!(up.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+/// Opens an upstream connection to `host:port`, resolved and checked against the
+/// destination policy.
+async fn open(app: &App, host: &str, port: u16, authority: &str) -> Result<Upstream, ForwardError> {
+    let addrs = app.forwarder.resolve(host, port).await?;
+    let stream = app.forwarder.connect_tunnel(addrs).await?;
+    // The `Host` a connection of its own sends: the authority, its port only when not
+    // the scheme's default.
+    let host = match authority.rsplit_once(':') {
+        Some((h, "80")) => h,
+        _ => authority,
+    };
+    Ok(Upstream {
+        authority: authority.into(),
+        generation: 0,
+        stream,
+        buf: BytesMut::with_capacity(8192),
+        host: host.into(),
+        used: Instant::now(),
+    })
+}
+
+/// Reads what is there into `buf`'s spare room (made when there is little): the
+/// number of bytes, 0 at the end of the stream.
+fn poll_read(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    if buf.capacity() - buf.len() < 1024 {
+        buf.reserve(8192);
+    }
+    loop {
+        match stream.try_read_buf(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::task::ready!(stream.poll_read_ready(cx))?;
+            }
+            done => return Poll::Ready(done),
+        }
+    }
+}
+
+/// Writes all of `bytes`.
+async fn write_all(stream: &TcpStream, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        match stream.try_write(bytes) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => stream.writable().await?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads what is there into `buf`: the number of bytes, 0 at the end of the stream.
+async fn read(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    std::future::poll_fn(|cx| poll_read(stream, buf, cx)).await
+}
+
+/// `f`, or `None` when `timer` fires first.
+async fn within<F: Future>(timer: Pin<&mut Sleep>, f: F) -> Option<F::Output> {
+    tokio::select! {
+        biased;
+        out = f => Some(out),
+        _ = timer => None,
+    }
+}
+
+/// A stream whose first bytes were already read: they are read again first.
+struct Rewind<I> {
+    pre: Bytes,
+    inner: I,
+}
+
+impl<I: hyper::rt::Read + Unpin> hyper::rt::Read for Rewind<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        mut buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.pre.is_empty() {
+            let n = self.pre.len().min(buf.remaining());
+            buf.put_slice(&self.pre[..n]);
+            self.pre.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<I: hyper::rt::Write + Unpin> hyper::rt::Write for Rewind<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every split of a chunked body into two reads finds the same end.
+    #[test]
+    fn a_chunked_body_ends_where_its_last_chunk_and_trailers_end() {
+        let body: &[u8] = b"5;ext=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nx-t: 1\r\n\r\n";
+        let next = b"HTTP/1.1 200 OK\r\n";
+        let all = [body, next.as_slice()].concat();
+        for cut in 0..=all.len() {
+            let mut c = Chunks::default();
+            let first = c.scan(&all[..cut]).unwrap();
+            let second = if c.done() { 0 } else { c.scan(&all[cut..]).unwrap() };
+            assert!(c.done(), "cut at {cut}");
+            assert_eq!(first + second, body.len(), "cut at {cut}");
+        }
+        let mut c = Chunks::default();
+        assert_eq!(c.scan(b"0\r\n\r\n").unwrap(), 5);
+        assert!(c.done());
+    }
+
+    #[test]
+    fn malformed_chunked_bodies_are_errors() {
+        for bad in [&b"x\r\n"[..], b"5\r\nhelloXX", b"\r\n", b"0\r\nab\rX", b"fffffffffffffffff\r\n"] {
+            let mut c = Chunks::default();
+            assert!(c.scan(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    fn head(text: &str) -> Option<Head> {
+        match parse_request(text.as_bytes()) {
+            Parsed::Head(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn the_lane_takes_plain_requests_and_hands_everything_else_on() {
+        let text = "POST http://a.example:8080/x?y=1 HTTP/1.1\r\nHost: a.example:8080\r\nContent-Length: 5\r\n\r\nhello";
+        let h = head(text).unwrap();
+        assert_eq!(h.body, 5);
+        assert_eq!(h.uri.path_and_query().unwrap().as_str(), "/x?y=1");
+        assert_eq!(h.len, text.len() - "hello".len());
+        for other in [
+            "GET http://a/ HTTP/1.0\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\n\r\n",
+            "CONNECT a:443 HTTP/1.1\r\n\r\n",
+            "GET https://a/ HTTP/1.1\r\n\r\n",
+            "POST http://a/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "POST http://a/ HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n",
+            "POST http://a/ HTTP/1.1\r\nContent-Length: +1\r\n\r\n",
+            "POST http://a/ HTTP/1.1\r\nContent-Length: 1, 1\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nConnection: close\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nUpgrade: websocket\r\n\r\n",
+            "POST http://a/ HTTP/1.1\r\nExpect: 100-continue\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nBad Name: x\r\n\r\n",
+        ] {
+            assert!(
+                matches!(parse_request(other.as_bytes()), Parsed::Handoff),
+                "{other:?}"
+            );
+        }
+        let many = format!("GET http://a/ HTTP/1.1\r\n{}\r\n", "x: 1\r\n".repeat(MAX_HEADERS + 1));
+        assert!(matches!(parse_request(many.as_bytes()), Parsed::Handoff));
+        assert!(matches!(parse_request(b"GET http://a/ HTTP/1.1\r\nHost: a\r\n"), Parsed::Partial));
+    }
+
+    #[test]
+    fn responses_lose_hop_by_hop_and_sluice_headers_and_keep_their_framing() {
+        let mut out = Vec::new();
+        let text = "HTTP/1.1 200 Fine\r\nConnection: keep-alive, X-Drop\r\nX-Drop: 1\r\nKeep-Alive: timeout=5\r\nX-Sluice-Reason: forged\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\nX-Keep: 2\r\n\r\n";
+        let (len, answer) = parse_response(text.as_bytes(), false, &mut out).unwrap().unwrap();
+        let answer = answer.unwrap();
+        assert_eq!(len, text.len());
+        assert!(matches!(answer.framing, Framing::Chunked(_)));
+        assert!(answer.headers.is_none());
+        assert_eq!(
+            String::from_utf8(out.clone()).unwrap(),
+            "HTTP/1.1 200 Fine\r\nTransfer-Encoding: chunked\r\nX-Keep: 2\r\n\r\n"
+        );
+        let (_, answer) = parse_response(b"HTTP/1.1 200 OK\r\n\r\n", false, &mut out).unwrap().unwrap();
+        assert!(matches!(answer.unwrap().framing, Framing::UntilClose));
+        assert!(String::from_utf8_lossy(&out).contains("connection: close"));
+        let (_, answer) = parse_response(b"HTTP/1.1 429 Slow\r\nRetry-After: 3\r\nContent-Length: 2\r\nConnection: close\r\n\r\n", false, &mut out).unwrap().unwrap();
+        let answer = answer.unwrap();
+        assert!(answer.close);
+        assert_eq!(answer.headers.unwrap()["retry-after"], "3");
+        let (_, answer) = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n", true, &mut out).unwrap().unwrap();
+        assert!(answer.unwrap().framing.done(), "a HEAD response has no body");
+        let (_, interim) = parse_response(b"HTTP/1.1 103 Early Hints\r\n\r\n", false, &mut out).unwrap().unwrap();
+        assert!(interim.is_none());
+        for bad in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+            b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+        ] {
+            assert!(parse_response(bad, false, &mut out).is_err());
+        }
+    }
+}
