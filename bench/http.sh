@@ -2,8 +2,9 @@
 # Whole-process HTTP benchmark, side by side in one run:
 #   direct to a local upstream | HAProxy 2.6 (nbthread 1, forwarding by the request
 #   target: set-dst url_ip / url_port) | a bare hyper forwarder (examples/bare_forward.rs:
-#   the proxy hop alone, no limiting; pooled client, and "held": sluice's shape on one
-#   thread) | sluice (memory store) | sluice (Redis store, the default config: one replica
+#   the proxy hop alone, no limiting; pooled client, "held": sluice's shape on one
+#   thread, and "raw": no HTTP library, the floor of sluice's own lane) | sluice with
+#   every connection served by hyper (SLUICE_PLAIN_LANE=0) | sluice (memory store) | sluice (Redis store, the default config: one replica
 #   alone in the store, so store.prefetch = "alone" takes tokens ahead) | sluice (Redis
 #   store shared with a second, idle replica: the default then takes none ahead) |
 #   sluice (memory store, proxy authentication on)
@@ -36,6 +37,8 @@ BF=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BF" 2>/dev/nul
 PORT_OF[bare-hyper-forwarder]=$BF; PID_OF[bare-hyper-forwarder]=$!
 BH=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BH" held 2>/dev/null & PIDS+=($!); wait_port "$BH"
 PORT_OF[bare-hyper-held]=$BH; PID_OF[bare-hyper-held]=$!
+BR=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BR" raw 2>/dev/null & PIDS+=($!); wait_port "$BR"
+PORT_OF[bare-raw]=$BR; PID_OF[bare-raw]=$!
 RP=$(free_port); redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$RP"
 
 HP=$(free_port)
@@ -60,7 +63,7 @@ CFG
 "$HAPROXY" -q -f "$TMP/haproxy.cfg" & PIDS+=($!); wait_port "$HP"
 PORT_OF[haproxy]=$HP; PID_OF[haproxy]=$!
 
-start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers (no subshell: PIDS and the trap stay here)
+start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers, $5 environment (no subshell: PIDS and the trap stay here)
   local p a; p=$(free_port); a=$(free_port)
   cat > "$TMP/$1.toml" <<TOML
 [proxy]
@@ -77,13 +80,16 @@ decisions = false
 allow_private_destinations = true
 ${3:-}
 TOML
-  target/release/sluice run --config "$TMP/$1.toml" 2>/dev/null & PIDS+=($!)
+  env ${5:-SLUICE_BENCH=1} target/release/sluice run --config "$TMP/$1.toml" 2>/dev/null & PIDS+=($!)
   wait_port "$p"; PORT_OF[$1]=$p; PID_OF[$1]=$!
 }
 start_sluice sluice-memory '[store]
 backend = "memory"'
 start_sluice sluice-memory-1worker '[store]
 backend = "memory"' "" 1
+# Every connection served by hyper, as before the plain lane (src/lane.rs).
+start_sluice sluice-memory-hyper '[store]
+backend = "memory"' "" 0 SLUICE_PLAIN_LANE=0
 start_sluice sluice-redis "[store]
 backend = \"redis\"
 urls = [\"redis://127.0.0.1:$RP/\"]
@@ -111,7 +117,7 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-shared; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+for s in haproxy bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-hyper sluice-redis sluice-redis-shared; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -137,7 +143,7 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request|preemptions pe
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy bare-hyper-forwarder bare-hyper-held sluice-memory sluice-memory-1worker sluice-redis sluice-redis-shared sluice-memory-auth)
+NAMES=(direct haproxy bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-hyper sluice-redis sluice-redis-shared sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do

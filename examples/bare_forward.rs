@@ -5,11 +5,14 @@
 //!
 //! - `pool` (default): a multi-threaded runtime and hyper-util's pooled client, the
 //!   stock way to write it;
-//! - `held`: sluice's shape — one single-threaded runtime, and each sender connection
-//!   keeps its own upstream connection (hyper's `client::conn::http1`) for as long as
-//!   it sends to one destination.
+//! - `held`: sluice's shape under hyper — one single-threaded runtime, and each sender
+//!   connection keeps its own upstream connection (hyper's `client::conn::http1`) for
+//!   as long as it sends to one destination;
+//! - `raw`: no HTTP library at all, one thread — heads parsed with httparse, bytes
+//!   written as they came (GETs answered with a `Content-Length` only): the floor of
+//!   any engine in Rust, which sluice's own lane (src/lane.rs) sits on.
 //!
-//! `cargo run --release --example bare_forward -- 127.0.0.1:PORT [pool|held]`
+//! `cargo run --release --example bare_forward -- 127.0.0.1:PORT [pool|held|raw]`
 
 use std::sync::{Arc, Mutex};
 
@@ -35,16 +38,12 @@ fn main() -> std::io::Result<()> {
             .enable_all()
             .build()?
             .block_on(held(addr)),
-        Some("inline") => tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?
-            .block_on(inline(addr)),
         Some("raw") => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?
             .block_on(raw(addr)),
         Some(other) => Err(std::io::Error::other(format!(
-            "unknown mode {other:?}: pool, held, inline or raw"
+            "unknown mode {other:?}: pool, held or raw"
         ))),
     }
 }
@@ -142,100 +141,6 @@ async fn open(authority: &Authority) -> std::io::Result<SendRequest<Incoming>> {
     Ok(sender)
 }
 
-type Answer2 = Response<Either<http_body_util::Full<bytes::Bytes>, Empty<bytes::Bytes>>>;
-
-/// A sender connection's upstream socket, written and read in the request's own task.
-type Inline = Arc<Mutex<Option<(Authority, tokio::net::TcpStream, bytes::BytesMut)>>>;
-
-async fn inline(addr: String) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(&addr).await?;
-    eprintln!("bare forwarder (inline client, one thread) listening on {addr}");
-    loop {
-        let (stream, _) = listener.accept().await?;
-        let _ = stream.set_nodelay(true);
-        let held: Inline = Arc::default();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req: Request<Incoming>| {
-                let held = Arc::clone(&held);
-                async move {
-                    Ok::<_, hyper::Error>(match send_inline(&held, req).await {
-                        Ok(r) => r,
-                        Err(_) => {
-                            let mut r = Response::new(Either::Right(Empty::new()));
-                            *r.status_mut() = StatusCode::BAD_GATEWAY;
-                            r
-                        }
-                    })
-                }
-            });
-            let _ = http1::Builder::new()
-                .writev(false)
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
-    }
-}
-
-async fn send_inline(held: &Inline, req: Request<Incoming>) -> std::io::Result<Answer2> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let authority = req.uri().authority().cloned().ok_or_else(|| std::io::Error::other("no authority"))?;
-    let kept = held.lock().unwrap().take();
-    let (mut io, mut buf) = match kept {
-        Some((a, s, b)) if a == authority => (s, b),
-        _ => {
-            let port = authority.port_u16().unwrap_or(80);
-            let s = tokio::net::TcpStream::connect((authority.host(), port)).await?;
-            s.set_nodelay(true)?;
-            (s, bytes::BytesMut::with_capacity(8192))
-        }
-    };
-    let mut head = Vec::with_capacity(256);
-    head.extend_from_slice(req.method().as_str().as_bytes());
-    head.push(b' ');
-    head.extend_from_slice(req.uri().path_and_query().map_or("/", |p| p.as_str()).as_bytes());
-    head.extend_from_slice(b" HTTP/1.1\r\n");
-    for (k, v) in req.headers() {
-        head.extend_from_slice(k.as_str().as_bytes());
-        head.extend_from_slice(b": ");
-        head.extend_from_slice(v.as_bytes());
-        head.extend_from_slice(b"\r\n");
-    }
-    head.extend_from_slice(b"\r\n");
-    io.write_all(&head).await?;
-    buf.clear();
-    let (status, headers, len, at) = loop {
-        if io.read_buf(&mut buf).await? == 0 {
-            return Err(std::io::Error::other("closed"));
-        }
-        let mut hs = [httparse::EMPTY_HEADER; 64];
-        let mut r = httparse::Response::new(&mut hs);
-        if let httparse::Status::Complete(at) = r.parse(&buf).map_err(std::io::Error::other)? {
-            let mut map = http::HeaderMap::with_capacity(r.headers.len());
-            let mut len = 0usize;
-            for h in r.headers.iter() {
-                let name = http::HeaderName::from_bytes(h.name.as_bytes()).map_err(std::io::Error::other)?;
-                if name == http::header::CONTENT_LENGTH {
-                    len = std::str::from_utf8(h.value).ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-                }
-                map.append(name, http::HeaderValue::from_bytes(h.value).map_err(std::io::Error::other)?);
-            }
-            break (r.code.unwrap_or(502), map, len, at);
-        }
-    };
-    let _ = bytes::Buf::advance(&mut buf, at);
-    while buf.len() < len {
-        if io.read_buf(&mut buf).await? == 0 {
-            return Err(std::io::Error::other("closed"));
-        }
-    }
-    let body = buf.split_to(len).freeze();
-    *held.lock().unwrap() = Some((authority, io, buf));
-    let mut resp = Response::new(Either::Left(http_body_util::Full::new(body)));
-    *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
-    *resp.headers_mut() = headers;
-    Ok(resp)
-}
-
 /// No HTTP library on either side: heads parsed with httparse, bytes written as they
 /// came (the floor of any Rust engine; GETs with Content-Length answers only).
 async fn raw(addr: String) -> std::io::Result<()> {
@@ -257,12 +162,14 @@ async fn raw_conn(mut s: tokio::net::TcpStream) -> std::io::Result<()> {
     let mut out = Vec::with_capacity(1024);
     let mut up: Option<(String, tokio::net::TcpStream)> = None;
     loop {
-        let (at, host, path_start, path_end, method_end) = loop {
+        let (at, host) = loop {
             let mut hs = [httparse::EMPTY_HEADER; 64];
             let mut r = httparse::Request::new(&mut hs);
             if let httparse::Status::Complete(at) = r.parse(&inb).map_err(std::io::Error::other)? {
                 let path = r.path.unwrap_or("/");
-                let rest = path.strip_prefix("http://").ok_or_else(|| std::io::Error::other("not absolute"))?;
+                let rest = path
+                    .strip_prefix("http://")
+                    .ok_or_else(|| std::io::Error::other("not absolute"))?;
                 let slash = rest.find('/').unwrap_or(rest.len());
                 let host = rest[..slash].to_owned();
                 let base = inb.as_ptr() as usize;
@@ -274,7 +181,9 @@ async fn raw_conn(mut s: tokio::net::TcpStream) -> std::io::Result<()> {
                 out.extend_from_slice(if ps == pe { b"/" } else { &inb[ps..pe] });
                 out.extend_from_slice(b" HTTP/1.1\r\n");
                 for h in r.headers.iter() {
-                    if h.name.eq_ignore_ascii_case("proxy-connection") || h.name.eq_ignore_ascii_case("connection") {
+                    if h.name.eq_ignore_ascii_case("proxy-connection")
+                        || h.name.eq_ignore_ascii_case("connection")
+                    {
                         continue;
                     }
                     out.extend_from_slice(h.name.as_bytes());
@@ -283,13 +192,12 @@ async fn raw_conn(mut s: tokio::net::TcpStream) -> std::io::Result<()> {
                     out.extend_from_slice(b"\r\n");
                 }
                 out.extend_from_slice(b"\r\n");
-                break (at, host, ps, pe, me);
+                break (at, host);
             }
             if s.read_buf(&mut inb).await? == 0 {
                 return Ok(());
             }
         };
-        let _ = (path_start, path_end, method_end);
         bytes::Buf::advance(&mut inb, at);
         let u = match &mut up {
             Some((h, u)) if *h == host => u,

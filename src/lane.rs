@@ -39,6 +39,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version}
 use http_body_util::BodyExt;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
@@ -140,8 +141,6 @@ struct Upstream {
     buf: BytesMut,
     /// The `Host` its requests carry.
     host: Box<str>,
-    /// When its last response ended.
-    used: Instant,
 }
 
 /// A plain request's head, parsed.
@@ -156,6 +155,8 @@ struct Head {
 }
 
 /// What the sender's bytes hold next.
+// Not boxed: a head is made for every request, and a box would be one more allocation.
+#[allow(clippy::large_enum_variant)]
 enum Next {
     Head(Head),
     /// Not the lane's: hyper serves the connection from here.
@@ -248,9 +249,7 @@ impl Lane {
     ) -> Result<bool, Failure> {
         let app = Arc::clone(&self.app);
         let admitting = proxy::admit_plain(&app, &head.uri, &head.headers, &self.conn, trace);
-        let (rt, uri, target, admitted) = admitting
-            .await
-            .map_err(|r| Failure::Refused(r, true))?;
+        let (rt, uri, target, admitted) = admitting.await.map_err(|r| Failure::Refused(r, true))?;
         let fail = |e: ForwardError, clean: bool| {
             let app = &app;
             let admitted = &admitted;
@@ -261,9 +260,10 @@ impl Lane {
         };
         let authority = uri.authority().map_or("", |a| a.as_str());
         let generation = app.forwarder.generation();
-        let kept = self.up.take().filter(|u| {
-            u.generation == generation && *u.authority == *authority && still_open(u)
-        });
+        let kept = self
+            .up
+            .take()
+            .filter(|u| u.generation == generation && *u.authority == *authority && still_open(u));
         let mut up = match kept {
             Some(u) => u,
             None => match Box::pin(open(&app, &target.host, target.port, authority)).await {
@@ -307,7 +307,9 @@ impl Lane {
         let now = relay.take(&up.buf).map_err(Failure::Io)?;
         self.out.extend_from_slice(&up.buf[..now]);
         up.buf.advance(now);
-        write_all(&self.stream, &self.out).await.map_err(Failure::Io)?;
+        write_all(&self.stream, &self.out)
+            .await
+            .map_err(Failure::Io)?;
         self.activity.touch();
         // From here the connection is idle when no byte moves (a sender that stops
         // reading the body is closed at `idle_timeout`).
@@ -320,14 +322,16 @@ impl Lane {
                 break;
             }
             let n = relay.take(&up.buf).map_err(Failure::Io)?;
-            write_all(&self.stream, &up.buf[..n]).await.map_err(Failure::Io)?;
+            write_all(&self.stream, &up.buf[..n])
+                .await
+                .map_err(Failure::Io)?;
             up.buf.advance(n);
             self.activity.touch();
         }
         drop(slot);
         let delimited = relay.delimited();
         if delimited && !answer.close && up.buf.is_empty() {
-            up.used = sent;
+            forget_readable(&up.stream);
             self.up = Some(up);
         }
         Ok(delimited)
@@ -368,7 +372,11 @@ impl Lane {
             header_line(out, k.as_str().as_bytes(), v.as_bytes());
         }
         header_line(out, b"content-length", bytes.len().to_string().as_bytes());
-        header_line(out, b"date", httpdate::fmt_http_date(SystemTime::now()).as_bytes());
+        header_line(
+            out,
+            b"date",
+            httpdate::fmt_http_date(SystemTime::now()).as_bytes(),
+        );
         if !keep {
             header_line(out, b"connection", b"close");
         }
@@ -454,6 +462,7 @@ async fn send(
 }
 
 /// What a request head parses into.
+#[allow(clippy::large_enum_variant)]
 enum Parsed {
     Partial,
     Handoff,
@@ -573,7 +582,9 @@ fn parse_response(
     let code = resp.code.unwrap_or(0);
     let status = StatusCode::from_u16(code).map_err(|e| bad(e.to_string()))?;
     if status == StatusCode::SWITCHING_PROTOCOLS {
-        return Err(bad("101 Switching Protocols to a request that asked for no upgrade".into()));
+        return Err(bad(
+            "101 Switching Protocols to a request that asked for no upgrade".into(),
+        ));
     }
     if status.is_informational() {
         return Ok(Some((len, None)));
@@ -772,9 +783,7 @@ impl Chunks {
                     }
                     Some(_) => return Err(bad("chunk size too large")),
                     None if self.digits == 0 => return Err(bad("no chunk size")),
-                    None if b == b';' || b == b' ' || b == b'\t' => {
-                        self.state = Chunk::Extension
-                    }
+                    None if b == b';' || b == b' ' || b == b'\t' => self.state = Chunk::Extension,
                     None if b == b'\r' => self.state = Chunk::SizeLf,
                     None => return Err(bad("bad byte in a chunk size")),
                 },
@@ -831,15 +840,25 @@ impl Chunks {
     }
 }
 
-/// Whether a kept upstream connection can carry the next request: used in the last
-/// second (servers keep idle connections open for seconds), or, idle longer, not
-/// closed by the upstream meanwhile (one non-blocking read).
+/// Whether a kept upstream connection can carry the next request: nothing came from
+/// it since its last response ended (no close, no stray bytes). Looked up in the
+/// runtime's readiness for the socket, cleared when the response ended, so the common
+/// case costs no system call; only a connection that did hear something is read.
 fn still_open(up: &Upstream) -> bool {
-    if up.used.elapsed() < Duration::from_secs(1) {
+    let heard = up.stream.try_io(Interest::READABLE, || Ok(())).is_ok();
+    if !heard {
         return true;
     }
     let mut probe = [0u8; 1];
     matches!(up.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+/// Forgets that the socket was readable (no system call): from here, readiness means
+/// the upstream sent something after its response.
+fn forget_readable(stream: &TcpStream) {
+    let _ = stream.try_io(Interest::READABLE, || {
+        Err::<(), _>(io::ErrorKind::WouldBlock.into())
+    });
 }
 
 /// Opens an upstream connection to `host:port`, resolved and checked against the
@@ -859,13 +878,16 @@ async fn open(app: &App, host: &str, port: u16, authority: &str) -> Result<Upstr
         stream,
         buf: BytesMut::with_capacity(8192),
         host: host.into(),
-        used: Instant::now(),
     })
 }
 
 /// Reads what is there into `buf`'s spare room (made when there is little): the
 /// number of bytes, 0 at the end of the stream.
-fn poll_read(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+fn poll_read(
+    stream: &TcpStream,
+    buf: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<usize>> {
     if buf.capacity() - buf.len() < 1024 {
         buf.reserve(8192);
     }
@@ -965,13 +987,18 @@ mod tests {
     /// Every split of a chunked body into two reads finds the same end.
     #[test]
     fn a_chunked_body_ends_where_its_last_chunk_and_trailers_end() {
-        let body: &[u8] = b"5;ext=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nx-t: 1\r\n\r\n";
+        let body: &[u8] =
+            b"5;ext=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nx-t: 1\r\n\r\n";
         let next = b"HTTP/1.1 200 OK\r\n";
         let all = [body, next.as_slice()].concat();
         for cut in 0..=all.len() {
             let mut c = Chunks::default();
             let first = c.scan(&all[..cut]).unwrap();
-            let second = if c.done() { 0 } else { c.scan(&all[cut..]).unwrap() };
+            let second = if c.done() {
+                0
+            } else {
+                c.scan(&all[cut..]).unwrap()
+            };
             assert!(c.done(), "cut at {cut}");
             assert_eq!(first + second, body.len(), "cut at {cut}");
         }
@@ -982,7 +1009,13 @@ mod tests {
 
     #[test]
     fn malformed_chunked_bodies_are_errors() {
-        for bad in [&b"x\r\n"[..], b"5\r\nhelloXX", b"\r\n", b"0\r\nab\rX", b"fffffffffffffffff\r\n"] {
+        for bad in [
+            &b"x\r\n"[..],
+            b"5\r\nhelloXX",
+            b"\r\n",
+            b"0\r\nab\rX",
+            b"fffffffffffffffff\r\n",
+        ] {
             let mut c = Chunks::default();
             assert!(c.scan(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
@@ -1022,16 +1055,24 @@ mod tests {
                 "{other:?}"
             );
         }
-        let many = format!("GET http://a/ HTTP/1.1\r\n{}\r\n", "x: 1\r\n".repeat(MAX_HEADERS + 1));
+        let many = format!(
+            "GET http://a/ HTTP/1.1\r\n{}\r\n",
+            "x: 1\r\n".repeat(MAX_HEADERS + 1)
+        );
         assert!(matches!(parse_request(many.as_bytes()), Parsed::Handoff));
-        assert!(matches!(parse_request(b"GET http://a/ HTTP/1.1\r\nHost: a\r\n"), Parsed::Partial));
+        assert!(matches!(
+            parse_request(b"GET http://a/ HTTP/1.1\r\nHost: a\r\n"),
+            Parsed::Partial
+        ));
     }
 
     #[test]
     fn responses_lose_hop_by_hop_and_sluice_headers_and_keep_their_framing() {
         let mut out = Vec::new();
         let text = "HTTP/1.1 200 Fine\r\nConnection: keep-alive, X-Drop\r\nX-Drop: 1\r\nKeep-Alive: timeout=5\r\nX-Sluice-Reason: forged\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\nX-Keep: 2\r\n\r\n";
-        let (len, answer) = parse_response(text.as_bytes(), false, &mut out).unwrap().unwrap();
+        let (len, answer) = parse_response(text.as_bytes(), false, &mut out)
+            .unwrap()
+            .unwrap();
         let answer = answer.unwrap();
         assert_eq!(len, text.len());
         assert!(matches!(answer.framing, Framing::Chunked(_)));
@@ -1040,16 +1081,29 @@ mod tests {
             String::from_utf8(out.clone()).unwrap(),
             "HTTP/1.1 200 Fine\r\nTransfer-Encoding: chunked\r\nX-Keep: 2\r\n\r\n"
         );
-        let (_, answer) = parse_response(b"HTTP/1.1 200 OK\r\n\r\n", false, &mut out).unwrap().unwrap();
+        let (_, answer) = parse_response(b"HTTP/1.1 200 OK\r\n\r\n", false, &mut out)
+            .unwrap()
+            .unwrap();
         assert!(matches!(answer.unwrap().framing, Framing::UntilClose));
         assert!(String::from_utf8_lossy(&out).contains("connection: close"));
         let (_, answer) = parse_response(b"HTTP/1.1 429 Slow\r\nRetry-After: 3\r\nContent-Length: 2\r\nConnection: close\r\n\r\n", false, &mut out).unwrap().unwrap();
         let answer = answer.unwrap();
         assert!(answer.close);
         assert_eq!(answer.headers.unwrap()["retry-after"], "3");
-        let (_, answer) = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n", true, &mut out).unwrap().unwrap();
-        assert!(answer.unwrap().framing.done(), "a HEAD response has no body");
-        let (_, interim) = parse_response(b"HTTP/1.1 103 Early Hints\r\n\r\n", false, &mut out).unwrap().unwrap();
+        let (_, answer) = parse_response(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n",
+            true,
+            &mut out,
+        )
+        .unwrap()
+        .unwrap();
+        assert!(
+            answer.unwrap().framing.done(),
+            "a HEAD response has no body"
+        );
+        let (_, interim) = parse_response(b"HTTP/1.1 103 Early Hints\r\n\r\n", false, &mut out)
+            .unwrap()
+            .unwrap();
         assert!(interim.is_none());
         for bad in [
             &b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"[..],

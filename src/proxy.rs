@@ -303,7 +303,13 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
 }
 
 /// Counts, logs and renders a refusal or failure.
-pub(crate) fn refuse(app: &App, r: Refused, peer: SocketAddr, method: &str, trace: &Trace) -> Response<Body> {
+pub(crate) fn refuse(
+    app: &App,
+    r: Refused,
+    peer: SocketAddr,
+    method: &str,
+    trace: &Trace,
+) -> Response<Body> {
     let label = r.label.unwrap_or_else(|| app.metrics.other());
     app.metrics.outcome(&label, r.error.reason());
     decision::refused(peer, method, trace, &r.error);
@@ -549,7 +555,8 @@ async fn forward_request(
     conn: &Conn,
     trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
-    let (rt, uri, _target, admitted) = admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
+    let (rt, uri, _target, admitted) =
+        admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
     let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
     strip_hop_by_hop_and(req.headers_mut(), &own);
     // The upstream's Host comes from the target we checked, never from the sender:

@@ -1,0 +1,299 @@
+//! The plain lane (src/lane.rs), end to end over real sockets: every response framing a
+//! receiver uses arrives whole, request bodies arrive once, pipelined requests are
+//! answered in order, an unusual request hands the connection to hyper mid-stream, a
+//! kept upstream connection the receiver closed is not reused, and a body cut short
+//! gives its token back.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use common::{Upstream, client, read_response, sluice, tokens, wait_for};
+
+/// One request as the raw upstream read it.
+#[derive(Debug, Clone)]
+struct Seen {
+    conn: usize,
+    path: String,
+    body: usize,
+}
+
+/// A hand-written HTTP/1.1 upstream: answers by path with framings hyper's test server
+/// never uses (chunked with extensions and trailers, close-delimited, interim 103, a
+/// close right after a response), and records what it read.
+struct RawUpstream {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    closed: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+const BIG: usize = 1 << 20;
+
+impl RawUpstream {
+    async fn start() -> RawUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let closed = Arc::new(AtomicUsize::new(0));
+        let (s, c) = (Arc::clone(&seen), Arc::clone(&closed));
+        let task = tokio::spawn(async move {
+            for conn in 0.. {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (s, c) = (Arc::clone(&s), Arc::clone(&c));
+                tokio::spawn(async move {
+                    raw_serve(stream, conn, s).await;
+                    c.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        });
+        RawUpstream {
+            addr,
+            seen,
+            closed,
+            task,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for RawUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let end = loop {
+            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break end + 4;
+            }
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).to_string();
+        let path = head.split(' ').nth(1).unwrap_or("").to_string();
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().to_string())
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        while buf.len() < end + length {
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        buf.drain(..end + length);
+        seen.lock().unwrap().push(Seen {
+            conn,
+            path: path.clone(),
+            body: length,
+        });
+        let answer: Vec<u8> = match path.as_str() {
+            "/chunked" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n".to_vec(),
+            "/close" => b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(),
+            "/early" => b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+            "/big" => {
+                let mut a = format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG}\r\n\r\n").into_bytes();
+                a.extend(std::iter::repeat_n(b'x', BIG));
+                a
+            }
+            _ => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Sluice-Reason: forged\r\n\r\nok".to_vec(),
+        };
+        if s.write_all(&answer).await.is_err() {
+            return;
+        }
+        // Close-delimited, or a receiver that closes after each answer without saying so.
+        if path == "/close" || path == "/bye" {
+            return;
+        }
+    }
+}
+
+#[tokio::test]
+async fn responses_of_every_framing_arrive_whole() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let c = client(s.proxy_addr);
+    let get = |path: &str| {
+        let (c, url) = (c.clone(), up.url(path));
+        async move {
+            let r = c.get(url).send().await.unwrap();
+            let status = r.status().as_u16();
+            let forged = r.headers().contains_key("x-sluice-reason");
+            (status, forged, r.bytes().await.unwrap())
+        }
+    };
+    assert_eq!(get("/chunked").await, (200, false, "hello world".into()));
+    assert_eq!(get("/close").await, (200, false, "until the end".into()));
+    assert_eq!(get("/early").await, (200, false, "ok".into()));
+    let (status, _, big) = get("/big").await;
+    assert_eq!((status, big.len()), (200, BIG));
+    assert!(big.iter().all(|b| *b == b'x'));
+    let (status, forged, body) = get("/plain").await;
+    assert_eq!((status, body.as_ref()), (200, &b"ok"[..]));
+    assert!(
+        !forged,
+        "a receiver's X-Sluice-* headers never reach the sender"
+    );
+    // A receiver that closes after each answer: the next request never goes out on the
+    // closed connection (it would fail with a 502).
+    for n in 1..=3 {
+        let closed_before = up.closed.load(Ordering::SeqCst);
+        assert_eq!(get("/bye").await.0, 200, "request {n} after a silent close");
+        wait_for("the receiver to close", Duration::from_secs(5), || async {
+            up.closed.load(Ordering::SeqCst) > closed_before
+        })
+        .await;
+    }
+    let seen = up.seen();
+    let paths: Vec<&str> = seen.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/chunked", "/close", "/early", "/big", "/plain", "/bye", "/bye", "/bye"
+        ],
+        "every request arrived exactly once, in order"
+    );
+    let byes: Vec<usize> = seen
+        .iter()
+        .filter(|s| s.path == "/bye")
+        .map(|s| s.conn)
+        .collect();
+    assert!(
+        byes[0] != byes[1] && byes[1] != byes[2],
+        "each on a new connection: {seen:?}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn request_bodies_arrive_once_and_whole() {
+    let up = Upstream::start().await;
+    let s = sluice("").await;
+    let c = client(s.proxy_addr);
+    let big: Vec<u8> = (0..BIG).map(|i| (i % 251) as u8).collect();
+    for body in [b"{\"event\":1}".to_vec(), big.clone(), Vec::new()] {
+        let r = c
+            .post(up.url("/hook"))
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let last = up.arrivals().pop().unwrap();
+        assert_eq!(last.body.as_ref(), body.as_slice(), "{} bytes", body.len());
+    }
+    assert_eq!(up.count(), 3, "each arrived once");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn pipelined_requests_are_answered_in_order() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    let host = up.addr;
+    let two = format!(
+        "GET http://{host}/a HTTP/1.1\r\nHost: {host}\r\n\r\nPOST http://{host}/b HTTP/1.1\r\nHost: {host}\r\nContent-Length: 3\r\n\r\nxyzGET http://{host}/c HTTP/1.1\r\nHost: {host}\r\n\r\n"
+    );
+    t.write_all(two.as_bytes()).await.unwrap();
+    for _ in 0..3 {
+        let r = read_response(&mut t).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    }
+    let seen = up.seen();
+    let got: Vec<(&str, usize)> = seen.iter().map(|s| (s.path.as_str(), s.body)).collect();
+    assert_eq!(got, [("/a", 0), ("/b", 3), ("/c", 0)]);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn an_unusual_request_hands_the_connection_to_hyper() {
+    let up = Upstream::start().await;
+    let s = sluice("").await;
+    let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    let host = up.addr;
+    let plain = format!("GET http://{host}/one HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    t.write_all(plain.as_bytes()).await.unwrap();
+    assert!(read_response(&mut t).await.starts_with("HTTP/1.1 200"));
+    // Origin-form: not the lane's; hyper answers it on the same connection...
+    t.write_all(b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let r = read_response(&mut t).await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    assert!(r.contains("sluice is an HTTP proxy"), "{r}");
+    // ...and serves it from then on, chunked uploads included.
+    let chunked = format!(
+        "POST http://{host}/three HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    );
+    t.write_all(chunked.as_bytes()).await.unwrap();
+    assert!(read_response(&mut t).await.starts_with("HTTP/1.1 200"));
+    let paths: Vec<(String, Vec<u8>)> = up
+        .arrivals()
+        .into_iter()
+        .map(|a| (a.path, a.body.to_vec()))
+        .collect();
+    assert_eq!(
+        paths,
+        [("/one".into(), vec![]), ("/three".into(), b"abc".to_vec())]
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_body_cut_short_gives_its_token_back_and_arrives_nowhere_whole() {
+    let up = RawUpstream::start().await;
+    let s = sluice("[defaults]\nrate = 0.001\nburst = 3.0\n").await;
+    let host = up.addr;
+    let first =
+        format!("GET http://{host}/warm HTTP/1.1\r\nHost: {host}\r\nX-Endpoint-Id: cut\r\n\r\n");
+    let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    t.write_all(first.as_bytes()).await.unwrap();
+    assert!(read_response(&mut t).await.starts_with("HTTP/1.1 200"));
+    let before = tokens(s.admin_addr, "cut").await.unwrap();
+    let cut = format!(
+        "POST http://{host}/cut HTTP/1.1\r\nHost: {host}\r\nX-Endpoint-Id: cut\r\nContent-Length: 100\r\n\r\n0123456789"
+    );
+    t.write_all(cut.as_bytes()).await.unwrap();
+    t.shutdown().await.unwrap();
+    let r = read_response(&mut t).await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    let after = tokens(s.admin_addr, "cut").await.unwrap();
+    assert!(
+        after >= before - 0.01,
+        "the token came back: {before} before, {after} after"
+    );
+    assert!(
+        up.seen().iter().all(|s| s.path != "/cut"),
+        "no whole request arrived: {:?}",
+        up.seen()
+    );
+    s.stop().await;
+}
