@@ -9,8 +9,8 @@
 //! by its chunked framing (scanned, never re-encoded), or by the upstream closing.
 //! Admission, 429 feedback, metrics and the decision log are the ones every other form
 //! of request goes through ([`crate::proxy::admit_plain`], [`crate::proxy::answered`]).
-//! It costs about a third of the CPU of the same hop through hyper's server and client
-//! (docs/BENCHMARKS.md).
+//! It spends about half the user-space CPU per request of the same hop through hyper's
+//! server and client (docs/BENCHMARKS.md).
 //!
 //! Anything else hands the connection, with the bytes read so far, to hyper
 //! ([`crate::conn::serve`]) for the rest of its life, before any of that request is
