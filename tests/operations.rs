@@ -272,12 +272,18 @@ impl Proc {
         p
     }
 
+    /// Waits for `needle` in the process's log; on timeout, fails showing the log (a
+    /// process that could not start says why there).
     async fn wait_log(&self, needle: &str, limit: Duration) {
-        let what = format!("{needle:?} in the log");
-        common::wait_for(&what, limit, || async {
-            self.log.lock().unwrap().contains(needle)
-        })
-        .await;
+        let end = tokio::time::Instant::now() + limit;
+        while !self.log.lock().unwrap().contains(needle) {
+            assert!(
+                tokio::time::Instant::now() < end,
+                "timed out after {limit:?} waiting for {needle:?} in the log:\n{}",
+                self.log.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     fn signal(&self, sig: &str) {
