@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response, Version};
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
@@ -140,7 +141,11 @@ pub enum Writes {
 /// shutdown asks it to finish its in-flight work: HTTP/1.1 (with CONNECT upgrades) for
 /// `Version::HTTP_11`, HTTP/2 for `Version::HTTP_2` (an intercepted tunnel whose sender
 /// chose `h2` by ALPN).
+///
+/// `pre`: bytes already read from `io` (a connection the plain lane hands on,
+/// [`crate::lane`]), read again first; empty for a fresh connection.
 pub async fn serve<I, S, B>(
+    pre: Bytes,
     io: I,
     svc: S,
     protocol: Version,
@@ -160,6 +165,7 @@ pub async fn serve<I, S, B>(
     let io = Watched {
         inner: io,
         activity: Arc::clone(&activity),
+        pre,
     };
     let svc = Counted {
         inner: svc,
@@ -401,12 +407,18 @@ impl Activity {
 pub struct Watched<I> {
     inner: I,
     activity: Arc<Activity>,
+    /// Bytes already read from `inner`, read again first (through hyper's `Read`).
+    pre: Bytes,
 }
 
 impl<I> Watched<I> {
     /// Wraps `inner`, recording into `activity`.
     pub fn new(inner: I, activity: Arc<Activity>) -> Watched<I> {
-        Watched { inner, activity }
+        Watched {
+            inner,
+            activity,
+            pre: Bytes::new(),
+        }
     }
 }
 
@@ -414,8 +426,15 @@ impl<I: hyper::rt::Read + Unpin> hyper::rt::Read for Watched<I> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
+        mut buf: hyper::rt::ReadBufCursor<'_>,
     ) -> Poll<io::Result<()>> {
+        if !self.pre.is_empty() {
+            let n = self.pre.len().min(buf.remaining());
+            buf.put_slice(&self.pre[..n]);
+            bytes::Buf::advance(&mut self.pre, n);
+            self.activity.read();
+            return Poll::Ready(Ok(()));
+        }
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) {
             // An end of stream counts too: hyper then closes the connection anyway.

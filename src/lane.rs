@@ -103,15 +103,13 @@ pub async fn serve(
     let Lane {
         app, conn, stream, ..
     } = lane;
-    let io = Rewind {
-        pre,
-        inner: TokioIo::new(stream),
-    };
+    let io = TokioIo::new(stream);
     let svc = service_fn(move |req| {
         let (a, c) = (Arc::clone(&app), Arc::clone(&conn));
         async move { Ok::<_, Infallible>(proxy::handle(a, req, c).await) }
     });
-    crate::conn::serve(io, svc, Version::HTTP_11, timeouts, Writes::Flat, shutdown).await;
+    let v = Version::HTTP_11;
+    crate::conn::serve(pre, io, svc, v, timeouts, Writes::Flat, shutdown).await;
 }
 
 /// One sender connection in the lane.
@@ -925,58 +923,6 @@ async fn within<F: Future>(timer: Pin<&mut Sleep>, f: F) -> Option<F::Output> {
         biased;
         out = f => Some(out),
         _ = timer => None,
-    }
-}
-
-/// A stream whose first bytes were already read: they are read again first.
-struct Rewind<I> {
-    pre: Bytes,
-    inner: I,
-}
-
-impl<I: hyper::rt::Read + Unpin> hyper::rt::Read for Rewind<I> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        mut buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> Poll<io::Result<()>> {
-        if !self.pre.is_empty() {
-            let n = self.pre.len().min(buf.remaining());
-            buf.put_slice(&self.pre[..n]);
-            self.pre.advance(n);
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl<I: hyper::rt::Write + Unpin> hyper::rt::Write for Rewind<I> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
 }
 

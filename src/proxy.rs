@@ -26,6 +26,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use bytes::Bytes;
 use http::header::HOST;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode, Uri, Version};
@@ -910,7 +911,8 @@ impl Intercepted {
         };
         let stop = self.app.lifecycle.signal();
         let writes = crate::conn::Writes::Default;
-        crate::conn::serve(TokioIo::new(tls), svc, protocol, timeouts, writes, stop).await;
+        let io = TokioIo::new(tls);
+        crate::conn::serve(Bytes::new(), io, svc, protocol, timeouts, writes, stop).await;
     }
 }
 

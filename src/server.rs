@@ -11,6 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::Version;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -115,7 +116,16 @@ async fn accept_proxy(
                     async move { Ok::<_, Infallible>(crate::proxy::handle(a, req, c).await) }
                 });
                 let io = TokioIo::new(stream);
-                serve(io, svc, Version::HTTP_11, timeouts, Writes::Flat, signal).await
+                serve(
+                    Bytes::new(),
+                    io,
+                    svc,
+                    Version::HTTP_11,
+                    timeouts,
+                    Writes::Flat,
+                    signal,
+                )
+                .await
             }
         },
     )
@@ -142,6 +152,7 @@ async fn accept_admin(app: &Arc<App>, listener: TcpListener, stop: watch::Receiv
                 // The admin connection holds its place until it ends.
                 let _slot = slot;
                 serve(
+                    Bytes::new(),
                     TokioIo::new(stream),
                     svc,
                     Version::HTTP_11,
