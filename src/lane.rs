@@ -329,7 +329,6 @@ impl Lane {
         drop(slot);
         let delimited = relay.delimited();
         if delimited && !answer.close && up.buf.is_empty() {
-            forget_readable(&up.stream);
             self.up = Some(up);
         }
         Ok(delimited)
@@ -840,8 +839,9 @@ impl Chunks {
 
 /// Whether a kept upstream connection can carry the next request: nothing came from
 /// it since its last response ended (no close, no stray bytes). Looked up in the
-/// runtime's readiness for the socket, cleared when the response ended, so the common
-/// case costs no system call; only a connection that did hear something is read.
+/// runtime's readiness for the socket, forgotten by the read that drained it (see
+/// `poll_read`), so the common case costs no system call; only a connection that did
+/// hear something, or whose last read filled the buffer, is read.
 fn still_open(up: &Upstream) -> bool {
     let heard = up.stream.try_io(Interest::READABLE, || Ok(())).is_ok();
     if !heard {
@@ -849,14 +849,6 @@ fn still_open(up: &Upstream) -> bool {
     }
     let mut probe = [0u8; 1];
     matches!(up.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-}
-
-/// Forgets that the socket was readable (no system call): from here, readiness means
-/// the upstream sent something after its response.
-fn forget_readable(stream: &TcpStream) {
-    let _ = stream.try_io(Interest::READABLE, || {
-        Err::<(), _>(io::ErrorKind::WouldBlock.into())
-    });
 }
 
 /// Opens an upstream connection to `host:port`, resolved and checked against the
@@ -881,6 +873,11 @@ async fn open(app: &App, host: &str, port: u16, authority: &str) -> Result<Upstr
 
 /// Reads what is there into `buf`'s spare room (made when there is little): the
 /// number of bytes, 0 at the end of the stream.
+///
+/// A read shorter than the room drained the socket, so its readiness is forgotten in
+/// the same step, as tokio's own `AsyncRead` does: the next read waits for new bytes
+/// instead of paying a system call that finds none. Tokio clears it only if no event
+/// came since it was read (its tick), and never forgets a close.
 fn poll_read(
     stream: &TcpStream,
     buf: &mut BytesMut,
@@ -890,11 +887,23 @@ fn poll_read(
         buf.reserve(8192);
     }
     loop {
-        match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+        let room = buf.capacity() - buf.len();
+        let mut got = None;
+        let tried = stream.try_io(Interest::READABLE, || {
+            let n = stream.try_read_buf(buf)?;
+            got = Some(n);
+            if n > 0 && n < room {
+                Err(io::ErrorKind::WouldBlock.into())
+            } else {
+                Ok(n)
+            }
+        });
+        match (tried, got) {
+            (Ok(n), _) | (Err(_), Some(n)) => return Poll::Ready(Ok(n)),
+            (Err(e), None) if e.kind() == io::ErrorKind::WouldBlock => {
                 std::task::ready!(stream.poll_read_ready(cx))?;
             }
-            done => return Poll::Ready(done),
+            (Err(e), None) => return Poll::Ready(Err(e)),
         }
     }
 }
