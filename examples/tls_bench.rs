@@ -5,7 +5,8 @@
 //! `cargo build --release --bin sluice --example tls_bench && target/release/examples/tls_bench [SECONDS [ROUNDS]]`
 //!
 //! Rounds (default 3) are interleaved with the order rotated; each row is its scenario's
-//! median round, and the ratio compares medians.
+//! median round, and the ratio compares medians. The CPU column is the sluice
+//! process's own utime + stime per request, from /proc (median round).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -184,38 +185,70 @@ async fn main() -> Result<(), BoxError> {
     let plain_url = format!("http://127.0.0.1:{plain_port}/");
     let tls_url = format!("https://localhost:{tls_port}/");
     let mut runs: [Vec<(f64, Duration, Duration)>; 3] = Default::default();
+    let mut cpu: [Vec<f64>; 3] = Default::default();
+    let pid = child.id().ok_or("sluice exited")?;
+    let tick = clock_ticks_per_second();
     for round in 0..rounds {
         for k in 0..3 {
             let i = (k + round) % 3;
+            let before = cpu_ticks(pid)?;
             let r = match i {
                 0 => load(http_client.clone(), plain_url.clone(), 32, secs, false).await,
                 1 => load(tls_client.clone(), tls_url.clone(), 32, secs, false).await,
                 _ => load(tls_client.clone(), tls_url.clone(), 8, secs, true).await,
             };
+            // sluice's own CPU (utime + stime) per request answered in this round.
+            let used = (cpu_ticks(pid)? - before) as f64 / tick;
+            cpu[i].push(used * 1e6 / (r.0 * secs as f64).max(1.0));
             runs[i].push(r);
         }
     }
-    let rows: Vec<(&str, (f64, Duration, Duration))> = names
+    let rows: Vec<(&str, (f64, Duration, Duration), f64)> = names
         .iter()
         .zip(runs)
-        .map(|(name, mut r)| {
+        .zip(cpu)
+        .map(|((name, mut r), mut c)| {
             r.sort_by(|a, b| a.0.total_cmp(&b.0));
-            (*name, r[r.len() / 2])
+            c.sort_by(f64::total_cmp);
+            (*name, r[r.len() / 2], c[c.len() / 2])
         })
         .collect();
-    let base = rows[0].1.0;
-    println!("| scenario | req/s | p50 | p99 | req/s vs plain HTTP |\n|---|---|---|---|---|");
-    for (name, (rps, p50, p99)) in rows {
+    let (base, base_cpu) = (rows[0].1.0, rows[0].2);
+    println!(
+        "| scenario | req/s | p50 | p99 | sluice CPU µs/req | req/s vs plain HTTP | CPU/req vs plain |\n|---|---|---|---|---|---|---|"
+    );
+    for (name, (rps, p50, p99), cpu) in rows {
         println!(
-            "| {name} | {rps:.0} | {:.2}ms | {:.2}ms | {:.2} |",
+            "| {name} | {rps:.0} | {:.2}ms | {:.2}ms | {cpu:.1} | {:.2} | {:.2} |",
             p50.as_secs_f64() * 1e3,
             p99.as_secs_f64() * 1e3,
-            rps / base
+            rps / base,
+            cpu / base_cpu
         );
     }
     let _ = child.kill().await;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// utime + stime of process `pid`, in clock ticks (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> Result<u64, BoxError> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces), 1-based from the state.
+    let rest = stat.rsplit_once(')').ok_or("bad /proc stat")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Ok(f[11].parse::<u64>()? + f[12].parse::<u64>()?)
+}
+
+/// The kernel's clock ticks per second (`getconf CLK_TCK`; 100 when it cannot say).
+fn clock_ticks_per_second() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
 }
 
 fn tempfile_dir() -> std::io::Result<std::path::PathBuf> {
