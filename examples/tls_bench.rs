@@ -37,6 +37,7 @@ async fn serve_plain(listener: TcpListener) {
 async fn serve_tls(listener: TcpListener, cfg: Arc<rustls::ServerConfig>) {
     let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
     while let Ok((s, _)) = listener.accept().await {
+        let _ = s.set_nodelay(std::env::var("BENCH_UP_NODELAY").is_ok());
         let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let Ok(tls) = acceptor.accept(s).await else {
@@ -188,9 +189,17 @@ async fn main() -> Result<(), BoxError> {
     let mut cpu: [Vec<f64>; 3] = Default::default();
     let pid = child.id().ok_or("sluice exited")?;
     let tick = clock_ticks_per_second();
+    // TLS_BENCH_ONLY=N runs scenario N alone (0 plain, 1 kept-alive HTTPS, 2 fresh
+    // tunnels), to profile it; the table then shows that row only.
+    let only: Option<usize> = std::env::var("TLS_BENCH_ONLY")
+        .ok()
+        .and_then(|v| v.parse().ok());
     for round in 0..rounds {
         for k in 0..3 {
             let i = (k + round) % 3;
+            if only.is_some_and(|o| o != i) {
+                continue;
+            }
             let before = cpu_ticks(pid)?;
             let r = match i {
                 0 => load(http_client.clone(), plain_url.clone(), 32, secs, false).await,
@@ -207,6 +216,7 @@ async fn main() -> Result<(), BoxError> {
         .iter()
         .zip(runs)
         .zip(cpu)
+        .filter(|((_, r), _)| !r.is_empty())
         .map(|((name, mut r), mut c)| {
             r.sort_by(|a, b| a.0.total_cmp(&b.0));
             c.sort_by(f64::total_cmp);

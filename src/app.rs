@@ -121,6 +121,7 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
         interceptor,
         lifecycle: Lifecycle::new(),
         sampler: Default::default(),
+        idle: Default::default(),
     }))
 }
 

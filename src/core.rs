@@ -99,6 +99,8 @@ pub struct App {
     pub lifecycle: Lifecycle,
     /// Sampling of the decision log.
     pub sampler: Sampler,
+    /// Upstream connections the plain lane left idle when their sender went.
+    pub(crate) idle: crate::lane::IdleUpstreams,
 }
 
 impl App {

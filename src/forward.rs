@@ -97,6 +97,9 @@ pub struct Forwarder {
     /// generation were checked against the old policy and are not reused.
     generation: AtomicU64,
     tls: rustls::ClientConfig,
+    /// The same TLS settings offering `http/1.1` by ALPN, for the plain lane's own
+    /// connections ([`Forwarder::tls_handshake`]).
+    lane_tls: tokio_rustls::TlsConnector,
     timeout: Duration,
     policy: Arc<ArcSwap<DestinationPolicy>>,
 }
@@ -333,10 +336,13 @@ impl Forwarder {
         let mut tls = tls;
         tls.alpn_protocols.clear();
         let client = ArcSwap::from_pointee(pool(&tls, timeout, &policy));
+        let mut lane_tls = tls.clone();
+        lane_tls.alpn_protocols = vec![b"http/1.1".to_vec()];
         Forwarder {
             client,
             connector: connector(&tls, timeout, &policy),
             generation: AtomicU64::new(0),
+            lane_tls: tokio_rustls::TlsConnector::from(Arc::new(lane_tls)),
             tls,
             timeout,
             policy,
@@ -363,6 +369,24 @@ impl Forwarder {
     /// one is not reused.
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Runs the TLS handshake for `host` on `tcp` (opened by
+    /// [`Forwarder::connect_tunnel`]), offering only HTTP/1.1, within the upstream
+    /// timeout; certificate and handshake failures are [`ForwardError::Tls`], as on the
+    /// pooled client.
+    pub(crate) async fn tls_handshake(
+        &self,
+        host: &str,
+        tcp: TcpStream,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, ForwardError> {
+        let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+            .map_err(|e| ForwardError::Connect(format!("{host}: {e}")))?;
+        match tokio::time::timeout(self.timeout, self.lane_tls.connect(name, tcp)).await {
+            Ok(Ok(tls)) => Ok(tls),
+            Ok(Err(e)) => Err(classify(&e, true)),
+            Err(_) => Err(ForwardError::Timeout(self.timeout)),
+        }
     }
 
     /// The destination policy in force.

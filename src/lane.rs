@@ -39,7 +39,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version}
 use http_body_util::BodyExt;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use tokio::io::Interest;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
@@ -57,8 +57,15 @@ pub const MAX_HEADERS: usize = 100;
 /// Whether the lane serves plain requests (`SLUICE_PLAIN_LANE=0` turns it off); read
 /// once, at start-up.
 pub fn enabled() -> bool {
-    std::env::var("SLUICE_PLAIN_LANE").map_or(true, |v| v != "0")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_PLAIN_LANE").map_or(true, |v| v != "0"))
 }
+
+/// A sender's stream the lane serves: a plain TCP connection, or the TLS session inside
+/// an intercepted CONNECT tunnel.
+pub trait SenderIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> SenderIo for T {}
 
 /// Serves one sender connection: plain requests in the lane, and the whole connection
 /// by hyper from the first request that is not plain.
@@ -69,6 +76,32 @@ pub async fn serve(
     timeouts: Timeouts,
     shutdown: watch::Receiver<bool>,
 ) {
+    serve_on(app, stream, conn, timeouts, shutdown, Writes::Flat).await;
+}
+
+/// Serves the HTTP/1.1 session inside an intercepted CONNECT tunnel (`conn.tunnel` is
+/// set): origin-form requests in the lane, sent to the tunnel's authority over TLS,
+/// and the whole session by hyper from the first request that is not of that kind.
+pub async fn serve_tunnel<S: SenderIo>(
+    app: Arc<App>,
+    stream: S,
+    conn: Arc<Conn>,
+    timeouts: Timeouts,
+    shutdown: watch::Receiver<bool>,
+) {
+    serve_on(app, stream, conn, timeouts, shutdown, Writes::Default).await;
+}
+
+/// [`serve`] on any sender stream; `writes` is how hyper writes if it takes over.
+async fn serve_on<S: SenderIo>(
+    app: Arc<App>,
+    stream: S,
+    conn: Arc<Conn>,
+    timeouts: Timeouts,
+    shutdown: watch::Receiver<bool>,
+    writes: Writes,
+) {
+    let in_tunnel = conn.tunnel.is_some();
     let activity = Activity::new();
     activity.expect_head();
     let idle = Arc::clone(&activity).watch(timeouts.idle, Some(timeouts.header_read));
@@ -82,6 +115,7 @@ pub async fn serve(
         out: Vec::with_capacity(1024),
         up: None,
         timer,
+        in_tunnel,
     };
     let closing = AtomicBool::new(false);
     let ended = watched(
@@ -91,6 +125,13 @@ pub async fn serve(
         shutdown.clone(),
     )
     .await;
+    // A clean upstream connection outlives its sender connection.
+    if let Some(up) = lane.up.take() {
+        let tls = matches!(up.stream, UpIo::Tls(_));
+        if still_open(&up) {
+            lane.app.idle.put((tls, up.authority.clone()), up);
+        }
+    }
     let pre = match ended {
         Ok(Ok(Some(pre))) => pre,
         Ok(Ok(None)) => return,
@@ -106,17 +147,18 @@ pub async fn serve(
     let io = TokioIo::new(stream);
     let svc = service_fn(move |req| {
         let (a, c) = (Arc::clone(&app), Arc::clone(&conn));
-        async move { Ok::<_, Infallible>(proxy::handle(a, req, c).await) }
+        // Boxed: inside a tunnel, hyper's requests can open tunnels of their own.
+        async move { Ok::<_, Infallible>(proxy::handle_boxed(a, req, c).await) }
     });
     let v = Version::HTTP_11;
-    crate::conn::serve(pre, io, svc, v, timeouts, Writes::Flat, shutdown).await;
+    crate::conn::serve(pre, io, svc, v, timeouts, writes, shutdown).await;
 }
 
 /// One sender connection in the lane.
-struct Lane {
+struct Lane<S> {
     app: Arc<App>,
     conn: Arc<Conn>,
-    stream: TcpStream,
+    stream: S,
     activity: Arc<Activity>,
     /// Bytes read from the sender and not yet used.
     inb: BytesMut,
@@ -126,15 +168,21 @@ struct Lane {
     up: Option<Upstream>,
     /// The upstream timeout, set again for each request (one timer per connection).
     timer: Pin<Box<Sleep>>,
+    /// Inside an intercepted tunnel: requests are origin-form, for the tunnel's
+    /// authority, over TLS.
+    in_tunnel: bool,
 }
 
+/// Idle upstream connections by (TLS, authority as the request named it).
+pub(crate) type IdleUpstreams = crate::idle::Idle<(bool, Box<str>), Upstream>;
+
 /// A kept-alive upstream connection.
-struct Upstream {
+pub(crate) struct Upstream {
     /// The request authority it was opened for, byte for byte.
     authority: Box<str>,
     /// The destination policy generation it was checked under.
     generation: u64,
-    stream: TcpStream,
+    stream: UpIo,
     /// Bytes read from it and not yet used.
     buf: BytesMut,
     /// The `Host` its requests carry.
@@ -172,7 +220,7 @@ enum Failure {
     Io(io::Error),
 }
 
-impl Lane {
+impl<S: SenderIo> Lane<S> {
     /// Serves requests until the sender closes, shutdown asks the connection to finish,
     /// or a request is not the lane's: then the bytes read of it, for hyper.
     async fn run(&mut self, closing: &AtomicBool) -> io::Result<Option<Bytes>> {
@@ -192,7 +240,7 @@ impl Lane {
     async fn next_head(&mut self, closing: &AtomicBool) -> io::Result<Next> {
         loop {
             if !self.inb.is_empty() {
-                match parse_request(&self.inb) {
+                match parse_request(&self.inb, self.in_tunnel) {
                     Parsed::Partial if self.inb.len() >= MAX_HEAD_BYTES => {
                         return Ok(Next::Handoff);
                     }
@@ -201,7 +249,7 @@ impl Lane {
                     Parsed::Head(h) => return Ok(Next::Head(h)),
                 }
             }
-            let (inb, stream) = (&mut self.inb, &self.stream);
+            let (inb, stream) = (&mut self.inb, &mut self.stream);
             let n = std::future::poll_fn(|cx| {
                 if inb.is_empty() && closing.load(Ordering::Relaxed) {
                     return Poll::Ready(Ok(0));
@@ -258,13 +306,13 @@ impl Lane {
         };
         let authority = uri.authority().map_or("", |a| a.as_str());
         let generation = app.forwarder.generation();
-        let kept = self
-            .up
-            .take()
-            .filter(|u| u.generation == generation && *u.authority == *authority && still_open(u));
+        let usable = |u: &Upstream| u.generation == generation && still_open(u);
+        let kept = self.up.take().filter(|u| *u.authority == *authority && usable(u));
+        // Else one another sender connection left, else a new one.
+        let kept = kept.or_else(|| app.idle.take((self.in_tunnel, authority.into()), usable));
         let mut up = match kept {
             Some(u) => u,
-            None => match Box::pin(open(&app, &target.host, target.port, authority)).await {
+            None => match Box::pin(open(&app, &target.host, target.port, &uri)).await {
                 Ok(u) => u,
                 Err(e) => return Err(fail(e, true).await),
             },
@@ -284,7 +332,7 @@ impl Lane {
         let sending = send(
             &mut up,
             &mut self.out,
-            &self.stream,
+            &mut self.stream,
             &mut self.inb,
             body_left,
             head.method == Method::HEAD,
@@ -305,7 +353,7 @@ impl Lane {
         let now = relay.take(&up.buf).map_err(Failure::Io)?;
         self.out.extend_from_slice(&up.buf[..now]);
         up.buf.advance(now);
-        write_all(&self.stream, &self.out)
+        write_all(&mut self.stream, &self.out)
             .await
             .map_err(Failure::Io)?;
         self.activity.touch();
@@ -314,13 +362,13 @@ impl Lane {
         drop(in_flight);
         while !relay.done() {
             up.buf.clear();
-            let n = read(&up.stream, &mut up.buf).await.map_err(Failure::Io)?;
+            let n = read(&mut up.stream, &mut up.buf).await.map_err(Failure::Io)?;
             if n == 0 {
                 relay.closed().map_err(Failure::Io)?;
                 break;
             }
             let n = relay.take(&up.buf).map_err(Failure::Io)?;
-            write_all(&self.stream, &up.buf[..n])
+            write_all(&mut self.stream, &up.buf[..n])
                 .await
                 .map_err(Failure::Io)?;
             up.buf.advance(n);
@@ -379,7 +427,7 @@ impl Lane {
         }
         out.extend_from_slice(b"\r\n");
         out.extend_from_slice(&bytes);
-        write_all(&self.stream, &self.out).await?;
+        write_all(&mut self.stream, &self.out).await?;
         self.activity.touch();
         Ok(keep)
     }
@@ -399,16 +447,16 @@ struct Answer {
 /// Writes the request (head, then the rest of its body from the sender) and reads the
 /// response head into `out`, rewritten. The upstream's bytes after the head stay in
 /// `up.buf`.
-async fn send(
+async fn send<S: SenderIo>(
     up: &mut Upstream,
     out: &mut Vec<u8>,
-    sender: &TcpStream,
+    sender: &mut S,
     inb: &mut BytesMut,
     mut body_left: u64,
     head_request: bool,
 ) -> Result<Answer, ForwardError> {
     let upstream_write = |e: io::Error| ForwardError::Other(format!("upstream write failed: {e}"));
-    write_all(&up.stream, out).await.map_err(upstream_write)?;
+    write_all(&mut up.stream, out).await.map_err(upstream_write)?;
     while body_left > 0 {
         inb.clear();
         let n = read(sender, inb)
@@ -420,7 +468,7 @@ async fn send(
             )));
         }
         let take = (n as u64).min(body_left) as usize;
-        write_all(&up.stream, &inb[..take])
+        write_all(&mut up.stream, &inb[..take])
             .await
             .map_err(upstream_write)?;
         inb.advance(take);
@@ -447,7 +495,7 @@ async fn send(
                 None => {}
             }
         }
-        let n = read(&up.stream, &mut up.buf)
+        let n = read(&mut up.stream, &mut up.buf)
             .await
             .map_err(|e| ForwardError::Other(format!("upstream read failed: {e}")))?;
         if n == 0 {
@@ -466,8 +514,9 @@ enum Parsed {
     Head(Head),
 }
 
-/// Parses a request head, and decides whether the lane serves it (see the module doc).
-fn parse_request(buf: &[u8]) -> Parsed {
+/// Parses a request head, and decides whether the lane serves it (see the module doc):
+/// absolute-form `http://` on a sender's connection, origin-form `in_tunnel`.
+fn parse_request(buf: &[u8], in_tunnel: bool) -> Parsed {
     let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut slots);
     let len = match req.parse(buf) {
@@ -481,13 +530,18 @@ fn parse_request(buf: &[u8]) -> Parsed {
     let Ok(method) = Method::from_bytes(method.as_bytes()) else {
         return Parsed::Handoff;
     };
-    if method == Method::CONNECT || !path.starts_with("http://") {
+    let form = if in_tunnel {
+        path.starts_with('/')
+    } else {
+        path.starts_with("http://")
+    };
+    if method == Method::CONNECT || !form {
         return Parsed::Handoff;
     }
     let Ok(uri) = Uri::try_from(path) else {
         return Parsed::Handoff;
     };
-    if uri.authority().is_none() {
+    if uri.authority().is_none() != in_tunnel {
         return Parsed::Handoff;
     }
     let mut headers = HeaderMap::with_capacity(req.headers.len());
@@ -839,27 +893,41 @@ impl Chunks {
 
 /// Whether a kept upstream connection can carry the next request: nothing came from
 /// it since its last response ended (no close, no stray bytes). Looked up in the
-/// runtime's readiness for the socket, forgotten by the read that drained it (see
-/// `poll_read`), so the common case costs no system call; only a connection that did
-/// hear something, or whose last read filled the buffer, is read.
+/// runtime's readiness for its socket, which tokio forgets when a read drains the
+/// socket (a read shorter than the room), so the common case costs no system call.
+/// A plain connection that did hear something, or whose last read filled the buffer,
+/// is read; a TLS one is not reused then (its bytes cannot be peeked at outside the
+/// session).
 fn still_open(up: &Upstream) -> bool {
-    let heard = up.stream.try_io(Interest::READABLE, || Ok(())).is_ok();
+    let tcp = up.stream.tcp();
+    let heard = tcp.try_io(Interest::READABLE, || Ok(())).is_ok();
     if !heard {
         return true;
     }
+    if matches!(up.stream, UpIo::Tls(_)) {
+        return false;
+    }
     let mut probe = [0u8; 1];
-    matches!(up.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    matches!(tcp.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
 }
 
 /// Opens an upstream connection to `host:port`, resolved and checked against the
-/// destination policy.
-async fn open(app: &App, host: &str, port: u16, authority: &str) -> Result<Upstream, ForwardError> {
+/// destination policy, for `uri`'s authority: TLS for `https://` (inside a tunnel).
+async fn open(app: &App, host: &str, port: u16, uri: &Uri) -> Result<Upstream, ForwardError> {
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    let tls = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
     let addrs = app.forwarder.resolve(host, port).await?;
-    let stream = app.forwarder.connect_tunnel(addrs).await?;
+    let tcp = app.forwarder.connect_tunnel(addrs).await?;
+    let stream = if tls {
+        UpIo::Tls(Box::new(app.forwarder.tls_handshake(host, tcp).await?))
+    } else {
+        UpIo::Tcp(tcp)
+    };
     // The `Host` a connection of its own sends: the authority, its port only when not
     // the scheme's default.
+    let default = if tls { "443" } else { "80" };
     let host = match authority.rsplit_once(':') {
-        Some((h, "80")) => h,
+        Some((h, p)) if p == default => h,
         _ => authority,
     };
     Ok(Upstream {
@@ -871,58 +939,87 @@ async fn open(app: &App, host: &str, port: u16, authority: &str) -> Result<Upstr
     })
 }
 
+/// An upstream connection's stream: plain TCP, or TLS (requests from inside an
+/// intercepted tunnel).
+enum UpIo {
+    Tcp(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl UpIo {
+    /// The TCP connection under it.
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            UpIo::Tcp(s) => s,
+            UpIo::Tls(s) => s.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for UpIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            UpIo::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            UpIo::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for UpIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            UpIo::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            UpIo::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            UpIo::Tcp(s) => Pin::new(s).poll_flush(cx),
+            UpIo::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            UpIo::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            UpIo::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 /// Reads what is there into `buf`'s spare room (made when there is little): the
-/// number of bytes, 0 at the end of the stream.
-///
-/// A read shorter than the room drained the socket, so its readiness is forgotten in
-/// the same step, as tokio's own `AsyncRead` does: the next read waits for new bytes
-/// instead of paying a system call that finds none. Tokio clears it only if no event
-/// came since it was read (its tick), and never forgets a close.
-fn poll_read(
-    stream: &TcpStream,
+/// number of bytes, 0 at the end of the stream. On TCP, tokio forgets the socket's
+/// readiness when a read drains it, so the next read waits for new bytes instead of
+/// paying a system call that finds none.
+fn poll_read<T: AsyncRead + Unpin>(
+    stream: &mut T,
     buf: &mut BytesMut,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<usize>> {
     if buf.capacity() - buf.len() < 1024 {
         buf.reserve(8192);
     }
-    loop {
-        let room = buf.capacity() - buf.len();
-        let mut got = None;
-        let tried = stream.try_io(Interest::READABLE, || {
-            let n = stream.try_read_buf(buf)?;
-            got = Some(n);
-            if n > 0 && n < room {
-                Err(io::ErrorKind::WouldBlock.into())
-            } else {
-                Ok(n)
-            }
-        });
-        match (tried, got) {
-            (Ok(n), _) | (Err(_), Some(n)) => return Poll::Ready(Ok(n)),
-            (Err(e), None) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::task::ready!(stream.poll_read_ready(cx))?;
-            }
-            (Err(e), None) => return Poll::Ready(Err(e)),
-        }
-    }
+    tokio_util::io::poll_read_buf(Pin::new(stream), cx, buf)
 }
 
-/// Writes all of `bytes`.
-async fn write_all(stream: &TcpStream, mut bytes: &[u8]) -> io::Result<()> {
-    while !bytes.is_empty() {
-        match stream.try_write(bytes) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => bytes = &bytes[n..],
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => stream.writable().await?,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+/// Writes all of `bytes`, and flushes them (a TLS session holds what it encrypted
+/// until then).
+async fn write_all<T: AsyncWrite + Unpin>(stream: &mut T, bytes: &[u8]) -> io::Result<()> {
+    stream.write_all(bytes).await?;
+    stream.flush().await
 }
 
 /// Reads what is there into `buf`: the number of bytes, 0 at the end of the stream.
-async fn read(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+async fn read<T: AsyncRead + Unpin>(stream: &mut T, buf: &mut BytesMut) -> io::Result<usize> {
     std::future::poll_fn(|cx| poll_read(stream, buf, cx)).await
 }
 
@@ -977,7 +1074,7 @@ mod tests {
     }
 
     fn head(text: &str) -> Option<Head> {
-        match parse_request(text.as_bytes()) {
+        match parse_request(text.as_bytes(), false) {
             Parsed::Head(h) => Some(h),
             _ => None,
         }
@@ -1006,7 +1103,7 @@ mod tests {
             "GET http://a/ HTTP/1.1\r\nBad Name: x\r\n\r\n",
         ] {
             assert!(
-                matches!(parse_request(other.as_bytes()), Parsed::Handoff),
+                matches!(parse_request(other.as_bytes(), false), Parsed::Handoff),
                 "{other:?}"
             );
         }
@@ -1014,11 +1111,34 @@ mod tests {
             "GET http://a/ HTTP/1.1\r\n{}\r\n",
             "x: 1\r\n".repeat(MAX_HEADERS + 1)
         );
-        assert!(matches!(parse_request(many.as_bytes()), Parsed::Handoff));
+        assert!(matches!(parse_request(many.as_bytes(), false), Parsed::Handoff));
         assert!(matches!(
-            parse_request(b"GET http://a/ HTTP/1.1\r\nHost: a\r\n"),
+            parse_request(b"GET http://a/ HTTP/1.1\r\nHost: a\r\n", false),
             Parsed::Partial
         ));
+    }
+
+    /// Inside an intercepted tunnel the lane takes origin-form requests only: the
+    /// tunnel names the destination, so an absolute-form one goes to hyper.
+    #[test]
+    fn inside_a_tunnel_the_lane_takes_origin_form_only() {
+        let ok = "POST /x?y=1 HTTP/1.1\r\nHost: a.example\r\nContent-Length: 2\r\n\r\nhi";
+        let Parsed::Head(h) = parse_request(ok.as_bytes(), true) else {
+            panic!("origin-form in a tunnel is the lane's");
+        };
+        assert_eq!((h.body, h.uri.path_and_query().unwrap().as_str()), (2, "/x?y=1"));
+        for other in [
+            "GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET https://a/ HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET * HTTP/1.1\r\nHost: a\r\n\r\n",
+            "CONNECT a:443 HTTP/1.1\r\n\r\n",
+            "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+        ] {
+            assert!(
+                matches!(parse_request(other.as_bytes(), true), Parsed::Handoff),
+                "{other:?}"
+            );
+        }
     }
 
     #[test]

@@ -900,16 +900,19 @@ impl Intercepted {
             endpoint: Default::default(),
             target: Default::default(),
         });
-        let app = Arc::clone(&self.app);
-        let svc = hyper::service::service_fn(move |req| {
-            let (app, conn) = (Arc::clone(&app), Arc::clone(&conn));
-            async move { Ok::<_, std::convert::Infallible>(handle_boxed(app, req, conn).await) }
-        });
         let timeouts = Timeouts {
             header_read: cfg.proxy.header_read_timeout,
             idle: cfg.proxy.idle_timeout,
         };
         let stop = self.app.lifecycle.signal();
+        if protocol == Version::HTTP_11 && crate::lane::enabled() {
+            return crate::lane::serve_tunnel(self.app, tls, conn, timeouts, stop).await;
+        }
+        let app = Arc::clone(&self.app);
+        let svc = hyper::service::service_fn(move |req| {
+            let (app, conn) = (Arc::clone(&app), Arc::clone(&conn));
+            async move { Ok::<_, std::convert::Infallible>(handle_boxed(app, req, conn).await) }
+        });
         let writes = crate::conn::Writes::Default;
         let io = TokioIo::new(tls);
         crate::conn::serve(Bytes::new(), io, svc, protocol, timeouts, writes, stop).await;
@@ -917,7 +920,7 @@ impl Intercepted {
 }
 
 /// [`handle`] behind a box: requests inside a tunnel recurse into it.
-fn handle_boxed(
+pub(crate) fn handle_boxed(
     app: Arc<App>,
     req: Request<Incoming>,
     conn: Arc<Conn>,
