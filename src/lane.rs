@@ -307,7 +307,10 @@ impl<S: SenderIo> Lane<S> {
         let authority = uri.authority().map_or("", |a| a.as_str());
         let generation = app.forwarder.generation();
         let usable = |u: &Upstream| u.generation == generation && still_open(u);
-        let kept = self.up.take().filter(|u| *u.authority == *authority && usable(u));
+        let kept = self
+            .up
+            .take()
+            .filter(|u| *u.authority == *authority && usable(u));
         // Else one another sender connection left, else a new one.
         let kept = kept.or_else(|| app.idle.take((self.in_tunnel, authority.into()), usable));
         let mut up = match kept {
@@ -362,7 +365,9 @@ impl<S: SenderIo> Lane<S> {
         drop(in_flight);
         while !relay.done() {
             up.buf.clear();
-            let n = read(&mut up.stream, &mut up.buf).await.map_err(Failure::Io)?;
+            let n = read(&mut up.stream, &mut up.buf)
+                .await
+                .map_err(Failure::Io)?;
             if n == 0 {
                 relay.closed().map_err(Failure::Io)?;
                 break;
@@ -456,7 +461,9 @@ async fn send<S: SenderIo>(
     head_request: bool,
 ) -> Result<Answer, ForwardError> {
     let upstream_write = |e: io::Error| ForwardError::Other(format!("upstream write failed: {e}"));
-    write_all(&mut up.stream, out).await.map_err(upstream_write)?;
+    write_all(&mut up.stream, out)
+        .await
+        .map_err(upstream_write)?;
     while body_left > 0 {
         inb.clear();
         let n = read(sender, inb)
@@ -1111,7 +1118,10 @@ mod tests {
             "GET http://a/ HTTP/1.1\r\n{}\r\n",
             "x: 1\r\n".repeat(MAX_HEADERS + 1)
         );
-        assert!(matches!(parse_request(many.as_bytes(), false), Parsed::Handoff));
+        assert!(matches!(
+            parse_request(many.as_bytes(), false),
+            Parsed::Handoff
+        ));
         assert!(matches!(
             parse_request(b"GET http://a/ HTTP/1.1\r\nHost: a\r\n", false),
             Parsed::Partial
@@ -1126,7 +1136,10 @@ mod tests {
         let Parsed::Head(h) = parse_request(ok.as_bytes(), true) else {
             panic!("origin-form in a tunnel is the lane's");
         };
-        assert_eq!((h.body, h.uri.path_and_query().unwrap().as_str()), (2, "/x?y=1"));
+        assert_eq!(
+            (h.body, h.uri.path_and_query().unwrap().as_str()),
+            (2, "/x?y=1")
+        );
         for other in [
             "GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n",
             "GET https://a/ HTTP/1.1\r\nHost: a\r\n\r\n",

@@ -297,3 +297,140 @@ async fn a_body_cut_short_gives_its_token_back_and_arrives_nowhere_whole() {
     );
     s.stop().await;
 }
+
+/// Open sender connections, from the admin listener's metrics.
+async fn open_connections(admin: SocketAddr) -> f64 {
+    let text = reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("sluice_connections_open "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// A clean upstream connection outlives its sender connection: the next sender
+/// connection to the same destination is served on it, while one the receiver closed
+/// is never handed on.
+#[tokio::test]
+async fn an_upstream_connection_outlives_its_sender_connection() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    for path in ["/first", "/second", "/bye", "/after-bye"] {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let req = format!("GET http://{host}{path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        t.write_all(req.as_bytes()).await.unwrap();
+        let r = read_response(&mut t).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{path}: {r}");
+        drop(t);
+        // The sender connection is gone from sluice's side too before the next one.
+        let admin = s.admin_addr;
+        wait_for(
+            "the sender connection to close",
+            Duration::from_secs(10),
+            || async move { open_connections(admin).await == 0.0 },
+        )
+        .await;
+    }
+    let conns: Vec<(String, usize)> = up.seen().into_iter().map(|s| (s.path, s.conn)).collect();
+    assert_eq!(
+        conns[1].1, conns[0].1,
+        "a new sender connection reused it: {conns:?}"
+    );
+    assert_eq!(conns[2].1, conns[0].1, "{conns:?}");
+    assert_ne!(
+        conns[3].1, conns[2].1,
+        "the receiver closed it after /bye: {conns:?}"
+    );
+    s.stop().await;
+}
+
+/// Inside an intercepted tunnel (HTTP/1.1 by ALPN) bodies arrive once and whole both
+/// ways, sluice's own headers never reach the receiver, and the TLS connection to the
+/// receiver outlives the tunnel: a second tunnel is served on it, with no new handshake.
+#[tokio::test]
+async fn inside_a_tunnel_bodies_arrive_whole_and_the_upstream_connection_outlives_it() {
+    use common::Reply;
+    use common::tls::{TestPki, TlsUpstream};
+    let dir = tempfile::tempdir().unwrap();
+    let ca = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
+    let pki = TestPki::new(&["localhost"]);
+    let up_ca = pki.write_ca(dir.path());
+    let up = TlsUpstream::start(
+        &pki,
+        Arc::new(|a| {
+            let mut r = Reply::ok().header("x-got", &a.body.len().to_string());
+            if a.path == "/big" {
+                r.body = "y".repeat(BIG);
+            }
+            r
+        }),
+    )
+    .await;
+    let s = sluice(&format!(
+        "[tls]\nintercept = true\nca_cert = \"{}\"\nca_key = \"{}\"\nupstream_roots = [\"{}\"]\n",
+        ca.cert.display(),
+        ca.key.display(),
+        up_ca.display()
+    ))
+    .await;
+    let pem = std::fs::read(&ca.cert).unwrap();
+    let tunnel = || {
+        reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(&pem).unwrap())
+            .proxy(reqwest::Proxy::https(format!("http://{}", s.proxy_addr)).unwrap())
+            .http1_only()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap()
+    };
+    let big: Vec<u8> = (0..BIG).map(|i| (i % 251) as u8).collect();
+    let c = tunnel();
+    for body in [b"{\"event\":1}".to_vec(), big.clone(), Vec::new()] {
+        let r = c
+            .post(up.url("/hook"))
+            .header("x-endpoint-id", "tunnel-ep")
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-got"], body.len().to_string().as_str());
+        let last = up.arrivals().pop().unwrap();
+        assert_eq!(last.body.as_ref(), body.as_slice(), "{} bytes", body.len());
+        assert!(!last.headers.contains_key("x-endpoint-id"));
+        let host = format!("localhost:{}", up.addr.port());
+        assert_eq!(last.headers["host"], host.as_str());
+    }
+    let r = c.get(up.url("/big")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.bytes().await.unwrap().len(),
+        BIG,
+        "the response arrived whole"
+    );
+    drop(c);
+    let admin = s.admin_addr;
+    wait_for(
+        "the tunnel to close",
+        Duration::from_secs(10),
+        || async move { open_connections(admin).await == 0.0 },
+    )
+    .await;
+    let r = tunnel().get(up.url("/second-tunnel")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let arrivals = up.arrivals();
+    assert_eq!(arrivals.len(), 5, "each request arrived once");
+    let conns: Vec<usize> = arrivals.iter().map(|a| a.conn).collect();
+    assert!(
+        conns.iter().all(|c| *c == conns[0]),
+        "one TLS connection: {conns:?}"
+    );
+    s.stop().await;
+}
