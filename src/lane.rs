@@ -1,6 +1,12 @@
 //! The plain lane: sluice's own HTTP/1.1 engine for the request a forward proxy sees
 //! most — an absolute-form `http://` request, HTTP/1.1, with no body or a
-//! `Content-Length` one, on a kept-alive sender connection.
+//! `Content-Length` one, on a kept-alive sender connection; and the same request in
+//! origin-form inside an intercepted CONNECT tunnel that chose HTTP/1.1
+//! ([`serve_tunnel`]), sent to the tunnel's authority over TLS.
+//!
+//! When a sender connection ends between requests, its clean upstream connection is
+//! left on the worker's idle shelf ([`crate::idle`]) for the next sender connection to
+//! the same destination.
 //!
 //! Heads are parsed with `httparse` (the parser hyper itself uses); the request goes out
 //! on the sender connection's own upstream connection, written and read in the
@@ -14,7 +20,8 @@
 //!
 //! Anything else hands the connection, with the bytes read so far, to hyper
 //! ([`crate::conn::serve`]) for the rest of its life, before any of that request is
-//! acted on: HTTP/1.0, CONNECT, origin-form and `https://` targets, chunked or
+//! acted on: HTTP/1.0, CONNECT, origin-form (absolute-form inside a tunnel) and
+//! `https://` targets, chunked or
 //! upgrading requests, `Expect`, `Connection` options, a second `Content-Length` or
 //! `Host`, header bytes hyper's types refuse, more than [`MAX_HEADERS`] headers, a head
 //! over [`MAX_HEAD_BYTES`] or one `httparse` rejects. So every unusual request gets
