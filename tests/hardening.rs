@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use common::{Reply, Upstream};
+use common::{Reply, Upstream, metrics, wait_for_metric};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -36,25 +36,6 @@ async fn read_head(s: &mut TcpStream) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
-}
-
-async fn metrics(admin: SocketAddr) -> String {
-    reqwest::get(format!("http://{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
-/// Waits (at most 5 s) until `/metrics` contains `needle`.
-async fn wait_for_metric(admin: SocketAddr, needle: &str) {
-    common::wait_for(
-        &format!("{needle:?} in /metrics"),
-        Duration::from_secs(5),
-        || async { metrics(admin).await.contains(needle) },
-    )
-    .await;
 }
 
 /// Finding 1: giant and malformed host names are a 400 before anything else, and

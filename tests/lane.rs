@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use common::{Upstream, client, read_response, sluice, tokens, wait_for};
+use common::{Upstream, client, read_response, sluice, tokens, wait_for, wait_for_metric};
 
 /// One request as the raw upstream read it.
 #[derive(Debug, Clone)]
@@ -298,20 +298,6 @@ async fn a_body_cut_short_gives_its_token_back_and_arrives_nowhere_whole() {
     s.stop().await;
 }
 
-/// Open sender connections, from the admin listener's metrics.
-async fn open_connections(admin: SocketAddr) -> f64 {
-    let text = reqwest::get(format!("http://{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix("sluice_connections_open "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
 /// A clean upstream connection outlives its sender connection: the next sender
 /// connection to the same destination is served on it, while one the receiver closed
 /// is never handed on.
@@ -328,13 +314,7 @@ async fn an_upstream_connection_outlives_its_sender_connection() {
         assert!(r.starts_with("HTTP/1.1 200"), "{path}: {r}");
         drop(t);
         // The sender connection is gone from sluice's side too before the next one.
-        let admin = s.admin_addr;
-        wait_for(
-            "the sender connection to close",
-            Duration::from_secs(10),
-            || async move { open_connections(admin).await == 0.0 },
-        )
-        .await;
+        wait_for_metric(s.admin_addr, "sluice_connections_open 0").await;
     }
     let conns: Vec<(String, usize)> = up.seen().into_iter().map(|s| (s.path, s.conn)).collect();
     assert_eq!(
@@ -416,13 +396,7 @@ async fn inside_a_tunnel_bodies_arrive_whole_and_the_upstream_connection_outlive
         "the response arrived whole"
     );
     drop(c);
-    let admin = s.admin_addr;
-    wait_for(
-        "the tunnel to close",
-        Duration::from_secs(10),
-        || async move { open_connections(admin).await == 0.0 },
-    )
-    .await;
+    wait_for_metric(s.admin_addr, "sluice_connections_open 0").await;
     let r = tunnel().get(up.url("/second-tunnel")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let arrivals = up.arrivals();

@@ -45,6 +45,26 @@ where
     }
 }
 
+/// The admin listener's `/metrics` text.
+pub async fn metrics(admin: SocketAddr) -> String {
+    reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Waits (at most 5 s) until `/metrics` contains `needle`.
+pub async fn wait_for_metric(admin: SocketAddr, needle: &str) {
+    wait_for(
+        &format!("{needle:?} in /metrics"),
+        Duration::from_secs(5),
+        || async { metrics(admin).await.contains(needle) },
+    )
+    .await;
+}
+
 /// One request as the upstream saw it.
 #[derive(Debug, Clone)]
 pub struct Arrival {
