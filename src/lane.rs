@@ -14,7 +14,7 @@
 //! headers removed) and its body is copied as it comes, framed by its `Content-Length`,
 //! by its chunked framing (scanned, never re-encoded), or by the upstream closing.
 //! Admission, 429 feedback, metrics and the decision log are the ones every other form
-//! of request goes through ([`crate::proxy::admit_plain`], [`crate::proxy::answered`]).
+//! of request goes through (`proxy::admit_plain`, `proxy::answered`).
 //! It spends about half the user-space CPU per request of the same hop through hyper's
 //! server and client (docs/BENCHMARKS.md).
 //!
