@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Whole-process HTTP benchmark, side by side in one run:
 #   direct to a local upstream | HAProxy 2.6 (nbthread 1, forwarding by the request
-#   target: set-dst url_ip / url_port) | a bare hyper forwarder (examples/bare_forward.rs:
+#   target: set-dst url_ip / url_port; and with a thread per core, its default) | a bare hyper forwarder (examples/bare_forward.rs:
 #   the proxy hop alone, no limiting; pooled client, "held": sluice's shape on one
 #   thread, and "raw": no HTTP library, the floor of sluice's own lane) | sluice with
-#   every connection served by hyper (SLUICE_PLAIN_LANE=0) | sluice (memory store) | sluice (Redis store, the default config: one replica
+#   every connection served by hyper (SLUICE_PLAIN_LANE=0) | sluice (memory store: the
+#   default runtime, one worker bound to each core; one worker; workers not bound) | sluice (Redis store, the default config: one replica
 #   alone in the store, so store.prefetch = "alone" takes tokens ahead) | sluice (Redis
 #   store shared with a second, idle replica: the default then takes none ahead) |
 #   sluice (memory store, proxy authentication on)
@@ -41,10 +42,11 @@ BR=$(free_port); target/release/examples/bare_forward "127.0.0.1:$BR" raw 2>/dev
 PORT_OF[bare-raw]=$BR; PID_OF[bare-raw]=$!
 RP=$(free_port); redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$RP"
 
-HP=$(free_port)
-cat > "$TMP/haproxy.cfg" <<CFG
+start_haproxy() { # $1 name, $2 threads
+  local hp; hp=$(free_port)
+  cat > "$TMP/$1.cfg" <<CFG
 global
-  nbthread 1
+  nbthread $2
   maxconn 4096
 defaults
   mode http
@@ -53,23 +55,28 @@ defaults
   timeout client 30s
   timeout server 30s
 frontend proxy
-  bind 127.0.0.1:$HP
+  bind 127.0.0.1:$hp
   default_backend dynamic
 backend dynamic
   http-request set-dst url_ip
   http-request set-dst-port url_port
   server dyn 0.0.0.0:0
 CFG
-"$HAPROXY" -q -f "$TMP/haproxy.cfg" & PIDS+=($!); wait_port "$HP"
-PORT_OF[haproxy]=$HP; PID_OF[haproxy]=$!
+  "$HAPROXY" -q -f "$TMP/$1.cfg" & PIDS+=($!); wait_port "$hp"
+  PORT_OF[$1]=$hp; PID_OF[$1]=$!
+}
+start_haproxy haproxy 1
+# HAProxy's own default (a thread per core): the like-for-like row for sluice's default.
+start_haproxy haproxy-per-core "$(nproc)"
 
-start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers, $5 environment (no subshell: PIDS and the trap stay here)
+start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers, $5 environment, $6 extra [proxy] keys (no subshell: PIDS and the trap stay here)
   local p a; p=$(free_port); a=$(free_port)
   cat > "$TMP/$1.toml" <<TOML
 [proxy]
 listen = "127.0.0.1:$p"
 admin_listen = "127.0.0.1:$a"
 workers = ${4:-0}
+${6:-}
 $2
 [defaults]
 rate = 1000000000.0
@@ -87,6 +94,9 @@ start_sluice sluice-memory '[store]
 backend = "memory"'
 start_sluice sluice-memory-1worker '[store]
 backend = "memory"' "" 1
+# The default runtime with its workers left where the kernel puts them.
+start_sluice sluice-memory-unpinned '[store]
+backend = "memory"' "" 0 SLUICE_BENCH=1 "pin_workers = false"
 # Every connection served by hyper, as before the plain lane (src/lane.rs).
 start_sluice sluice-memory-hyper '[store]
 backend = "memory"' "" 0 SLUICE_PLAIN_LANE=0
@@ -117,7 +127,7 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-hyper sluice-redis sluice-redis-shared; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+for s in haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -143,7 +153,7 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request|preemptions pe
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-hyper sluice-redis sluice-redis-shared sluice-memory-auth)
+NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do
@@ -158,11 +168,12 @@ declare -A ROW
 for name in "${NAMES[@]}"; do ROW[$name]="$(printf '%s' "${ALL[$name]}" | grep . | median)"; done
 field() { echo "${ROW[$1]}" | cut -d'|' -f"$2"; }
 ratio() { python3 -c "a,b='$1','$2'; print('-' if '-' in (a,b) else f'{float(a)/float(b):.2f}')"; }
-TABLE="| scenario | req/s | p50 | p99 | proxy CPU µs/req | preempted /100 req | req/s vs HAProxy | CPU/req vs HAProxy | vs sluice-memory |
-|---|---|---|---|---|---|---|---|---|"
+ms() { python3 -c "v='$1'; print(float(v[:-2])/1000 if v.endswith('us') else float(v[:-2]) if v.endswith('ms') else float(v[:-1])*1000)"; }
+TABLE="| scenario | req/s | p50 | p99 | proxy CPU µs/req | preempted /100 req | req/s vs HAProxy | CPU/req vs HAProxy | p99 vs HAProxy | vs sluice-memory |
+|---|---|---|---|---|---|---|---|---|---|"
 for name in "${NAMES[@]}"; do
   IFS='|' read -r n rps p50 p99 cpu sw <<<"${ROW[$name]}"
-  TABLE+=$'\n'"| $n | $rps | $p50 | $p99 | $cpu | $sw | $(ratio "$rps" "$(field haproxy 2)") | $(ratio "$cpu" "$(field haproxy 5)") | $(ratio "$rps" "$(field sluice-memory 2)") |"
+  TABLE+=$'\n'"| $n | $rps | $p50 | $p99 | $cpu | $sw | $(ratio "$rps" "$(field haproxy 2)") | $(ratio "$cpu" "$(field haproxy 5)") | $(ratio "$(ms "$p99")" "$(ms "$(field haproxy 4)")") | $(ratio "$rps" "$(field sluice-memory 2)") |"
 done
 echo "$TABLE"
 if [ "${1:-}" = "--write" ]; then

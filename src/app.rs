@@ -264,6 +264,7 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "proxy.admin_listen" => proxy.admin_listen;
         "proxy.max_connections" => proxy.max_connections;
         "proxy.workers" => proxy.workers;
+        "proxy.pin_workers" => proxy.pin_workers;
         "proxy.idle_timeout" => proxy.idle_timeout;
         "proxy.header_read_timeout" => proxy.header_read_timeout;
         "proxy.upstream_timeout" => proxy.upstream_timeout;

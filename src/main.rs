@@ -228,8 +228,16 @@ fn run(path: &Path) -> anyhow::Result<ExitCode> {
     };
     // Sender connections run on the workers; the main thread accepts, answers the
     // admin listener and runs the background jobs.
-    let workers = sluice::workers::Workers::start(config.proxy.workers)
+    let workers = sluice::workers::Workers::start(config.proxy.workers, config.proxy.pin_workers)
         .context("starting the worker threads")?;
+    match workers.pinned() {
+        Some(cpus) => tracing::info!(
+            workers = workers.len(),
+            ?cpus,
+            "workers started, one per CPU"
+        ),
+        None => tracing::info!(workers = workers.len(), "workers started"),
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -266,6 +266,9 @@ pub struct ProxyConfig {
     /// Threads serving requests: 0 = one per core; 1 = a single-threaded runtime (no
     /// cross-thread wake-ups: the least CPU per request on small machines).
     pub workers: usize,
+    /// Bind each worker to a CPU of its own when the process may run on exactly as many
+    /// CPUs as there are workers.
+    pub pin_workers: bool,
     /// A sender connection (also HTTP inside an intercepted tunnel) with no bytes either
     /// way and no request in flight for this long is closed.
     pub idle_timeout: Duration,

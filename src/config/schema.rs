@@ -88,6 +88,7 @@ impl Reader<'_> {
                 "max_connections",
                 "metrics_max_endpoints",
                 "workers",
+                "pin_workers",
                 "idle_timeout",
                 "header_read_timeout",
                 "tunnel_idle_timeout",
@@ -132,6 +133,7 @@ impl Reader<'_> {
                     0
                 }
             },
+            pin_workers: self.boolean(t, p, "pin_workers", true),
             idle_timeout: self.positive(t, p, "idle_timeout", Duration::from_secs(120)),
             header_read_timeout: self.positive(
                 t,
