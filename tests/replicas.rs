@@ -954,7 +954,7 @@ async fn a_replica_holds_workers_plus_two_redis_connections() {
         redis.url()
     ));
     // As `sluice run` serves: sender connections on worker threads.
-    let workers = Arc::new(sluice::workers::Workers::start(2).unwrap());
+    let workers = Arc::new(sluice::workers::Workers::start(2, false).unwrap());
     let s = sluice::app::start_on(config, Some(workers))
         .await
         .expect("sluice starts");
