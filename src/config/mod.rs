@@ -723,6 +723,17 @@ mod tests {
         assert_eq!(c.proxy.admin_listen, "127.0.0.1:9090".parse().unwrap());
         assert_eq!(c.proxy.endpoint_header, "x-endpoint-id");
         assert_eq!(c.proxy.upstream_timeout, Duration::from_secs(30));
+        assert_eq!(c.proxy.workers, 0, "one worker per core");
+        assert!(
+            c.proxy.pin_workers,
+            "each worker on a core of its own where that fits"
+        );
+        assert!(
+            !Config::parse("[proxy]\npin_workers = false")
+                .unwrap()
+                .proxy
+                .pin_workers
+        );
         assert_eq!(c.store.backend, Backend::Memory);
         assert_eq!(c.store.timeout, Duration::from_millis(100));
         assert_eq!(c.store.on_error, OnError::Local);
@@ -805,6 +816,7 @@ mod tests {
     #[test]
     fn rejected_values() {
         let cases = [
+            ("[proxy]\npin_workers = \"yes\"", "proxy.pin_workers"),
             ("[defaults]\nrate = -1.0", "defaults.rate"),
             ("[defaults]\nrate = \"fast\"", "defaults.rate"),
             ("[defaults]\nunknown = \"maybe\"", "defaults.unknown"),
