@@ -92,8 +92,8 @@ impl Workers {
         })
     }
 
-    /// The CPU each worker was bound to, in worker order; `None` when they run where the
-    /// kernel puts them.
+    /// The CPU each worker is bound to, in worker order (a worker the kernel refused logs a
+    /// warning and runs unbound); `None` when they all run where the kernel puts them.
     pub fn pinned(&self) -> Option<&[usize]> {
         self.pinned.as_deref()
     }
