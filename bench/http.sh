@@ -7,7 +7,8 @@
 #   every connection served by hyper (SLUICE_PLAIN_LANE=0) | sluice (memory store: the
 #   default runtime, one worker bound to each core; one worker; workers not bound) | sluice (Redis store, the default config: one replica
 #   alone in the store, so store.prefetch = "alone" takes tokens ahead) | sluice (Redis
-#   store shared with a second, idle replica: the default then takes none ahead) |
+#   store shared with a second, idle replica: the default then takes none ahead; and
+#   with store.prefetch = true) |
 #   sluice (memory store, proxy authentication on)
 # The limit is set far above the load so it never binds: this measures forwarding cost.
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
@@ -112,6 +113,10 @@ urls = [\"redis://127.0.0.1:$RP2/\"]
 timeout = \"1s\""
 start_sluice sluice-redis-idle-peer "$SHARED"
 start_sluice sluice-redis-shared "$SHARED"
+# The same shared store with store.prefetch = true, the setting docs/operations.md gives
+# for an endpoint whose traffic is heavy and far from its limit on several replicas.
+start_sluice sluice-redis-shared-prefetch "$SHARED
+prefetch = true"
 # Proxy authentication on (bcrypt cost 10, as in production): kept-alive senders pay
 # bcrypt once, then hit the credentials cache.
 echo "bench-password" | target/release/sluice passwd bench > "$TMP/users.htpasswd"
@@ -127,7 +132,7 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+for s in haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -153,7 +158,7 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request|preemptions pe
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-memory-auth)
+NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do

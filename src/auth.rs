@@ -2,6 +2,11 @@
 //! Traefik read it), a bounded cache of verified credentials so a kept-alive sender pays
 //! the bcrypt cost once, and each user's endpoint grants (`[security.user_endpoints]`).
 //!
+//! A verified value stays cached while it keeps being used (it expires after
+//! [`CACHE_TTL`] without use): the answer cannot change while these users are loaded,
+//! since a reload builds new `Users`. Concurrent requests carrying the same value that is
+//! not cached yet share one bcrypt run rather than queueing one each.
+//!
 //! The proxy user name may carry an endpoint after a `+` (`alice+ep_42`): the part
 //! before the first `+` is the user whose password is checked; the rest names the
 //! endpoint when `proxy.endpoint_from_proxy_user = true`.
@@ -14,18 +19,19 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use base64::Engine;
 use globset::GlobSet;
 use http::HeaderMap;
-use tokio::sync::Semaphore;
+use tokio::sync::{OnceCell, Semaphore};
 use tokio::time::Instant;
 
 use crate::config::UserGrant;
 
-/// How long a verified `Proxy-Authorization` value is trusted without bcrypt again.
+/// How long a verified `Proxy-Authorization` value stays cached after its last use.
 const CACHE_TTL: Duration = Duration::from_secs(60);
 /// How long a refused value is remembered (a sender retrying a wrong password costs
 /// one bcrypt per this period, not one per request).
@@ -78,15 +84,31 @@ pub enum UsersFileError {
 pub struct Users {
     hashes: HashMap<String, String>,
     grants: HashMap<String, GlobSet>,
-    cache: Mutex<HashMap<[u8; 32], Cached>>,
+    cache: Mutex<HashMap<[u8; 32], Slot>>,
     /// bcrypt is CPU-bound: at most this many run at once, off the async workers.
     verifying: Arc<Semaphore>,
+    /// bcrypt runs so far (each verifies one header value).
+    bcrypt_runs: AtomicU64,
 }
 
-#[derive(Clone)]
+/// A cached header value: its verdict, or the verification in progress that every
+/// request carrying it waits for.
+enum Slot {
+    Known(Cached),
+    Verifying(Arc<OnceCell<Option<Identity>>>),
+}
+
 struct Cached {
     identity: Option<Identity>,
     until: Instant,
+}
+
+/// What the cache says about a header value.
+enum Lookup {
+    /// Verified (`Some`) or refused (`None`) recently.
+    Hit(Option<Identity>),
+    /// Being verified (possibly by this request, the first to ask): wait for it.
+    Verifying(Arc<OnceCell<Option<Identity>>>),
 }
 
 impl std::fmt::Debug for Users {
@@ -157,6 +179,7 @@ impl Users {
             grants,
             cache: Mutex::new(HashMap::new()),
             verifying: Arc::new(Semaphore::new(workers)),
+            bcrypt_runs: AtomicU64::new(0),
         })
     }
 
@@ -182,46 +205,82 @@ impl Users {
             .is_none_or(|globs| globs.is_match(endpoint))
     }
 
-    /// Checks `Proxy-Authorization`. A value verified within the last minute is answered
-    /// from the cache; otherwise bcrypt runs on a blocking thread.
+    /// Checks `Proxy-Authorization`. A value verified and used within the last minute is
+    /// answered from the cache; otherwise bcrypt runs on a blocking thread, once for all
+    /// the requests that carry the value meanwhile.
     pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Identity, AuthError> {
         let value = headers
             .get(http::header::PROXY_AUTHORIZATION)
             .ok_or(AuthError::Missing)?;
         let digest = digest(value.as_bytes());
-        let now = Instant::now();
-        if let Some(hit) = self.cached(&digest, now) {
-            return hit.ok_or(AuthError::Refused);
-        }
-        let identity = self.verify(value.as_bytes()).await;
-        let ttl = if identity.is_some() {
-            CACHE_TTL
-        } else {
-            NEGATIVE_TTL
+        let cell = match self.lookup(&digest, Instant::now()) {
+            Lookup::Hit(identity) => return identity.ok_or(AuthError::Refused),
+            Lookup::Verifying(cell) => cell,
         };
-        self.remember(digest, identity.clone(), now + ttl);
+        // The first request to get here verifies; the others wait for its verdict (and
+        // one of them takes over if that request hangs up meanwhile).
+        let identity = cell
+            .get_or_init(|| self.verify(value.as_bytes()))
+            .await
+            .clone();
+        self.remember(digest, &cell, identity.clone(), Instant::now());
         identity.ok_or(AuthError::Refused)
     }
 
-    fn cached(&self, digest: &[u8; 32], now: Instant) -> Option<Option<Identity>> {
-        let cache = self.cache.lock().ok()?;
-        let hit = cache.get(digest)?;
-        (hit.until > now).then(|| hit.identity.clone())
+    /// bcrypt runs so far: one per header value verified (not per request).
+    pub fn bcrypt_runs(&self) -> u64 {
+        self.bcrypt_runs.load(Ordering::Relaxed)
     }
 
-    fn remember(&self, digest: [u8; 32], identity: Option<Identity>, until: Instant) {
-        let Ok(mut cache) = self.cache.lock() else {
-            return;
-        };
+    fn lock(&self) -> MutexGuard<'_, HashMap<[u8; 32], Slot>> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The cached verdict on `digest` (a verified one now stays another [`CACHE_TTL`]),
+    /// else the verification to wait for, started here when none is under way.
+    fn lookup(&self, digest: &[u8; 32], now: Instant) -> Lookup {
+        let mut cache = self.lock();
+        match cache.get_mut(digest) {
+            Some(Slot::Known(c)) if c.until > now => {
+                if c.identity.is_some() {
+                    c.until = now + CACHE_TTL;
+                }
+                return Lookup::Hit(c.identity.clone());
+            }
+            Some(Slot::Verifying(cell)) => return Lookup::Verifying(Arc::clone(cell)),
+            _ => {}
+        }
         if cache.len() >= CACHE_CAPACITY {
-            let now = Instant::now();
-            cache.retain(|_, c| c.until > now);
+            cache.retain(|_, s| !matches!(s, Slot::Known(c) if c.until <= now));
             if cache.len() >= CACHE_CAPACITY {
                 // Still full of live entries: start over rather than grow.
                 cache.clear();
             }
         }
-        cache.insert(digest, Cached { identity, until });
+        let cell = Arc::new(OnceCell::new());
+        cache.insert(*digest, Slot::Verifying(Arc::clone(&cell)));
+        Lookup::Verifying(cell)
+    }
+
+    /// Records the verdict `cell` reached on `digest`, unless another verification has
+    /// replaced it meanwhile.
+    fn remember(
+        &self,
+        digest: [u8; 32],
+        cell: &Arc<OnceCell<Option<Identity>>>,
+        identity: Option<Identity>,
+        now: Instant,
+    ) {
+        let mut cache = self.lock();
+        if matches!(cache.get(&digest), Some(Slot::Verifying(c)) if Arc::ptr_eq(c, cell)) {
+            let ttl = if identity.is_some() {
+                CACHE_TTL
+            } else {
+                NEGATIVE_TTL
+            };
+            let until = now + ttl;
+            cache.insert(digest, Slot::Known(Cached { identity, until }));
+        }
     }
 
     async fn verify(&self, header: &[u8]) -> Option<Identity> {
@@ -235,6 +294,7 @@ impl Users {
         };
         let hash = self.hashes.get(&user)?.clone();
         let _permit = self.verifying.acquire().await.ok()?;
+        self.bcrypt_runs.fetch_add(1, Ordering::Relaxed);
         let ok =
             tokio::task::spawn_blocking(move || bcrypt::verify(password, &hash).unwrap_or(false))
                 .await
@@ -354,6 +414,46 @@ mod tests {
             .unwrap();
         let again = tokio::time::timeout(Duration::from_secs(1), u.authenticate(&h)).await;
         assert!(matches!(again, Ok(Ok(_))), "{again:?}");
+    }
+
+    /// Many connections of one sender whose value is not cached yet (start-up, or
+    /// after a minute without use) share one bcrypt run: the others used to queue a
+    /// bcrypt each behind the verifier's few permits, stalling for up to a second.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_first_requests_share_one_bcrypt_run() {
+        let u = users();
+        let h = header(&basic("alice:s3cret"));
+        let all = futures_util::future::join_all((0..32).map(|_| u.authenticate(&h))).await;
+        assert!(all.iter().all(Result::is_ok), "{all:?}");
+        assert_eq!(u.bcrypt_runs(), 1);
+        let wrong = header(&basic("alice:nope"));
+        let all = futures_util::future::join_all((0..32).map(|_| u.authenticate(&wrong))).await;
+        assert!(all.iter().all(|r| *r == Err(AuthError::Refused)), "{all:?}");
+        assert_eq!(u.bcrypt_runs(), 2);
+    }
+
+    /// A kept-alive sender pays bcrypt once, however long it keeps sending: each use
+    /// keeps its value cached another minute. A minute without use forgets it; a
+    /// refused value is forgotten 5 s after it was refused, used or not.
+    #[tokio::test(start_paused = true)]
+    async fn a_value_in_use_stays_cached() {
+        let u = users();
+        let h = header(&basic("alice:s3cret"));
+        for _ in 0..5 {
+            u.authenticate(&h).await.unwrap();
+            tokio::time::advance(Duration::from_secs(50)).await;
+        }
+        assert_eq!(u.bcrypt_runs(), 1, "used every 50 s for 250 s");
+        tokio::time::advance(Duration::from_secs(11)).await;
+        u.authenticate(&h).await.unwrap();
+        assert_eq!(u.bcrypt_runs(), 2, "61 s without use");
+
+        let wrong = header(&basic("alice:nope"));
+        for _ in 0..4 {
+            assert_eq!(u.authenticate(&wrong).await, Err(AuthError::Refused));
+            tokio::time::advance(Duration::from_secs(2)).await;
+        }
+        assert_eq!(u.bcrypt_runs(), 4, "refused at 0 s and again at 6 s");
     }
 
     #[test]
