@@ -303,6 +303,7 @@ impl RedisStore {
                     builder = builder.certs(certs);
                 }
                 let client = builder
+                    .tcp_settings(tcp_settings())
                     .retries(1)
                     .min_retry_wait(10)
                     .max_retry_wait(100)
@@ -344,13 +345,15 @@ impl RedisStore {
             }
             Backend::Redis | Backend::Memory => {
                 let url = cfg.urls.first().cloned().unwrap_or_default();
-                let client = match certs {
-                    Some(certs) => redis::Client::build_with_tls(url.as_str(), certs),
-                    None => redis::Client::open(url.as_str()),
-                }
-                .map_err(|e| {
-                    StoreError::Protocol(format!("bad Redis URL {}: {e}", redact(&url)))
-                })?;
+                let client = redis::IntoConnectionInfo::into_connection_info(url.as_str())
+                    .map(|info| info.set_tcp_settings(tcp_settings()))
+                    .and_then(|info| match certs {
+                        Some(certs) => redis::Client::build_with_tls(info, certs),
+                        None => redis::Client::open(info),
+                    })
+                    .map_err(|e| {
+                        StoreError::Protocol(format!("bad Redis URL {}: {e}", redact(&url)))
+                    })?;
                 let w = Arc::new(CooldownWatch::default());
                 tokio::spawn(follow(
                     client.clone(),
@@ -677,6 +680,16 @@ impl<'s> ScriptCall<'s> {
             r => r,
         }
     }
+}
+
+/// Every Redis connection sends each call at once (`TCP_NODELAY`). redis-rs leaves
+/// Nagle's algorithm on by default, and with it a call written while an earlier one on
+/// the same connection is still unacknowledged waits for that acknowledgement: up to a
+/// round trip, or the server's delayed-ACK timer (40 ms on Linux). The calls of
+/// different endpoints (and a lane's top-ups and give-backs) share a worker's
+/// connection, so they would queue behind each other.
+pub(super) fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }
 
 /// Few, short reconnect attempts per failure: the store timeout bounds each call anyway,

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use super::redis::tcp_settings;
 use arc_swap::ArcSwapOption;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
@@ -48,7 +49,7 @@ impl SentinelConn {
             .iter()
             .map(|u| redis::IntoConnectionInfo::into_connection_info(u.as_str()))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut node = SentinelNodeConnectionInfo::default();
+        let mut node = SentinelNodeConnectionInfo::default().set_tcp_settings(tcp_settings());
         if let Some(first) = infos.first() {
             node = node.set_redis_connection_info(first.redis_settings().clone());
             if matches!(first.addr(), redis::ConnectionAddr::TcpTls { .. }) {
