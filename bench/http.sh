@@ -132,7 +132,8 @@ wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-for s in haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
+NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch sluice-memory-auth)
+for s in "${NAMES[@]}"; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
 
@@ -158,7 +159,6 @@ run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request|preemptions pe
 # Interleaved rounds with the order rotated each round: background noise on a shared
 # machine hits every scenario alike; each scenario reports its median round.
 ROUNDS=${ROUNDS:-3}
-NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch sluice-memory-auth)
 declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do

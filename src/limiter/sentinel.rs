@@ -13,11 +13,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use super::redis::tcp_settings;
 use arc_swap::ArcSwapOption;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
 use redis::{ErrorKind, RedisError, ServerErrorKind, TlsMode};
+
+use super::redis::tcp_settings;
 
 /// The master in use and its address (`host:port`).
 struct Master {
