@@ -13,6 +13,7 @@
 # The limit is set far above the load so it never binds: this measures forwarding cost.
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
+#   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-8s}
@@ -133,6 +134,13 @@ LUA
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
 NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch sluice-memory-auth)
+# ROWS="sluice-memory sluice-redis-shared" runs only those rows (a ratio whose reference
+# row did not run shows "-"); --write refuses a partial table.
+if [ -n "${ROWS:-}" ]; then
+  read -r -a NAMES <<<"$ROWS"
+  for n in "${NAMES[@]}"; do [ -n "${PORT_OF[$n]:-}" ] || { echo "unknown row: $n" >&2; exit 1; }; done
+  [ "${1:-}" != "--write" ] || { echo "--write needs every row (unset ROWS)" >&2; exit 1; }
+fi
 for s in "${NAMES[@]}"; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
@@ -171,9 +179,9 @@ done
 median() { sort -t'|' -k2 -g | awk '{a[NR]=$0} END {print a[int((NR+1)/2)]}'; }
 declare -A ROW
 for name in "${NAMES[@]}"; do ROW[$name]="$(printf '%s' "${ALL[$name]}" | grep . | median)"; done
-field() { echo "${ROW[$1]}" | cut -d'|' -f"$2"; }
-ratio() { python3 -c "a,b='$1','$2'; print('-' if '-' in (a,b) else f'{float(a)/float(b):.2f}')"; }
-ms() { python3 -c "v='$1'; print(float(v[:-2])/1000 if v.endswith('us') else float(v[:-2]) if v.endswith('ms') else float(v[:-1])*1000)"; }
+field() { echo "${ROW[$1]:-}" | cut -d'|' -f"$2"; }
+ratio() { python3 -c "a,b='$1','$2'; print('-' if '-' in (a,b) or '' in (a,b) else f'{float(a)/float(b):.2f}')"; }
+ms() { python3 -c "v='$1'; print('' if not v else float(v[:-2])/1000 if v.endswith('us') else float(v[:-2]) if v.endswith('ms') else float(v[:-1])*1000)"; }
 TABLE="| scenario | req/s | p50 | p99 | proxy CPU µs/req | preempted /100 req | req/s vs HAProxy | CPU/req vs HAProxy | p99 vs HAProxy | vs sluice-memory |
 |---|---|---|---|---|---|---|---|---|---|"
 for name in "${NAMES[@]}"; do

@@ -6,7 +6,9 @@
 //!
 //! Rounds (default 3) are interleaved with the order rotated; each row is its scenario's
 //! median round, and the ratio compares medians. The CPU column is the sluice
-//! process's own utime + stime per request, from /proc (median round).
+//! process's own utime + stime per request, from /proc (median round); the load column
+//! is this process's (the clients and the upstream, which pay their own TLS ends), so
+//! the req/s ratio can be read against where the box's CPU went.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -187,6 +189,8 @@ async fn main() -> Result<(), BoxError> {
     let tls_url = format!("https://localhost:{tls_port}/");
     let mut runs: [Vec<(f64, Duration, Duration)>; 3] = Default::default();
     let mut cpu: [Vec<f64>; 3] = Default::default();
+    let mut load_cpu: [Vec<f64>; 3] = Default::default();
+    let me = std::process::id();
     let pid = child.id().ok_or("sluice exited")?;
     let tick = clock_ticks_per_second();
     // TLS_BENCH_ONLY=N runs scenario N alone (0 plain, 1 kept-alive HTTPS, 2 fresh
@@ -200,7 +204,7 @@ async fn main() -> Result<(), BoxError> {
             if only.is_some_and(|o| o != i) {
                 continue;
             }
-            let before = cpu_ticks(pid)?;
+            let (before, load_before) = (cpu_ticks(pid)?, cpu_ticks(me)?);
             let r = match i {
                 0 => load(http_client.clone(), plain_url.clone(), 32, secs, false).await,
                 1 => load(tls_client.clone(), tls_url.clone(), 32, secs, false).await,
@@ -208,28 +212,34 @@ async fn main() -> Result<(), BoxError> {
             };
             // sluice's own CPU (utime + stime) per request answered in this round.
             let used = (cpu_ticks(pid)? - before) as f64 / tick;
-            cpu[i].push(used * 1e6 / (r.0 * secs as f64).max(1.0));
+            let load_used = (cpu_ticks(me)? - load_before) as f64 / tick;
+            let n = (r.0 * secs as f64).max(1.0);
+            cpu[i].push(used * 1e6 / n);
+            load_cpu[i].push(load_used * 1e6 / n);
             runs[i].push(r);
         }
     }
-    let rows: Vec<(&str, (f64, Duration, Duration), f64)> = names
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let rows: Vec<(&str, (f64, Duration, Duration), f64, f64)> = names
         .iter()
         .zip(runs)
-        .zip(cpu)
+        .zip(cpu.into_iter().zip(load_cpu))
         .filter(|((_, r), _)| !r.is_empty())
-        .map(|((name, mut r), mut c)| {
+        .map(|((name, mut r), (c, l))| {
             r.sort_by(|a, b| a.0.total_cmp(&b.0));
-            c.sort_by(f64::total_cmp);
-            (*name, r[r.len() / 2], c[c.len() / 2])
+            (*name, r[r.len() / 2], median(c), median(l))
         })
         .collect();
     let (base, base_cpu) = (rows[0].1.0, rows[0].2);
     println!(
-        "| scenario | req/s | p50 | p99 | sluice CPU µs/req | req/s vs plain HTTP | CPU/req vs plain |\n|---|---|---|---|---|---|---|"
+        "| scenario | req/s | p50 | p99 | sluice CPU µs/req | load + upstream CPU µs/req | req/s vs plain HTTP | CPU/req vs plain |\n|---|---|---|---|---|---|---|---|"
     );
-    for (name, (rps, p50, p99), cpu) in rows {
+    for (name, (rps, p50, p99), cpu, load_cpu) in rows {
         println!(
-            "| {name} | {rps:.0} | {:.2}ms | {:.2}ms | {cpu:.1} | {:.2} | {:.2} |",
+            "| {name} | {rps:.0} | {:.2}ms | {:.2}ms | {cpu:.1} | {load_cpu:.1} | {:.2} | {:.2} |",
             p50.as_secs_f64() * 1e3,
             p99.as_secs_f64() * 1e3,
             rps / base,
