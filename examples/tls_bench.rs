@@ -223,7 +223,9 @@ async fn main() -> Result<(), BoxError> {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let rows: Vec<(&str, (f64, Duration, Duration), f64, f64)> = names
+    // (scenario, its median round, sluice's and the load side's CPU µs per request)
+    type Row<'a> = (&'a str, (f64, Duration, Duration), f64, f64);
+    let rows: Vec<Row> = names
         .iter()
         .zip(runs)
         .zip(cpu.into_iter().zip(load_cpu))
