@@ -153,7 +153,12 @@ async fn main() -> Result<(), BoxError> {
         .arg(&cfg)
         .env("RUST_LOG", "warn")
         .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // TLS_BENCH_START_SECS: longer, for a sluice binary run under a profiler.
+    let start_secs = std::env::var("TLS_BENCH_START_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let deadline = Instant::now() + Duration::from_secs(start_secs);
     while tokio::net::TcpStream::connect(proxy).await.is_err() {
         if Instant::now() > deadline {
             return Err("sluice did not start".into());
