@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -157,10 +157,28 @@ impl Running {
     }
 }
 
+/// Connections the kernel completes and queues for a listener before sluice accepts
+/// them (at `proxy.max_connections`, senders wait here). The kernel caps it at
+/// `net.core.somaxconn` (4096 by default since Linux 5.4). std's and tokio's `bind`
+/// ask for 128, so the 130th sender of a burst at the cap had its SYN dropped and lost
+/// a second or more to its TCP retry.
+const LISTEN_BACKLOG: u32 = 4096;
+
 async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { addr, source })
+    let listen = || {
+        let socket = if addr.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
+        // As std's `bind` does on Unix: a restart can listen again at once, beside
+        // connections of the previous process still in TIME_WAIT.
+        #[cfg(unix)]
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(LISTEN_BACKLOG)
+    };
+    listen().map_err(|source| StartError::Bind { addr, source })
 }
 
 /// Binds the listeners (port 0 allowed) and starts serving sender connections on this

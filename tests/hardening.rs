@@ -647,3 +647,55 @@ async fn reload_keeps_and_names_every_restart_only_setting() {
     assert_eq!(s.app.runtime.load_full().config.defaults.rate, 9.0);
     s.stop().await;
 }
+
+/// Senders that connect while every place under `max_connections` is taken wait in the
+/// listen backlog and are served in turn. A fleet opening hundreds of connections at
+/// once must not find the backlog full: there the kernel drops their SYNs, and each
+/// such sender loses a second or more to its TCP retry (std's listeners kept 128).
+#[tokio::test]
+async fn hundreds_of_senders_wait_in_the_backlog_at_the_connection_cap() {
+    const SENDERS: usize = 300;
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[proxy]\nmax_connections = 1\n[defaults]\nrate = 100000.0\nburst = 100000.0\n",
+    )
+    .await;
+    // One kept-alive sender holds the only place.
+    let mut held = TcpStream::connect(s.proxy_addr).await.unwrap();
+    let get = |path: &str, close: bool| {
+        format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\n{}\r\n",
+            up.url(path),
+            up.addr,
+            if close { "Connection: close\r\n" } else { "" }
+        )
+    };
+    held.write_all(get("/held", false).as_bytes())
+        .await
+        .unwrap();
+    assert!(read_head(&mut held).await.starts_with("HTTP/1.1 200"));
+    // Every other sender connects at once; the kernel completes each handshake into the
+    // backlog, or drops the SYN when the backlog is full (a retry 1 s later).
+    let connects = (0..SENDERS).map(|_| {
+        tokio::time::timeout(Duration::from_millis(700), TcpStream::connect(s.proxy_addr))
+    });
+    let results = futures_util::future::join_all(connects).await;
+    let mut waiting: Vec<TcpStream> = results.into_iter().filter_map(|r| r.ok()?.ok()).collect();
+    assert_eq!(
+        waiting.len(),
+        SENDERS,
+        "senders whose connection did not complete within 700 ms while the cap was reached"
+    );
+    for (i, w) in waiting.iter_mut().enumerate() {
+        w.write_all(get(&format!("/w{i}"), true).as_bytes())
+            .await
+            .unwrap();
+    }
+    // The place frees up: every waiting sender is served, one after another.
+    drop(held);
+    for w in &mut waiting {
+        assert!(read_head(w).await.starts_with("HTTP/1.1 200"));
+    }
+    assert_eq!(up.count(), SENDERS + 1);
+    s.stop().await;
+}
