@@ -655,6 +655,14 @@ async fn reload_keeps_and_names_every_restart_only_setting() {
 #[tokio::test]
 async fn hundreds_of_senders_wait_in_the_backlog_at_the_connection_cap() {
     const SENDERS: usize = 300;
+    if let Ok(max) = std::fs::read_to_string("/proc/sys/net/core/somaxconn") {
+        let max: usize = max.trim().parse().unwrap();
+        assert!(
+            max > SENDERS,
+            "this machine caps listen backlogs at net.core.somaxconn = {max}: \
+             raise it above {SENDERS} to run this test"
+        );
+    }
     let up = Upstream::start().await;
     let s = common::sluice(
         "[proxy]\nmax_connections = 1\n[defaults]\nrate = 100000.0\nburst = 100000.0\n",
