@@ -164,7 +164,7 @@ impl Running {
 /// a second or more to its TCP retry.
 const LISTEN_BACKLOG: u32 = 4096;
 
-async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
     let listen = || {
         let socket = if addr.is_ipv4() {
             TcpSocket::new_v4()?
@@ -194,8 +194,8 @@ pub async fn start_on(
     workers: Option<Arc<Workers>>,
 ) -> Result<Running, StartError> {
     let config = Arc::new(config);
-    let proxy = bind(config.proxy.listen).await?;
-    let admin = bind(config.proxy.admin_listen).await?;
+    let proxy = bind(config.proxy.listen)?;
+    let admin = bind(config.proxy.admin_listen)?;
     let app = build(Arc::clone(&config)).await?;
     let proxy_addr = proxy.local_addr().map_err(|source| StartError::Bind {
         addr: config.proxy.listen,
