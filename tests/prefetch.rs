@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice::config::{Backend, Config, OnError, Policy, Prefetch, StoreConfig};
-use sluice::limiter::fallback::HEARTBEAT_TTL;
+use sluice::limiter::fallback::{HEARTBEAT_TTL, Peers, Resilient};
 use sluice::limiter::redis::RedisStore;
-use sluice::limiter::{Ask, BucketStore, Outcome, StoreStats};
+use sluice::limiter::{Ask, BucketStore, Outcome, StoreHealth, StoreStats};
 use tokio::time::Instant;
 
 fn config(url: String, prefetch: Prefetch) -> StoreConfig {
@@ -257,6 +257,97 @@ async fn prefetch_spares_script_calls_far_from_the_limit() {
         n,
         "a replica took tokens ahead while another was alive"
     );
+}
+
+/// A replica whose heartbeat lapsed during an outage registers again before Redis decides
+/// anything for it. Until then, a replica that found itself alone in the store meanwhile
+/// would go on taking tokens ahead (`"alone"`) that the returning one cannot reach, for up
+/// to a heartbeat interval. Replica B loses the store (its Redis user is denied every
+/// command), its heartbeat lapses, and A counts itself alone; once B's requests are
+/// decided by Redis again, A takes no token ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_back_from_an_outage_registers_before_redis_decides_for_it() {
+    let server = common::redis::RedisServer::start();
+    server
+        .cli(&[
+            "ACL",
+            "SETUSER",
+            "bee",
+            "on",
+            ">bee-pass",
+            "~*",
+            "&*",
+            "+@all",
+        ])
+        .expect("ACL SETUSER");
+    let a = store(&server, Prefetch::Alone).await;
+    assert_eq!(a.heartbeat(HEARTBEAT_TTL).await.unwrap(), 1);
+    let b_store = RedisStore::connect(
+        &StoreConfig {
+            on_error: OnError::Local,
+            ..config(
+                format!("redis://bee:bee-pass@127.0.0.1:{}/", server.port()),
+                Prefetch::Alone,
+            )
+        },
+        StoreStats::default(),
+    )
+    .await
+    .unwrap();
+    // Registered before it serves, as `sluice run` does.
+    assert_eq!(b_store.heartbeat(HEARTBEAT_TTL).await.unwrap(), 2);
+    let b = Resilient::new(
+        Arc::new(b_store),
+        OnError::Local,
+        StoreStats::default(),
+        Arc::new(Peers::new(1)),
+    );
+    let ask = Ask::new(&policy(1e6, 1e6), 0.0, None);
+    b.acquire("b", ask).await.unwrap();
+    assert_eq!(b.health(), StoreHealth::Ok);
+
+    // Twice: back through a request's probe, then through `/readyz`'s ping.
+    for (round, via) in ["a request", "the readiness probe"].into_iter().enumerate() {
+        // B loses the store: it decides locally, and its heartbeat lapses.
+        server
+            .cli(&["ACL", "SETUSER", "bee", "-@all"])
+            .expect("ACL SETUSER");
+        common::wait_for("B to lose the store", Duration::from_secs(5), || async {
+            b.acquire("b", ask).await.unwrap();
+            b.health() == StoreHealth::Degraded
+        })
+        .await;
+        common::wait_for(
+            "B's heartbeat to lapse",
+            HEARTBEAT_TTL + Duration::from_secs(5),
+            || async { a.heartbeat(HEARTBEAT_TTL).await.unwrap() == 1 },
+        )
+        .await;
+
+        // The store answers B again, and B goes back to the shared buckets.
+        server
+            .cli(&["ACL", "SETUSER", "bee", "+@all"])
+            .expect("ACL SETUSER");
+        common::wait_for(
+            &format!("B back through {via}"),
+            Duration::from_secs(5),
+            || async {
+                if round == 0 {
+                    b.acquire("b", ask).await.unwrap();
+                } else {
+                    let _ = b.ping().await;
+                }
+                b.health() == StoreHealth::Ok
+            },
+        )
+        .await;
+        assert_eq!(
+            decided_by_redis(&server, &a, &format!("b-returned-{round}")).await,
+            32 * 100,
+            "back through {via}: a replica took tokens ahead while another decided \
+             through the same store"
+        );
+    }
 }
 
 /// An endpoint that answered 429 spends no token it held ahead: the feedback drops them.

@@ -21,6 +21,11 @@
 //! during the outage is charged to the local bucket, so the reservations the shared
 //! bucket handed out before the outage are not granted a second time locally.
 //!
+//! When the store answers again, the replica registers before the store decides anything
+//! for it: an outage longer than [`HEARTBEAT_TTL`] lets its heartbeat lapse, and a
+//! replica alone in the store meanwhile would go on taking tokens ahead out of this
+//! one's reach (`store.prefetch = "alone"`) until its next heartbeat.
+//!
 //! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
 use std::sync::Mutex;
@@ -71,6 +76,13 @@ impl Peers {
         self.seen.store(n, Ordering::Relaxed);
     }
 
+    /// Records a count this replica's own registration returned, logging a change.
+    fn heard(&self, n: usize) {
+        if n != self.seen.swap(n, Ordering::Relaxed) {
+            tracing::info!(replicas = n, "replicas sharing the store");
+        }
+    }
+
     /// The number of replicas this one shares each limit with (≥ 1).
     pub fn count(&self) -> usize {
         self.seen.load(Ordering::Relaxed).max(self.min)
@@ -91,11 +103,7 @@ impl Peers {
 /// Failures are left to the request path to report (the fallback logs and meters them).
 pub async fn heartbeat(store: &RedisStore, peers: &Peers) {
     match store.heartbeat(HEARTBEAT_TTL).await {
-        Ok(n) => {
-            if n != peers.seen.swap(n, Ordering::Relaxed) {
-                tracing::info!(replicas = n, "replicas sharing the store");
-            }
-        }
+        Ok(n) => peers.heard(n),
         Err(e) => tracing::debug!(error = %e, "replica heartbeat failed"),
     }
 }
@@ -185,6 +193,17 @@ impl Resilient {
         }
     }
 
+    /// Registers this replica again before the primary decides anything for it after an
+    /// outage: its heartbeat may have lapsed meanwhile, and a replica that found itself
+    /// alone in the store takes tokens ahead (`store.prefetch = "alone"`) until the
+    /// script that hands them out sees this one.
+    async fn rejoin(&self) -> Result<(), StoreError> {
+        if let Some(n) = self.primary.register().await? {
+            self.peers.heard(n);
+        }
+        Ok(())
+    }
+
     fn recovered(&self) {
         if self.degraded.swap(false, Ordering::AcqRel) {
             self.stats.degraded.set(0);
@@ -201,7 +220,17 @@ impl Resilient {
         allow: T,
     ) -> Result<T, StoreError> {
         let err = if self.try_primary() {
-            match primary(self.primary.as_ref()).await {
+            // A probe of a degraded store registers first (see `rejoin`).
+            let rejoined = if self.degraded.load(Ordering::Acquire) {
+                self.rejoin().await
+            } else {
+                Ok(())
+            };
+            let answer = match rejoined {
+                Ok(()) => primary(self.primary.as_ref()).await,
+                Err(e) => Err(e),
+            };
+            match answer {
                 Ok(v) => {
                     self.recovered();
                     return Ok(v);
@@ -340,7 +369,11 @@ impl BucketStore for Resilient {
     /// end or start a degraded period.
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            let r = self.primary.ping().await;
+            let r = match self.primary.ping().await {
+                // Back from an outage: registered before any request is decided there.
+                Ok(()) if self.degraded.load(Ordering::Acquire) => self.rejoin().await,
+                r => r,
+            };
             match &r {
                 Ok(()) => self.recovered(),
                 Err(e) => self.failed(e),

@@ -101,6 +101,11 @@ pub trait BucketStore: Send + Sync {
     ) -> StoreFuture<'a, Option<View>>;
     /// Checks the store answers (for `/readyz`).
     fn ping(&self) -> StoreFuture<'_, ()>;
+    /// Registers this replica as alive in a store that replicas share, and returns how
+    /// many are (`None`, the default, for a store of this process alone).
+    fn register(&self) -> StoreFuture<'_, Option<usize>> {
+        Box::pin(std::future::ready(Ok(None)))
+    }
     /// Like [`acquire`](Self::acquire), for endpoints with `max_in_flight`: takes an
     /// in-flight slot (a lease) and the token together, or nothing.
     fn acquire_leased<'a>(

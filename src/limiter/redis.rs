@@ -950,6 +950,10 @@ impl BucketStore for RedisStore {
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(self.calls.command(redis::cmd("PING")))
     }
+
+    fn register(&self) -> StoreFuture<'_, Option<usize>> {
+        Box::pin(async move { self.heartbeat(HEARTBEAT_TTL).await.map(Some) })
+    }
 }
 
 #[cfg(test)]
