@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice::config::{Backend, Config, OnError, Policy, Prefetch, StoreConfig};
-use sluice::limiter::fallback::{HEARTBEAT_TTL, Peers, Resilient};
+use sluice::limiter::fallback::{HEARTBEAT_TTL, Peers, Resilient, join};
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, Outcome, StoreHealth, StoreStats};
 use tokio::time::Instant;
@@ -256,6 +256,70 @@ async fn prefetch_spares_script_calls_far_from_the_limit() {
         decided_by_redis(&server, &alone, "shared").await,
         n,
         "a replica took tokens ahead while another was alive"
+    );
+}
+
+/// A replica that starts while another is alone in the store and busy serves only once
+/// the tokens the other took ahead before seeing it can no longer be spent: `join` (what
+/// `sluice run` does before it serves) registers, then waits out their 5 ms. The busy
+/// replica's acquires right after it are all decided by Redis (counted in a MONITOR log
+/// from the new replica's registration on); before `join` waited, tokens taken ahead
+/// just before were still spent after the new replica could serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starting_replica_serves_once_tokens_taken_ahead_before_it_have_ended() {
+    let server = common::redis::RedisServer::start();
+    let a = store(&server, Prefetch::Alone).await;
+    let b = store(&server, Prefetch::Alone).await;
+    assert_eq!(a.heartbeat(HEARTBEAT_TTL).await.unwrap(), 1);
+    let ask = Ask::new(&policy(1e6, 1e6), 0.0, None);
+    // Load the script first (a cold Redis answers NOSCRIPT to concurrent calls).
+    a.acquire("warm", ask).await.unwrap();
+    let burst = || {
+        let tasks: Vec<_> = (0..32)
+            .map(|_| {
+                let a = Arc::clone(&a);
+                tokio::spawn(async move {
+                    for _ in 0..100 {
+                        a.acquire("busy", ask).await.unwrap();
+                    }
+                })
+            })
+            .collect();
+        async move {
+            for t in tasks {
+                t.await.unwrap();
+            }
+        }
+    };
+    let monitor = server.monitor();
+    burst().await;
+    let peers = Peers::new(1);
+    join(&b, &peers).await;
+    assert_eq!(peers.count(), 2);
+    burst().await;
+    let log = server.monitor_log(monitor);
+    let at = log
+        .find(b.replica())
+        .expect("the new replica's registration in the MONITOR log");
+    let (before, after) = log.split_at(at);
+    let decided = |part: &str| {
+        let (reserved, confirmed, _) = common::redis::acquires(part);
+        reserved + confirmed
+    };
+    let n = 32 * 100;
+    println!(
+        "asks decided by Redis: {} of {n} alone, {} of {n} after the new replica joined",
+        decided(before),
+        decided(after)
+    );
+    assert!(
+        decided(before) < n,
+        "a replica alone in the store took no token ahead"
+    );
+    assert_eq!(
+        decided(after),
+        n,
+        "tokens taken ahead before the new replica registered were spent after it could serve"
     );
 }
 

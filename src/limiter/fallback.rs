@@ -37,6 +37,7 @@ use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
+use super::credit;
 use super::lease::{LeaseAsk, Leased};
 use super::memory::MemoryStore;
 use super::redis::RedisStore;
@@ -108,8 +109,31 @@ pub async fn heartbeat(store: &RedisStore, peers: &Peers) {
     }
 }
 
-/// Registers this replica every [`HEARTBEAT_EVERY`] from now on (the first [`heartbeat`]
-/// is the caller's, before it serves); ends when the store is dropped.
+/// Registers this replica before it serves: [`heartbeat`], then, when other replicas are
+/// alive, a wait of [`credit::LIFETIME`] (5 ms). A replica that was alone until now may
+/// hold tokens taken ahead (`store.prefetch = "alone"`) from calls it sent before this
+/// registration; it can spend them only until that long after sending, so once the wait
+/// is over none of them can still be spent, and none is taken from then on.
+pub async fn join(store: &RedisStore, peers: &Peers) {
+    match store.heartbeat(HEARTBEAT_TTL).await {
+        Ok(n) => {
+            peers.heard(n);
+            settle(n).await;
+        }
+        Err(e) => tracing::debug!(error = %e, "replica heartbeat failed"),
+    }
+}
+
+/// Waits out tokens other replicas took ahead before they could see this one registered
+/// (see [`join`]); nothing to wait for when `live` counts this replica alone.
+async fn settle(live: usize) {
+    if live > 1 {
+        tokio::time::sleep(credit::LIFETIME).await;
+    }
+}
+
+/// Registers this replica every [`HEARTBEAT_EVERY`] from now on (the first, [`join`], is
+/// the caller's, before it serves); ends when the store is dropped.
 pub async fn heartbeats(store: Weak<RedisStore>, peers: Arc<Peers>) {
     let mut tick = tokio::time::interval_at(
         tokio::time::Instant::now() + HEARTBEAT_EVERY,
@@ -197,9 +221,11 @@ impl Resilient {
     /// outage: its heartbeat may have lapsed meanwhile, and a replica that found itself
     /// alone in the store takes tokens ahead (`store.prefetch = "alone"`) until the
     /// script that hands them out sees this one.
+    /// As at start-up ([`join`]), it then waits out the tokens taken ahead before it was seen.
     async fn rejoin(&self) -> Result<(), StoreError> {
         if let Some(n) = self.primary.register().await? {
             self.peers.heard(n);
+            settle(n).await;
         }
         Ok(())
     }
