@@ -261,7 +261,7 @@ async fn prefetch_spares_script_calls_far_from_the_limit() {
 
 /// A replica that starts while another is alone in the store and busy serves only once
 /// the tokens the other took ahead before seeing it can no longer be spent: `join` (what
-/// `sluice run` does before it serves) registers, then waits out their 5 ms. The busy
+/// `sluice run` does before it serves) registers, then waits them out (10 ms). The busy
 /// replica's acquires right after it are all decided by Redis (counted in a MONITOR log
 /// from the new replica's registration on); before `join` waited, tokens taken ahead
 /// just before were still spent after the new replica could serve.

@@ -110,10 +110,12 @@ pub async fn heartbeat(store: &RedisStore, peers: &Peers) {
 }
 
 /// Registers this replica before it serves: [`heartbeat`], then, when other replicas are
-/// alive, a wait of [`credit::LIFETIME`] (5 ms). A replica that was alone until now may
+/// alive, a wait of [`credit::HELD_FOR`] (10 ms). A replica that was alone until now may
 /// hold tokens taken ahead (`store.prefetch = "alone"`) from calls it sent before this
-/// registration; it can spend them only until that long after sending, so once the wait
-/// is over none of them can still be spent, and none is taken from then on.
+/// registration. It can spend them only for [`credit::LIFETIME`] (5 ms) from sending,
+/// then gives back the unspent ones, which Redis gives that long again to arrive: once
+/// the wait is over, none of them can still be spent and the unspent ones are normally
+/// back in the bucket. None is taken from the registration on.
 pub async fn join(store: &RedisStore, peers: &Peers) {
     match store.heartbeat(HEARTBEAT_TTL).await {
         Ok(n) => {
@@ -128,7 +130,7 @@ pub async fn join(store: &RedisStore, peers: &Peers) {
 /// (see [`join`]); nothing to wait for when `live` counts this replica alone.
 async fn settle(live: usize) {
     if live > 1 {
-        tokio::time::sleep(credit::LIFETIME).await;
+        tokio::time::sleep(credit::HELD_FOR).await;
     }
 }
 
