@@ -16,7 +16,7 @@ use crate::conn::Lifecycle;
 use crate::core::{App, Runtime, RuntimeError};
 use crate::destination::DestinationPolicy;
 use crate::forward::Forwarder;
-use crate::limiter::fallback::{Peers, Resilient, heartbeats, join};
+use crate::limiter::fallback::{Peers, Resilient, heartbeats};
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::RedisStore;
 use crate::limiter::{BucketStore, Limiter, StoreError};
@@ -85,14 +85,13 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
             };
             let primary = Arc::new(primary);
             let peers = Arc::new(Peers::new(config.store.fallback_min_replicas));
-            // Registered before serving: a replica alone in the store takes tokens ahead
-            // (`store.prefetch = "alone"`) only until this one is seen, and `join` waits
-            // until those it took before can no longer be spent.
-            join(&primary, &peers).await;
             tokio::spawn(heartbeats(Arc::downgrade(&primary), Arc::clone(&peers)));
             let store =
                 Resilient::new(primary, config.store.on_error, metrics.store.clone(), peers);
-            // Learn the store's state now, so /readyz and the log tell it from the start.
+            // Learn the store's state now, so /readyz and the log tell it from the start;
+            // this also registers the replica before it serves: a replica alone in the
+            // store takes tokens ahead (`store.prefetch = "alone"`) only until this one
+            // is seen, and the ping returns once those it took before are spent or back.
             if let Err(e) = store.ping().await {
                 tracing::warn!(error = %e, "store unreachable at start: serving with the on_error fallback");
             }

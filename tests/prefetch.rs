@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice::config::{Backend, Config, OnError, Policy, Prefetch, StoreConfig};
-use sluice::limiter::fallback::{HEARTBEAT_TTL, Peers, Resilient, join};
+use sluice::limiter::fallback::{HEARTBEAT_TTL, Peers, Resilient};
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, Outcome, StoreHealth, StoreStats};
 use tokio::time::Instant;
@@ -260,16 +260,29 @@ async fn prefetch_spares_script_calls_far_from_the_limit() {
 }
 
 /// A replica that starts while another is alone in the store and busy serves only once
-/// the tokens the other took ahead before seeing it can no longer be spent: `join` (what
-/// `sluice run` does before it serves) registers, then waits them out (10 ms). The busy
-/// replica's acquires right after it are all decided by Redis (counted in a MONITOR log
-/// from the new replica's registration on); before `join` waited, tokens taken ahead
-/// just before were still spent after the new replica could serve.
+/// the tokens the other took ahead before seeing it can no longer be spent: its start-up
+/// ping (what `sluice run` does before it serves) registers it, then waits them out
+/// (10 ms). The busy replica's acquires right after it are all decided by Redis (counted
+/// in a MONITOR log from the new replica's registration on); before that wait, tokens
+/// taken ahead just before were still spent after the new replica could serve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_starting_replica_serves_once_tokens_taken_ahead_before_it_have_ended() {
     let server = common::redis::RedisServer::start();
     let a = store(&server, Prefetch::Alone).await;
-    let b = store(&server, Prefetch::Alone).await;
+    let b_store = RedisStore::connect(
+        &config(server.url(), Prefetch::Alone),
+        StoreStats::default(),
+    )
+    .await
+    .unwrap();
+    let b_id = b_store.replica().to_owned();
+    let peers = Arc::new(Peers::new(1));
+    let b = Resilient::new(
+        Arc::new(b_store),
+        OnError::Deny,
+        StoreStats::default(),
+        Arc::clone(&peers),
+    );
     assert_eq!(a.heartbeat(HEARTBEAT_TTL).await.unwrap(), 1);
     let ask = Ask::new(&policy(1e6, 1e6), 0.0, None);
     // Load the script first (a cold Redis answers NOSCRIPT to concurrent calls).
@@ -293,13 +306,12 @@ async fn a_starting_replica_serves_once_tokens_taken_ahead_before_it_have_ended(
     };
     let monitor = server.monitor();
     burst().await;
-    let peers = Peers::new(1);
-    join(&b, &peers).await;
+    b.ping().await.unwrap();
     assert_eq!(peers.count(), 2);
     burst().await;
     let log = server.monitor_log(monitor);
     let at = log
-        .find(b.replica())
+        .find(&b_id)
         .expect("the new replica's registration in the MONITOR log");
     let (before, after) = log.split_at(at);
     let decided = |part: &str| {

@@ -21,10 +21,11 @@
 //! during the outage is charged to the local bucket, so the reservations the shared
 //! bucket handed out before the outage are not granted a second time locally.
 //!
-//! When the store answers again, the replica registers before the store decides anything
-//! for it: an outage longer than [`HEARTBEAT_TTL`] lets its heartbeat lapse, and a
-//! replica alone in the store meanwhile would go on taking tokens ahead out of this
-//! one's reach (`store.prefetch = "alone"`) until its next heartbeat.
+//! The replica registers before the store decides anything for it, at start-up and again
+//! when the store answers after a failure ([`Resilient::rejoin`]): an outage longer than
+//! [`HEARTBEAT_TTL`] lets its heartbeat lapse, and a replica alone in the store meanwhile
+//! would go on taking tokens ahead out of this one's reach (`store.prefetch = "alone"`)
+//! until its next heartbeat.
 //!
 //! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
@@ -109,33 +110,17 @@ pub async fn heartbeat(store: &RedisStore, peers: &Peers) {
     }
 }
 
-/// Registers this replica before it serves: [`heartbeat`], then, when other replicas are
-/// alive, a wait of [`credit::HELD_FOR`] (10 ms). A replica that was alone until now may
-/// hold tokens taken ahead (`store.prefetch = "alone"`) from calls it sent before this
-/// registration. It can spend them only for [`credit::LIFETIME`] (5 ms) from sending,
-/// then gives back the unspent ones, which Redis gives that long again to arrive: once
-/// the wait is over, none of them can still be spent and the unspent ones are normally
-/// back in the bucket. None is taken from the registration on.
-pub async fn join(store: &RedisStore, peers: &Peers) {
-    match store.heartbeat(HEARTBEAT_TTL).await {
-        Ok(n) => {
-            peers.heard(n);
-            settle(n).await;
-        }
-        Err(e) => tracing::debug!(error = %e, "replica heartbeat failed"),
-    }
-}
-
 /// Waits out tokens other replicas took ahead before they could see this one registered
-/// (see [`join`]); nothing to wait for when `live` counts this replica alone.
+/// (see [`Resilient::rejoin`]); nothing to wait for when `live` counts this replica alone.
 async fn settle(live: usize) {
     if live > 1 {
         tokio::time::sleep(credit::HELD_FOR).await;
     }
 }
 
-/// Registers this replica every [`HEARTBEAT_EVERY`] from now on (the first, [`join`], is
-/// the caller's, before it serves); ends when the store is dropped.
+/// Registers this replica every [`HEARTBEAT_EVERY`] from now on (the first registration
+/// is [`Resilient`]'s, before anything is decided in the store); ends when the store is
+/// dropped.
 pub async fn heartbeats(store: Weak<RedisStore>, peers: Arc<Peers>) {
     let mut tick = tokio::time::interval_at(
         tokio::time::Instant::now() + HEARTBEAT_EVERY,
@@ -156,6 +141,9 @@ pub struct Resilient {
     on_error: OnError,
     stats: StoreStats,
     degraded: AtomicBool,
+    /// Registered in the primary since it last failed: until then nothing is decided
+    /// there (see [`Resilient::rejoin`]).
+    registered: AtomicBool,
     last_probe: Mutex<Instant>,
     peers: Arc<Peers>,
 }
@@ -175,6 +163,7 @@ impl Resilient {
             on_error,
             stats,
             degraded: AtomicBool::new(false),
+            registered: AtomicBool::new(false),
             last_probe: Mutex::new(Instant::now()),
             peers,
         }
@@ -199,6 +188,7 @@ impl Resilient {
     }
 
     fn failed(&self, e: &StoreError) {
+        self.registered.store(false, Ordering::Release);
         *self
             .last_probe
             .lock()
@@ -219,16 +209,21 @@ impl Resilient {
         }
     }
 
-    /// Registers this replica again before the primary decides anything for it after an
-    /// outage: its heartbeat may have lapsed meanwhile, and a replica that found itself
-    /// alone in the store takes tokens ahead (`store.prefetch = "alone"`) until the
-    /// script that hands them out sees this one.
-    /// As at start-up ([`join`]), it then waits out the tokens taken ahead before it was seen.
-    async fn rejoin(&self) -> Result<(), StoreError> {
+    /// Registers this replica in the primary before the primary decides anything for it:
+    /// first at start-up (the start-up ping), then after each failure, when its heartbeat
+    /// may have lapsed. A replica that counted itself alone in the store takes tokens
+    /// ahead (`store.prefetch = "alone"`) until the script that hands them out sees this
+    /// one. When others are alive, it then waits [`credit::HELD_FOR`] (10 ms): a replica
+    /// spends tokens taken ahead only for [`credit::LIFETIME`] (5 ms) from sending the call
+    /// that took them, then gives back the unspent ones, which Redis gives that long again
+    /// to arrive. So once the wait is over, no token taken before the registration can
+    /// still be spent, and the unspent ones are normally back in the bucket.
+    pub async fn rejoin(&self) -> Result<(), StoreError> {
         if let Some(n) = self.primary.register().await? {
             self.peers.heard(n);
             settle(n).await;
         }
+        self.registered.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -248,8 +243,8 @@ impl Resilient {
         allow: T,
     ) -> Result<T, StoreError> {
         let err = if self.try_primary() {
-            // A probe of a degraded store registers first (see `rejoin`).
-            let rejoined = if self.degraded.load(Ordering::Acquire) {
+            // Registered first (see `rejoin`).
+            let rejoined = if !self.registered.load(Ordering::Acquire) {
                 self.rejoin().await
             } else {
                 Ok(())
@@ -398,8 +393,9 @@ impl BucketStore for Resilient {
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let r = match self.primary.ping().await {
-                // Back from an outage: registered before any request is decided there.
-                Ok(()) if self.degraded.load(Ordering::Acquire) => self.rejoin().await,
+                // At start-up and back from an outage: registered before any request is
+                // decided there.
+                Ok(()) if !self.registered.load(Ordering::Acquire) => self.rejoin().await,
                 r => r,
             };
             match &r {
