@@ -541,12 +541,20 @@ async fn a_cooldown_heard_from_another_replica_stops_tokens_held_ahead() {
             }
         }
     };
-    // The holder's subscription is up once it hears a first notice.
-    other
-        .feedback("probe", ask, adaptive, Duration::from_secs(1), true)
-        .await
-        .unwrap();
-    wait_heard(1).await;
+    // The holder's subscription is up once it hears a first notice. A notice published
+    // before it subscribed is lost, so the probe is repeated until one is heard.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while heard.get() == 0 {
+        assert!(Instant::now() < deadline, "no cooldown notice ever heard");
+        other
+            .feedback("probe", ask, adaptive, Duration::from_secs(1), true)
+            .await
+            .unwrap();
+        let asked = Instant::now();
+        while heard.get() == 0 && asked.elapsed() < Duration::from_millis(500) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
     let (mut rounds, mut quick) = (0, 0);
     let t0 = Instant::now();
     // Bounded: 30 rounds, 10 s.
@@ -563,11 +571,12 @@ async fn a_cooldown_heard_from_another_replica_stops_tokens_held_ahead() {
         for t in tasks {
             assert!(matches!(t.await.unwrap(), Outcome::Granted { .. }));
         }
+        let before = heard.get();
         other
             .feedback(&endpoint, ask, adaptive, Duration::from_secs(2), true)
             .await
             .unwrap();
-        wait_heard(1 + rounds).await;
+        wait_heard(before + 1).await;
         match holder.acquire(&endpoint, ask).await.unwrap() {
             Outcome::Refused { cooldown, .. } => assert!(cooldown),
             o => panic!("round {rounds}: a token held ahead was spent after the notice: {o:?}"),
