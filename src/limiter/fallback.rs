@@ -73,11 +73,6 @@ impl Peers {
         }
     }
 
-    /// Records a count read from the store.
-    pub fn saw(&self, n: usize) {
-        self.seen.store(n, Ordering::Relaxed);
-    }
-
     /// Records a count this replica's own registration returned, logging a change.
     fn heard(&self, n: usize) {
         if n != self.seen.swap(n, Ordering::Relaxed) {
@@ -107,14 +102,6 @@ pub async fn heartbeat(store: &RedisStore, peers: &Peers) {
     match store.heartbeat(HEARTBEAT_TTL).await {
         Ok(n) => peers.heard(n),
         Err(e) => tracing::debug!(error = %e, "replica heartbeat failed"),
-    }
-}
-
-/// Waits out tokens other replicas took ahead before they could see this one registered
-/// (see [`Resilient::rejoin`]); nothing to wait for when `live` counts this replica alone.
-async fn settle(live: usize) {
-    if live > 1 {
-        tokio::time::sleep(credit::HELD_FOR).await;
     }
 }
 
@@ -221,7 +208,10 @@ impl Resilient {
     pub async fn rejoin(&self) -> Result<(), StoreError> {
         if let Some(n) = self.primary.register().await? {
             self.peers.heard(n);
-            settle(n).await;
+            // Alone, nobody else can hold tokens taken ahead.
+            if n > 1 {
+                tokio::time::sleep(credit::HELD_FOR).await;
+            }
         }
         self.registered.store(true, Ordering::Release);
         Ok(())
