@@ -36,7 +36,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
 
-use crate::conn::{Activity, Watched};
+use crate::conn::{Activity, SendIo, Watched};
 use crate::destination::{DestinationPolicy, ResolveError};
 
 /// Why forwarding failed.
@@ -379,9 +379,10 @@ impl Forwarder {
         &self,
         host: &str,
         tcp: TcpStream,
-    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, ForwardError> {
+    ) -> Result<tokio_rustls::client::TlsStream<SendIo<TcpStream>>, ForwardError> {
         let name = rustls::pki_types::ServerName::try_from(host.to_owned())
             .map_err(|e| ForwardError::Connect(format!("{host}: {e}")))?;
+        let tcp = SendIo(tcp);
         match tokio::time::timeout(self.timeout, self.lane_tls.connect(name, tcp)).await {
             Ok(Ok(tls)) => Ok(tls),
             Ok(Err(e)) => Err(classify(&e, true)),

@@ -51,7 +51,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
-use crate::conn::{Activity, InFlight, MAX_HEAD_BYTES, Quiet, Timeouts, Writes, watched};
+use crate::conn::{Activity, InFlight, MAX_HEAD_BYTES, Quiet, SendIo, Timeouts, Writes, watched};
 use crate::core::App;
 use crate::decision::{self, Trace};
 use crate::forward::{ForwardError, hop_by_hop_index};
@@ -957,7 +957,7 @@ async fn open(app: &App, host: &str, port: u16, uri: &Uri) -> Result<Upstream, F
 /// intercepted tunnel).
 enum UpIo {
     Tcp(TcpStream),
-    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    Tls(Box<tokio_rustls::client::TlsStream<SendIo<TcpStream>>>),
 }
 
 impl UpIo {
@@ -965,7 +965,7 @@ impl UpIo {
     fn tcp(&self) -> &TcpStream {
         match self {
             UpIo::Tcp(s) => s,
-            UpIo::Tls(s) => s.get_ref().0,
+            UpIo::Tls(s) => s.get_ref().0.get_ref(),
         }
     }
 }
