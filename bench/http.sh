@@ -13,7 +13,8 @@
 # The limit is set far above the load so it never binds: this measures forwarding cost.
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
-#   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows)
+#   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows),
+#   SHOW_ROUNDS=1 (each round's line on stderr)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-8s}
@@ -171,7 +172,10 @@ declare -A ALL
 for r in $(seq 0 $((ROUNDS - 1))); do
   for i in "${!NAMES[@]}"; do
     name=${NAMES[$(((i + r) % ${#NAMES[@]}))]}
-    ALL[$name]+="$(run "$name")"$'\n'
+    line=$(run "$name")
+    ALL[$name]+="$line"$'\n'
+    # SHOW_ROUNDS=1: every round's line on stderr (the table keeps the median round).
+    [ -z "${SHOW_ROUNDS:-}" ] || echo "round $r: $line" >&2
     # A row whose answers were not all 2xx measures errors, not forwarding: refuse it.
     if grep -qE "Non-2xx|Socket errors" "$TMP/$name.txt"; then echo "$name: $(grep -E 'Non-2xx|Socket errors' "$TMP/$name.txt")" >&2; exit 1; fi
   done
