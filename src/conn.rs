@@ -1,7 +1,8 @@
 //! One connection's life: serving HTTP/1.1 or HTTP/2 on an I/O stream until it closes,
 //! goes idle or shutdown asks it to finish; the [`Lifecycle`] that tracks every
-//! connection and tunnel; and the [`ConnSlot`] that counts one sender connection (and the
-//! tunnel it may become) against `proxy.max_connections`.
+//! connection and tunnel; the [`ConnSlot`] that counts one sender connection (and the
+//! tunnel it may become) against `proxy.max_connections`; and the stream wrappers under
+//! them ([`Watched`], which records activity, and [`SendIo`]).
 //!
 //! This module knows nothing of proxying: the accept loops ([`crate::server`]) and the
 //! intercepted tunnels ([`crate::proxy`]) both hand it a stream and a service.
