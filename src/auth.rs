@@ -3,7 +3,7 @@
 //! the bcrypt cost once, and each user's endpoint grants (`[security.user_endpoints]`).
 //!
 //! A verified value stays cached while it keeps being used (it expires after
-//! [`CACHE_TTL`] without use): the answer cannot change while these users are loaded,
+//! `CACHE_TTL` without use): the answer cannot change while these users are loaded,
 //! since a reload builds new `Users`. Concurrent requests carrying the same value that is
 //! not cached yet share one bcrypt run rather than queueing one each.
 //!
@@ -236,7 +236,7 @@ impl Users {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The cached verdict on `digest` (a verified one now stays another [`CACHE_TTL`]),
+    /// The cached verdict on `digest` (a verified one now stays another `CACHE_TTL`),
     /// else the verification to wait for, started here when none is under way.
     fn lookup(&self, digest: &[u8; 32], now: Instant) -> Lookup {
         let mut cache = self.lock();

@@ -200,8 +200,8 @@ impl Resilient {
     /// first at start-up (the start-up ping), then after each failure, when its heartbeat
     /// may have lapsed. A replica that counted itself alone in the store takes tokens
     /// ahead (`store.prefetch = "alone"`) until the script that hands them out sees this
-    /// one. When others are alive, it then waits [`credit::HELD_FOR`] (10 ms): a replica
-    /// spends tokens taken ahead only for [`credit::LIFETIME`] (5 ms) from sending the call
+    /// one. When others are alive, it then waits `credit::HELD_FOR` (10 ms): a replica
+    /// spends tokens taken ahead only for `credit::LIFETIME` (5 ms) from sending the call
     /// that took them, then gives back the unspent ones, which Redis gives that long again
     /// to arrive. So once the wait is over, no token taken before the registration can
     /// still be spent, and the unspent ones are normally back in the bucket.
