@@ -132,6 +132,9 @@ wrk.path = "http://127.0.0.1:$UP/"
 wrk.headers["Host"] = "127.0.0.1:$UP"
 wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
+# CLOSE=1: every request asks for its connection to close (Go's DisableKeepAlives,
+# Ruby's one-shot Net::HTTP): the cost of a sender connection per request.
+[ "${CLOSE:-0}" = 0 ] || echo 'wrk.headers["Connection"] = "close"' >> "$TMP/proxy.lua"
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
 NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch sluice-memory-auth)

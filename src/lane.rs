@@ -22,7 +22,8 @@
 //! ([`crate::conn::serve`]) for the rest of its life, before any of that request is
 //! acted on: HTTP/1.0, CONNECT, origin-form (absolute-form inside a tunnel) and
 //! `https://` targets, chunked or
-//! upgrading requests, `Expect`, `Connection` options, a second `Content-Length` or
+//! upgrading requests, `Expect`, a `Connection` that names anything but `close` or
+//! `keep-alive`, a second `Content-Length` or
 //! `Host`, header bytes hyper's types refuse, more than [`MAX_HEADERS`] headers, a head
 //! over [`MAX_HEAD_BYTES`] or one `httparse` rejects. So every unusual request gets
 //! hyper's handling and answers exactly as before, and the lane only ever sees requests
@@ -60,6 +61,10 @@ use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
 /// Most headers a request or response head may have in the lane (hyper's own limit);
 /// a request with more is handed to hyper, which answers 431.
 pub const MAX_HEADERS: usize = 100;
+
+/// Longest a tunnel's TLS session is given to send its close_notify when the lane ends
+/// it (a sender that reads nothing more must not hold the task).
+const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(1);
 
 /// Whether the lane serves plain requests (`SLUICE_PLAIN_LANE=0` turns it off); read
 /// once, at start-up.
@@ -141,7 +146,15 @@ async fn serve_on<S: SenderIo>(
     }
     let pre = match ended {
         Ok(Ok(Some(pre))) => pre,
-        Ok(Ok(None)) => return,
+        Ok(Ok(None)) => {
+            if in_tunnel {
+                // A TLS session the lane ends (the sender asked for `close`, or an
+                // answer left its body unread) ends with its close_notify, as hyper
+                // ends one: the sender's client sees a clean end, not a cut.
+                let _ = tokio::time::timeout(CLOSE_NOTIFY_WAIT, lane.stream.shutdown()).await;
+            }
+            return;
+        }
         Ok(Err(e)) => return tracing::debug!(error = %e, "connection ended with an error"),
         Err(Quiet::Idle) => return tracing::debug!("closing idle connection"),
         Err(Quiet::SlowHead) => {
@@ -205,6 +218,9 @@ struct Head {
     len: usize,
     /// Its `Content-Length` (0 without one).
     body: u64,
+    /// The sender asked for the connection to close after the response
+    /// (`Connection: close`: one-shot senders, such as Go's `DisableKeepAlives`).
+    close: bool,
 }
 
 /// What the sender's bytes hold next.
@@ -286,7 +302,8 @@ impl<S: SenderIo> Lane<S> {
             Err(Failure::Refused(r, clean)) => {
                 let peer = self.conn.peer;
                 let resp = proxy::refuse(&self.app, r, peer, head.method.as_str(), &trace);
-                let answering = Box::pin(self.refusal(resp, clean.then_some(head.body)));
+                let body = (clean && !head.close).then_some(head.body);
+                let answering = Box::pin(self.refusal(resp, body));
                 answering.await
             }
             Err(Failure::Io(e)) => Err(e),
@@ -345,7 +362,10 @@ impl<S: SenderIo> Lane<S> {
             &mut self.stream,
             &mut self.inb,
             body_left,
-            head.method == Method::HEAD,
+            Ask {
+                head_request: head.method == Method::HEAD,
+                close: head.close,
+            },
         );
         let answer = match within(self.timer.as_mut(), sending).await {
             Some(Ok(a)) => a,
@@ -391,7 +411,7 @@ impl<S: SenderIo> Lane<S> {
         if delimited && !answer.close && up.buf.is_empty() {
             self.up = Some(up);
         }
-        Ok(delimited)
+        Ok(delimited && !head.close)
     }
 
     /// Writes sluice's own answer. `body` is the request's `Content-Length` when none
@@ -465,7 +485,7 @@ async fn send<S: SenderIo>(
     sender: &mut S,
     inb: &mut BytesMut,
     mut body_left: u64,
-    head_request: bool,
+    ask: Ask,
 ) -> Result<Answer, ForwardError> {
     let upstream_write = |e: io::Error| ForwardError::Other(format!("upstream write failed: {e}"));
     write_all(&mut up.stream, out)
@@ -491,7 +511,7 @@ async fn send<S: SenderIo>(
     up.buf.clear();
     loop {
         if !up.buf.is_empty() {
-            match parse_response(&up.buf, head_request, out)? {
+            match parse_response(&up.buf, ask, out)? {
                 Some((len, Some(answer))) => {
                     up.buf.advance(len);
                     return Ok(answer);
@@ -561,12 +581,22 @@ fn parse_request(buf: &[u8], in_tunnel: bool) -> Parsed {
     let mut headers = HeaderMap::with_capacity(req.headers.len());
     let mut body = None;
     let mut hosts = 0;
+    let mut close = false;
     for h in req.headers.iter() {
         let Ok(name) = HeaderName::from_bytes(h.name.as_bytes()) else {
             return Parsed::Handoff;
         };
-        if name == TRANSFER_ENCODING || name == UPGRADE || name == EXPECT || name == CONNECTION {
+        if name == TRANSFER_ENCODING || name == UPGRADE || name == EXPECT {
             return Parsed::Handoff;
+        }
+        if name == CONNECTION {
+            // `close` and `keep-alive` only: any other token names a header as
+            // hop-by-hop, which is hyper's to handle.
+            match connection_close(h.value) {
+                Some(c) => close |= c,
+                None => return Parsed::Handoff,
+            }
+            continue;
         }
         if name == CONTENT_LENGTH {
             match (body, content_length(h.value)) {
@@ -590,7 +620,23 @@ fn parse_request(buf: &[u8], in_tunnel: bool) -> Parsed {
         headers,
         len,
         body: body.unwrap_or(0),
+        close,
     })
+}
+
+/// A request's `Connection` value: whether it says `close`, when it holds nothing but
+/// `close` and `keep-alive` (any case, comma-separated); `None` otherwise.
+fn connection_close(v: &[u8]) -> Option<bool> {
+    let mut close = false;
+    for token in v.split(|b| *b == b',') {
+        let token = token.trim_ascii();
+        if token.eq_ignore_ascii_case(b"close") {
+            close = true;
+        } else if !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive") {
+            return None;
+        }
+    }
+    Some(close)
 }
 
 /// A `Content-Length` value: ASCII digits only, no sign, no list, at most 18 of them.
@@ -628,12 +674,21 @@ fn header_line(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
+/// What the response answers: a `HEAD` request (no body), and whether the sender's
+/// connection closes after it.
+#[derive(Clone, Copy, Default)]
+struct Ask {
+    head_request: bool,
+    close: bool,
+}
+
 /// Parses a response head from `buf`; `None` while it is incomplete. On a whole head,
 /// its length and, for a final response, the [`Answer`], with the head rewritten for
-/// the sender into `out`; an interim (1xx) response gives no answer.
+/// the sender into `out` (saying `connection: close` when the sender's connection ends
+/// after it); an interim (1xx) response gives no answer.
 fn parse_response(
     buf: &[u8],
-    head_request: bool,
+    ask: Ask,
     out: &mut Vec<u8>,
 ) -> Result<Option<(usize, Option<Answer>)>, ForwardError> {
     let bad = |why: String| ForwardError::Other(format!("malformed upstream response: {why}"));
@@ -687,7 +742,7 @@ fn parse_response(
             worth_reading = true;
         }
     }
-    let framing = if head_request || code == 204 || code == 304 {
+    let framing = if ask.head_request || code == 204 || code == 304 {
         Framing::Length(0)
     } else {
         match (chunked, length) {
@@ -717,7 +772,7 @@ fn parse_response(
             header_line(out, h.name.as_bytes(), h.value);
         }
     }
-    if matches!(framing, Framing::UntilClose) {
+    if ask.close || matches!(framing, Framing::UntilClose) {
         header_line(out, b"connection", b"close");
     }
     out.extend_from_slice(b"\r\n");
@@ -1101,6 +1156,21 @@ mod tests {
         assert_eq!(h.body, 5);
         assert_eq!(h.uri.path_and_query().unwrap().as_str(), "/x?y=1");
         assert_eq!(h.len, text.len() - "hello".len());
+        assert!(!h.close);
+        // A one-shot sender's `Connection: close` (with `keep-alive`, in any case) is
+        // the lane's: the connection ends after the answer.
+        for (connection, close) in [
+            ("close", true),
+            ("Close", true),
+            ("keep-alive", false),
+            ("Keep-Alive, close", true),
+            (" close ,", true),
+        ] {
+            let text = format!("GET http://a/ HTTP/1.1\r\nConnection: {connection}\r\n\r\n");
+            let h = head(&text).unwrap_or_else(|| panic!("{connection:?} is the lane's"));
+            assert_eq!(h.close, close, "{connection:?}");
+            assert!(h.headers.get(CONNECTION).is_none(), "hop-by-hop: not kept");
+        }
         for other in [
             "GET http://a/ HTTP/1.0\r\n\r\n",
             "GET / HTTP/1.1\r\nHost: a\r\n\r\n",
@@ -1111,7 +1181,8 @@ mod tests {
             "POST http://a/ HTTP/1.1\r\nContent-Length: +1\r\n\r\n",
             "POST http://a/ HTTP/1.1\r\nContent-Length: 1, 1\r\n\r\n",
             "GET http://a/ HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
-            "GET http://a/ HTTP/1.1\r\nConnection: close\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nConnection: close, X-Drop\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nConnection: upgrade\r\n\r\n",
             "GET http://a/ HTTP/1.1\r\nUpgrade: websocket\r\n\r\n",
             "POST http://a/ HTTP/1.1\r\nExpect: 100-continue\r\n\r\n",
             "GET http://a/ HTTP/1.1\r\nBad Name: x\r\n\r\n",
@@ -1165,7 +1236,7 @@ mod tests {
     fn responses_lose_hop_by_hop_and_sluice_headers_and_keep_their_framing() {
         let mut out = Vec::new();
         let text = "HTTP/1.1 200 Fine\r\nConnection: keep-alive, X-Drop\r\nX-Drop: 1\r\nKeep-Alive: timeout=5\r\nX-Sluice-Reason: forged\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\nX-Keep: 2\r\n\r\n";
-        let (len, answer) = parse_response(text.as_bytes(), false, &mut out)
+        let (len, answer) = parse_response(text.as_bytes(), Ask::default(), &mut out)
             .unwrap()
             .unwrap();
         let answer = answer.unwrap();
@@ -1176,18 +1247,21 @@ mod tests {
             String::from_utf8(out.clone()).unwrap(),
             "HTTP/1.1 200 Fine\r\nTransfer-Encoding: chunked\r\nX-Keep: 2\r\n\r\n"
         );
-        let (_, answer) = parse_response(b"HTTP/1.1 200 OK\r\n\r\n", false, &mut out)
+        let (_, answer) = parse_response(b"HTTP/1.1 200 OK\r\n\r\n", Ask::default(), &mut out)
             .unwrap()
             .unwrap();
         assert!(matches!(answer.unwrap().framing, Framing::UntilClose));
         assert!(String::from_utf8_lossy(&out).contains("connection: close"));
-        let (_, answer) = parse_response(b"HTTP/1.1 429 Slow\r\nRetry-After: 3\r\nContent-Length: 2\r\nConnection: close\r\n\r\n", false, &mut out).unwrap().unwrap();
+        let (_, answer) = parse_response(b"HTTP/1.1 429 Slow\r\nRetry-After: 3\r\nContent-Length: 2\r\nConnection: close\r\n\r\n", Ask::default(), &mut out).unwrap().unwrap();
         let answer = answer.unwrap();
         assert!(answer.close);
         assert_eq!(answer.headers.unwrap()["retry-after"], "3");
         let (_, answer) = parse_response(
             b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n",
-            true,
+            Ask {
+                head_request: true,
+                close: false,
+            },
             &mut out,
         )
         .unwrap()
@@ -1196,7 +1270,19 @@ mod tests {
             answer.unwrap().framing.done(),
             "a HEAD response has no body"
         );
-        let (_, interim) = parse_response(b"HTTP/1.1 103 Early Hints\r\n\r\n", false, &mut out)
+        // The sender asked for its connection to close: the answer says so, once.
+        let ask = Ask {
+            head_request: false,
+            close: true,
+        };
+        let text = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n";
+        let (_, answer) = parse_response(text, ask, &mut out).unwrap().unwrap();
+        assert!(!answer.unwrap().close, "the upstream connection stays");
+        assert_eq!(
+            String::from_utf8(out.clone()).unwrap(),
+            "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nconnection: close\r\n\r\n"
+        );
+        let (_, interim) = parse_response(b"HTTP/1.1 103 Early Hints\r\n\r\n", Ask::default(), &mut out)
             .unwrap()
             .unwrap();
         assert!(interim.is_none());
@@ -1205,7 +1291,7 @@ mod tests {
             b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
             b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
         ] {
-            assert!(parse_response(bad, false, &mut out).is_err());
+            assert!(parse_response(bad, Ask::default(), &mut out).is_err());
         }
     }
 }

@@ -810,7 +810,8 @@ async fn connect(
             tunnel: Tunnel { authority, who },
             host: target.host,
         };
-        app.lifecycle.spawn(session.run(on_upgrade));
+        // Boxed: the session's future is kilobytes, copied on its way into a task.
+        app.lifecycle.spawn(Box::pin(session.run(on_upgrade)));
         trace.outcome = "intercepted";
         return Ok(ok_empty());
     }

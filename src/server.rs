@@ -204,7 +204,7 @@ async fn accept_loop<F, Fut>(
         let slot = ConnSlot::new(permit, open.clone());
         let Some(workers) = &workers else {
             app.lifecycle
-                .spawn(serve_one(Arc::clone(app), stream, slot));
+                .spawn(Box::pin(serve_one(Arc::clone(app), stream, slot)));
             continue;
         };
         // The socket moves to the worker's own I/O driver, so its readiness wakes that
@@ -220,7 +220,9 @@ async fn accept_loop<F, Fut>(
         let (app, serve_one) = (Arc::clone(app), serve_one.clone());
         let serve = async move {
             match TcpStream::from_std(stream) {
-                Ok(stream) => serve_one(app, stream, slot).await,
+                // Boxed: a connection's future is kilobytes (the lane, hyper's
+                // connection), and the task would copy it several times on its way in.
+                Ok(stream) => Box::pin(serve_one(app, stream, slot)).await,
                 Err(e) => tracing::warn!(error = %e, "cannot register a connection on a worker"),
             }
         };

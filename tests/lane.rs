@@ -22,6 +22,8 @@ struct Seen {
     conn: usize,
     path: String,
     body: usize,
+    /// The head carried a `Connection` header.
+    connection: bool,
 }
 
 /// A hand-written HTTP/1.1 upstream: answers by path with framings hyper's test server
@@ -113,6 +115,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             conn,
             path: path.clone(),
             body: length,
+            connection: head.to_ascii_lowercase().contains("\r\nconnection:"),
         });
         let answer: Vec<u8> = match path.as_str() {
             "/chunked" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n".to_vec(),
@@ -326,6 +329,113 @@ async fn an_upstream_connection_outlives_its_sender_connection() {
         conns[3].1, conns[2].1,
         "the receiver closed it after /bye: {conns:?}"
     );
+    s.stop().await;
+}
+
+/// Reads until the peer closes (within 10 s): everything it sent.
+async fn read_until_closed(t: &mut TcpStream) -> String {
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), t.read_to_end(&mut all))
+        .await
+        .expect("sluice closes the connection within 10 s")
+        .unwrap();
+    String::from_utf8_lossy(&all).into_owned()
+}
+
+/// One-shot senders (`Connection: close`, as Go's `DisableKeepAlives` and Ruby's
+/// one-off `Net::HTTP` send it): each gets one whole answer that says
+/// `connection: close`, then the end of its connection; the header never reaches the
+/// receiver, and one upstream connection serves them all. A refused one-shot request is
+/// answered the same way and arrives nowhere.
+#[tokio::test]
+async fn one_shot_senders_are_answered_then_closed_on_one_upstream_connection() {
+    let up = RawUpstream::start().await;
+    let s = sluice("[defaults]\nrate = 0.001\nburst = 3.0\nmax_wait = \"0s\"\n").await;
+    let host = up.addr;
+    for i in 0..4 {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let req = format!(
+            "POST http://{host}/one-{i} HTTP/1.1\r\nHost: {host}\r\nX-Endpoint-Id: once\r\nConnection: close\r\nContent-Length: 3\r\n\r\nabc"
+        );
+        t.write_all(req.as_bytes()).await.unwrap();
+        let r = read_until_closed(&mut t).await;
+        let status = if i < 3 { "HTTP/1.1 200" } else { "HTTP/1.1 503" };
+        assert!(r.starts_with(status), "request {i}: {r}");
+        assert_eq!(
+            r.to_ascii_lowercase().matches("\r\nconnection: close\r\n").count(),
+            1,
+            "request {i}: {r}"
+        );
+        assert_eq!(r.matches("HTTP/1.1 ").count(), 1, "one answer: {r}");
+        if i < 3 {
+            assert!(r.ends_with("\r\n\r\nok"), "the whole body, then the end: {r}");
+        }
+    }
+    let seen = up.seen();
+    let paths: Vec<&str> = seen.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(paths, ["/one-0", "/one-1", "/one-2"], "{seen:?}");
+    assert!(seen.iter().all(|s| s.body == 3 && !s.connection), "{seen:?}");
+    assert!(
+        seen.iter().all(|s| s.conn == seen[0].conn),
+        "one upstream connection served every one-shot sender: {seen:?}"
+    );
+    s.stop().await;
+}
+
+/// A one-shot request inside an intercepted tunnel: one whole answer that says
+/// `connection: close`, then a clean end of the TLS session (its close_notify, not a
+/// cut the sender's client would report as an error).
+#[tokio::test]
+async fn a_one_shot_request_in_a_tunnel_ends_the_tls_session_cleanly() {
+    use common::tls::{TestPki, TlsUpstream};
+    let dir = tempfile::tempdir().unwrap();
+    let ca = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
+    let pki = TestPki::new(&["localhost"]);
+    let up_ca = pki.write_ca(dir.path());
+    let up = TlsUpstream::ok(&pki).await;
+    let s = sluice(&format!(
+        "[tls]\nintercept = true\nca_cert = \"{}\"\nca_key = \"{}\"\nupstream_roots = [\"{}\"]\n",
+        ca.cert.display(),
+        ca.key.display(),
+        up_ca.display()
+    ))
+    .await;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut std::fs::read(&ca.cert).unwrap().as_slice()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let host = format!("localhost:{}", up.addr.port());
+    let mut tcp = TcpStream::connect(s.proxy_addr).await.unwrap();
+    let connect = format!("CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    tcp.write_all(connect.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = tcp.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    let req = format!("GET /once HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    tls.write_all(req.as_bytes()).await.unwrap();
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut all))
+        .await
+        .expect("sluice ends the session within 10 s")
+        .expect("a clean end: close_notify, then the end of the connection");
+    let r = String::from_utf8_lossy(&all);
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"), "{r}");
+    let arrivals = up.arrivals();
+    assert_eq!(arrivals.len(), 1);
+    assert!(!arrivals[0].headers.contains_key("connection"), "hop-by-hop");
     s.stop().await;
 }
 
