@@ -1282,9 +1282,13 @@ mod tests {
             String::from_utf8(out.clone()).unwrap(),
             "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nconnection: close\r\n\r\n"
         );
-        let (_, interim) = parse_response(b"HTTP/1.1 103 Early Hints\r\n\r\n", Ask::default(), &mut out)
-            .unwrap()
-            .unwrap();
+        let (_, interim) = parse_response(
+            b"HTTP/1.1 103 Early Hints\r\n\r\n",
+            Ask::default(),
+            &mut out,
+        )
+        .unwrap()
+        .unwrap();
         assert!(interim.is_none());
         for bad in [
             &b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"[..],

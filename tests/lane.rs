@@ -359,22 +359,34 @@ async fn one_shot_senders_are_answered_then_closed_on_one_upstream_connection() 
         );
         t.write_all(req.as_bytes()).await.unwrap();
         let r = read_until_closed(&mut t).await;
-        let status = if i < 3 { "HTTP/1.1 200" } else { "HTTP/1.1 503" };
+        let status = if i < 3 {
+            "HTTP/1.1 200"
+        } else {
+            "HTTP/1.1 503"
+        };
         assert!(r.starts_with(status), "request {i}: {r}");
         assert_eq!(
-            r.to_ascii_lowercase().matches("\r\nconnection: close\r\n").count(),
+            r.to_ascii_lowercase()
+                .matches("\r\nconnection: close\r\n")
+                .count(),
             1,
             "request {i}: {r}"
         );
         assert_eq!(r.matches("HTTP/1.1 ").count(), 1, "one answer: {r}");
         if i < 3 {
-            assert!(r.ends_with("\r\n\r\nok"), "the whole body, then the end: {r}");
+            assert!(
+                r.ends_with("\r\n\r\nok"),
+                "the whole body, then the end: {r}"
+            );
         }
     }
     let seen = up.seen();
     let paths: Vec<&str> = seen.iter().map(|s| s.path.as_str()).collect();
     assert_eq!(paths, ["/one-0", "/one-1", "/one-2"], "{seen:?}");
-    assert!(seen.iter().all(|s| s.body == 3 && !s.connection), "{seen:?}");
+    assert!(
+        seen.iter().all(|s| s.body == 3 && !s.connection),
+        "{seen:?}"
+    );
     assert!(
         seen.iter().all(|s| s.conn == seen[0].conn),
         "one upstream connection served every one-shot sender: {seen:?}"
@@ -432,10 +444,16 @@ async fn a_one_shot_request_in_a_tunnel_ends_the_tls_session_cleanly() {
         .expect("a clean end: close_notify, then the end of the connection");
     let r = String::from_utf8_lossy(&all);
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
-    assert!(r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"), "{r}");
+    assert!(
+        r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
+        "{r}"
+    );
     let arrivals = up.arrivals();
     assert_eq!(arrivals.len(), 1);
-    assert!(!arrivals[0].headers.contains_key("connection"), "hop-by-hop");
+    assert!(
+        !arrivals[0].headers.contains_key("connection"),
+        "hop-by-hop"
+    );
     s.stop().await;
 }
 
