@@ -14,7 +14,8 @@
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
 #   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows),
-#   SHOW_ROUNDS=1 (each round's line on stderr)
+#   SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
+#   header on every request)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-8s}
@@ -132,9 +133,10 @@ wrk.path = "http://127.0.0.1:$UP/"
 wrk.headers["Host"] = "127.0.0.1:$UP"
 wrk.headers["X-Endpoint-Id"] = "bench"
 LUA
-# CLOSE=1: every request asks for its connection to close (Go's DisableKeepAlives,
-# Ruby's one-shot Net::HTTP): the cost of a sender connection per request.
-[ "${CLOSE:-0}" = 0 ] || echo 'wrk.headers["Connection"] = "close"' >> "$TMP/proxy.lua"
+# CONNECTION=close: every request asks for its connection to close (Go's
+# DisableKeepAlives, Ruby's one-shot Net::HTTP): the cost of a sender connection per
+# request. CONNECTION=keep-alive: the header Python's requests and Node's http send.
+[ -z "${CONNECTION:-}" ] || echo "wrk.headers[\"Connection\"] = \"$CONNECTION\"" >> "$TMP/proxy.lua"
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
 NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch sluice-memory-auth)

@@ -394,17 +394,14 @@ async fn one_shot_senders_are_answered_then_closed_on_one_upstream_connection() 
     s.stop().await;
 }
 
-/// A one-shot request inside an intercepted tunnel: one whole answer that says
-/// `connection: close`, then a clean end of the TLS session (its close_notify, not a
-/// cut the sender's client would report as an error).
-#[tokio::test]
-async fn a_one_shot_request_in_a_tunnel_ends_the_tls_session_cleanly() {
-    use common::tls::{TestPki, TlsUpstream};
-    let dir = tempfile::tempdir().unwrap();
-    let ca = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
-    let pki = TestPki::new(&["localhost"]);
-    let up_ca = pki.write_ca(dir.path());
-    let up = TlsUpstream::ok(&pki).await;
+/// A sluice intercepting TLS with a CA made for the test in `dir` (returned), trusting
+/// `pki`'s CA for the receivers.
+async fn intercepting(
+    dir: &std::path::Path,
+    pki: &common::tls::TestPki,
+) -> (sluice::app::Running, sluice::tls::CaFiles) {
+    let ca = sluice::tls::generate_ca(&dir.join("ca")).unwrap();
+    let up_ca = pki.write_ca(dir);
     let s = sluice(&format!(
         "[tls]\nintercept = true\nca_cert = \"{}\"\nca_key = \"{}\"\nupstream_roots = [\"{}\"]\n",
         ca.cert.display(),
@@ -412,6 +409,19 @@ async fn a_one_shot_request_in_a_tunnel_ends_the_tls_session_cleanly() {
         up_ca.display()
     ))
     .await;
+    (s, ca)
+}
+
+/// A one-shot request inside an intercepted tunnel: one whole answer that says
+/// `connection: close`, then a clean end of the TLS session (its close_notify, not a
+/// cut the sender's client would report as an error).
+#[tokio::test]
+async fn a_one_shot_request_in_a_tunnel_ends_the_tls_session_cleanly() {
+    use common::tls::{TestPki, TlsUpstream};
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::new(&["localhost"]);
+    let up = TlsUpstream::ok(&pki).await;
+    let (s, ca) = intercepting(dir.path(), &pki).await;
     let mut roots = rustls::RootCertStore::empty();
     for c in rustls_pemfile::certs(&mut std::fs::read(&ca.cert).unwrap().as_slice()) {
         roots.add(c.unwrap()).unwrap();
@@ -465,9 +475,7 @@ async fn inside_a_tunnel_bodies_arrive_whole_and_the_upstream_connection_outlive
     use common::Reply;
     use common::tls::{TestPki, TlsUpstream};
     let dir = tempfile::tempdir().unwrap();
-    let ca = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
     let pki = TestPki::new(&["localhost"]);
-    let up_ca = pki.write_ca(dir.path());
     let up = TlsUpstream::start(
         &pki,
         Arc::new(|a| {
@@ -479,13 +487,7 @@ async fn inside_a_tunnel_bodies_arrive_whole_and_the_upstream_connection_outlive
         }),
     )
     .await;
-    let s = sluice(&format!(
-        "[tls]\nintercept = true\nca_cert = \"{}\"\nca_key = \"{}\"\nupstream_roots = [\"{}\"]\n",
-        ca.cert.display(),
-        ca.key.display(),
-        up_ca.display()
-    ))
-    .await;
+    let (s, ca) = intercepting(dir.path(), &pki).await;
     let pem = std::fs::read(&ca.cert).unwrap();
     let tunnel = || {
         reqwest::Client::builder()
