@@ -1,6 +1,7 @@
 //! HTTPS interception cost, side by side in one run, against a separate sluice process:
-//! plain HTTP through sluice | intercepted HTTPS over kept-alive tunnels | intercepted
-//! HTTPS with a fresh tunnel and handshake per request.
+//! plain HTTP through sluice | intercepted HTTPS over kept-alive tunnels (HTTP/1.1) |
+//! intercepted HTTPS with a fresh tunnel and handshake per request | intercepted HTTPS
+//! over kept-alive tunnels whose client offers `h2` (sluice takes it).
 //!
 //! `cargo build --release --bin sluice --example tls_bench && target/release/examples/tls_bench [SECONDS [ROUNDS]]`
 //!
@@ -174,12 +175,24 @@ async fn main() -> Result<(), BoxError> {
             .build()
             .unwrap()
     };
-    let (ca2, proxy2) = (ca.clone(), proxy_url);
+    let (ca2, proxy2) = (ca.clone(), proxy_url.clone());
     let tls_client = move || {
         reqwest::Client::builder()
             .use_rustls_tls()
             .add_root_certificate(ca2.clone())
             .proxy(reqwest::Proxy::https(&proxy2).unwrap())
+            .http1_only()
+            .build()
+            .unwrap()
+    };
+    // The same client offering `h2` first in ALPN, as Go's, curl's and browsers' do:
+    // sluice's interception takes h2 then, and hyper serves the session.
+    let (ca3, proxy3) = (ca.clone(), proxy_url);
+    let h2_client = move || {
+        reqwest::Client::builder()
+            .use_rustls_tls()
+            .add_root_certificate(ca3.clone())
+            .proxy(reqwest::Proxy::https(&proxy3).unwrap())
             .build()
             .unwrap()
     };
@@ -189,23 +202,25 @@ async fn main() -> Result<(), BoxError> {
         "plain HTTP via sluice (keep-alive)",
         "intercepted HTTPS (keep-alive tunnel)",
         "intercepted HTTPS, fresh tunnel + handshake",
+        "intercepted HTTPS over h2 (keep-alive tunnel, ALPN h2)",
     ];
     let plain_url = format!("http://127.0.0.1:{plain_port}/");
     let tls_url = format!("https://localhost:{tls_port}/");
-    let mut runs: [Vec<(f64, Duration, Duration)>; 3] = Default::default();
-    let mut cpu: [Vec<f64>; 3] = Default::default();
-    let mut load_cpu: [Vec<f64>; 3] = Default::default();
+    let mut runs: [Vec<(f64, Duration, Duration)>; 4] = Default::default();
+    let mut cpu: [Vec<f64>; 4] = Default::default();
+    let mut load_cpu: [Vec<f64>; 4] = Default::default();
     let me = std::process::id();
     let pid = child.id().ok_or("sluice exited")?;
     let tick = clock_ticks_per_second();
     // TLS_BENCH_ONLY=N runs scenario N alone (0 plain, 1 kept-alive HTTPS, 2 fresh
-    // tunnels), to profile it; the table then shows that row only.
+    // tunnels, 3 kept-alive HTTPS over h2), to profile it; the table then shows that
+    // row only.
     let only: Option<usize> = std::env::var("TLS_BENCH_ONLY")
         .ok()
         .and_then(|v| v.parse().ok());
     for round in 0..rounds {
-        for k in 0..3 {
-            let i = (k + round) % 3;
+        for k in 0..names.len() {
+            let i = (k + round) % names.len();
             if only.is_some_and(|o| o != i) {
                 continue;
             }
@@ -213,7 +228,8 @@ async fn main() -> Result<(), BoxError> {
             let r = match i {
                 0 => load(http_client.clone(), plain_url.clone(), 32, secs, false).await,
                 1 => load(tls_client.clone(), tls_url.clone(), 32, secs, false).await,
-                _ => load(tls_client.clone(), tls_url.clone(), 8, secs, true).await,
+                2 => load(tls_client.clone(), tls_url.clone(), 8, secs, true).await,
+                _ => load(h2_client.clone(), tls_url.clone(), 32, secs, false).await,
             };
             // sluice's own CPU (utime + stime) per request answered in this round.
             let used = (cpu_ticks(pid)? - before) as f64 / tick;

@@ -359,6 +359,7 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
                     .unwrap()
                     .basic_auth(user, pw),
             )
+            .http1_only()
             .pool_max_idle_per_host(1)
             .build()
             .unwrap()

@@ -56,6 +56,7 @@ impl Setup {
             .tls_built_in_root_certs(false)
             .add_root_certificate(reqwest::Certificate::from_pem(&pem).unwrap())
             .proxy(reqwest::Proxy::https(format!("http://{proxy}")).unwrap())
+            .http1_only()
             .pool_max_idle_per_host(1)
             .timeout(Duration::from_secs(30))
             .build()
