@@ -411,7 +411,7 @@ impl<S: SenderIo> Lane<S> {
         if delimited && !answer.close && up.buf.is_empty() {
             self.up = Some(up);
         }
-        Ok(delimited && !head.close)
+        Ok(delimited && !head.close && !answer.early)
     }
 
     /// Writes sluice's own answer. `body` is the request's `Content-Length` when none
@@ -474,6 +474,10 @@ struct Answer {
     framing: Framing,
     /// The upstream closes the connection after this response.
     close: bool,
+    /// The upstream answered before the request's body was all sent, and stopped
+    /// reading it: the sender's connection ends after this response, and the rest of
+    /// its body with it.
+    early: bool,
 }
 
 /// Writes the request (head, then the rest of its body from the sender) and reads the
@@ -502,12 +506,32 @@ async fn send<S: SenderIo>(
             )));
         }
         let take = (n as u64).min(body_left) as usize;
-        write_all(&mut up.stream, &inb[..take])
-            .await
-            .map_err(upstream_write)?;
+        if let Err(e) = write_all(&mut up.stream, &inb[..take]).await {
+            // A receiver may answer from the head alone (a 413, a 401) and close
+            // without reading the body: that answer is the sender's, not a 502.
+            let ask = Ask { close: true, ..ask };
+            return match read_answer(up, out, ask).await {
+                Ok(answer) => Ok(Answer {
+                    close: true,
+                    early: true,
+                    ..answer
+                }),
+                Err(_) => Err(upstream_write(e)),
+            };
+        }
         inb.advance(take);
         body_left -= take as u64;
     }
+    read_answer(up, out, ask).await
+}
+
+/// Reads the upstream's final response head into `out`, rewritten (interim ones are
+/// skipped). Its bytes after the head stay in `up.buf`.
+async fn read_answer(
+    up: &mut Upstream,
+    out: &mut Vec<u8>,
+    ask: Ask,
+) -> Result<Answer, ForwardError> {
     up.buf.clear();
     loop {
         if !up.buf.is_empty() {
@@ -795,6 +819,7 @@ fn parse_response(
             headers,
             framing,
             close,
+            early: false,
         }),
     )))
 }

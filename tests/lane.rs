@@ -95,6 +95,19 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
         };
         let head = String::from_utf8_lossy(&buf[..end]).to_string();
         let path = head.split(' ').nth(1).unwrap_or("").to_string();
+        if path == "/too-big" {
+            // A receiver that refuses an upload from its head alone, and closes
+            // without reading the body (the kernel resets what keeps coming).
+            seen.lock().unwrap().push(Seen {
+                conn,
+                path,
+                body: 0,
+                connection: false,
+            });
+            let no = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\nConnection: close\r\n\r\ntoo big!";
+            let _ = s.write_all(no).await;
+            return;
+        }
         let length: usize = head
             .lines()
             .find_map(|l| {
@@ -329,6 +342,47 @@ async fn an_upstream_connection_outlives_its_sender_connection() {
         conns[3].1, conns[2].1,
         "the receiver closed it after /bye: {conns:?}"
     );
+    s.stop().await;
+}
+
+/// A receiver that answers an upload before reading its body (a 413 from the head
+/// alone) and closes: the sender gets that answer, not a 502, and then the end of its
+/// connection (the rest of its body goes nowhere).
+#[tokio::test]
+async fn an_answer_before_the_body_is_sent_reaches_the_sender() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    let t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    let (mut rd, mut wr) = t.into_split();
+    const UPLOAD: usize = 64 << 20;
+    let head = format!(
+        "POST http://{host}/too-big HTTP/1.1\r\nHost: {host}\r\nContent-Length: {UPLOAD}\r\n\r\n"
+    );
+    // The upload goes on until sluice stops reading it; the answer is read meanwhile.
+    let writing = tokio::spawn(async move {
+        wr.write_all(head.as_bytes()).await.unwrap();
+        let chunk = vec![b'x'; 1 << 16];
+        for _ in 0..UPLOAD / chunk.len() {
+            if wr.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut all = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), rd.read_to_end(&mut all))
+        .await
+        .expect("sluice answers and closes within 10 s");
+    let r = String::from_utf8_lossy(&all);
+    assert!(r.starts_with("HTTP/1.1 413"), "the receiver's answer: {r}");
+    assert!(r.ends_with("\r\n\r\ntoo big!"), "{r}");
+    assert!(
+        r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
+        "{r}"
+    );
+    writing.abort();
+    let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
+    assert_eq!(paths, ["/too-big"]);
     s.stop().await;
 }
 
