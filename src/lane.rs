@@ -738,6 +738,7 @@ fn parse_response(
     let mut chunked = None;
     let mut length: Option<u64> = None;
     let mut close = false;
+    let mut keep_alive = false;
     let mut listed: Vec<&str> = Vec::new();
     let mut worth_reading = code == 429 || code == 503;
     for h in resp.headers.iter() {
@@ -758,6 +759,7 @@ fn parse_response(
                 if token.eq_ignore_ascii_case("close") {
                     close = true;
                 } else if !token.is_empty() {
+                    keep_alive |= token.eq_ignore_ascii_case("keep-alive");
                     listed.push(token);
                 }
             }
@@ -765,6 +767,11 @@ fn parse_response(
         if !worth_reading && contains_ignore_case(name.as_bytes(), b"ratelimit") {
             worth_reading = true;
         }
+    }
+    // An HTTP/1.0 connection ends after the response unless it says `keep-alive`
+    // (RFC 9112 §9.3).
+    if resp.version == Some(0) && !keep_alive {
+        close = true;
     }
     let framing = if ask.head_request || code == 204 || code == 304 {
         Framing::Length(0)
@@ -1295,6 +1302,25 @@ mod tests {
             answer.unwrap().framing.done(),
             "a HEAD response has no body"
         );
+        // HTTP/1.0: the connection ends with the response unless it says keep-alive.
+        for (text, close) in [
+            (&b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n"[..], true),
+            (
+                b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: Keep-Alive\r\n\r\n",
+                false,
+            ),
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", false),
+        ] {
+            let (_, answer) = parse_response(text, Ask::default(), &mut out)
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                answer.unwrap().close,
+                close,
+                "{}",
+                String::from_utf8_lossy(text)
+            );
+        }
         // The sender asked for its connection to close: the answer says so, once.
         let ask = Ask {
             head_request: false,

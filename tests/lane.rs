@@ -133,6 +133,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
         let answer: Vec<u8> = match path.as_str() {
             "/chunked" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n".to_vec(),
             "/close" => b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(),
+            "/http10" => b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
             "/early" => b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
             "/big" => {
                 let mut a = format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG}\r\n\r\n").into_bytes();
@@ -142,6 +143,12 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             _ => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Sluice-Reason: forged\r\n\r\nok".to_vec(),
         };
         if s.write_all(&answer).await.is_err() {
+            return;
+        }
+        if path == "/http10" {
+            // HTTP/1.0 without keep-alive: this connection ends after the answer, here
+            // a moment later; a request sent on it meanwhile is never read.
+            tokio::time::sleep(Duration::from_millis(300)).await;
             return;
         }
         // Close-delimited, or a receiver that closes after each answer without saying so.
@@ -383,6 +390,30 @@ async fn an_answer_before_the_body_is_sent_reaches_the_sender() {
     writing.abort();
     let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
     assert_eq!(paths, ["/too-big"]);
+    s.stop().await;
+}
+
+/// An HTTP/1.0 receiver's connection (no `keep-alive`) ends with its answer: the next
+/// request goes on a new connection, never on one the receiver no longer reads.
+#[tokio::test]
+async fn an_http10_answer_without_keep_alive_is_the_end_of_its_connection() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    for _ in 0..2 {
+        let req = format!("GET http://{host}/http10 HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        t.write_all(req.as_bytes()).await.unwrap();
+        let r = read_response(&mut t).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        assert!(r.ends_with("\r\n\r\nok"), "{r}");
+    }
+    let conns: Vec<usize> = up.seen().into_iter().map(|s| s.conn).collect();
+    assert_eq!(conns.len(), 2);
+    assert_ne!(
+        conns[0], conns[1],
+        "a new connection for the second request"
+    );
     s.stop().await;
 }
 
