@@ -319,7 +319,11 @@ impl<S: SenderIo> Lane<S> {
     ) -> Result<bool, Failure> {
         let app = Arc::clone(&self.app);
         let admitting = proxy::admit_plain(&app, &head.uri, &head.headers, &self.conn, trace);
-        let (rt, uri, target, admitted) = admitting.await.map_err(|r| Failure::Refused(r, true))?;
+        // A sender that leaves while its request waits takes the request with it.
+        let admitted = while_sender_stays(&mut self.stream, &mut self.inb, admitting).await;
+        let (rt, uri, target, admitted) = admitted
+            .map_err(Failure::Io)?
+            .map_err(|r| Failure::Refused(r, true))?;
         let fail = |e: ForwardError, clean: bool| {
             let app = &app;
             let admitted = &admitted;
@@ -1110,6 +1114,42 @@ fn poll_read<T: AsyncRead + Unpin>(
         buf.reserve(8192);
     }
     tokio_util::io::poll_read_buf(Pin::new(stream), cx, buf)
+}
+
+/// Most bytes read ahead from a sender while its request waits (its body, or a
+/// pipelined request); past them only the wait is watched.
+const READ_AHEAD_WHILE_WAITING: usize = 64 * 1024;
+
+/// `wait` (a request's admission), ended early if the sender closes its connection
+/// meanwhile: the wait is dropped then, which gives back what it had reserved, and the
+/// request goes nowhere. Bytes the sender sends meanwhile are kept in `inb`, up to
+/// [`READ_AHEAD_WHILE_WAITING`]. A request admitted at once never reads the socket.
+async fn while_sender_stays<S: AsyncRead + Unpin, F: Future>(
+    sender: &mut S,
+    inb: &mut BytesMut,
+    wait: F,
+) -> io::Result<F::Output> {
+    let mut wait = std::pin::pin!(wait);
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(out) = wait.as_mut().poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        while inb.len() < READ_AHEAD_WHILE_WAITING {
+            match poll_read(sender, inb, cx) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "the sender closed its connection while its request waited",
+                    )));
+                }
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => break,
+            }
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 /// Writes all of `bytes`, and flushes them (a TLS session holds what it encrypted

@@ -417,6 +417,46 @@ async fn an_http10_answer_without_keep_alive_is_the_end_of_its_connection() {
     s.stop().await;
 }
 
+/// A sender that gives up while its request waits for a token (it closes its
+/// connection): the request never reaches the receiver, and the token it would have
+/// spent goes to the next request, as on hyper's path.
+#[tokio::test]
+async fn a_request_whose_sender_leaves_while_it_waits_never_arrives() {
+    let up = RawUpstream::start().await;
+    let s = sluice("[defaults]\nrate = 0.5\nburst = 1.0\nmax_wait = \"10s\"\n").await;
+    let host = up.addr;
+    let ask = |path: &str| {
+        format!("GET http://{host}{path} HTTP/1.1\r\nHost: {host}\r\nX-Endpoint-Id: leave\r\n\r\n")
+    };
+    let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    t.write_all(ask("/first").as_bytes()).await.unwrap();
+    assert!(read_response(&mut t).await.starts_with("HTTP/1.1 200"));
+    // The bucket is empty: the next request holds a reservation for the token due in
+    // 2 s. Its sender leaves before then.
+    let mut gone = TcpStream::connect(s.proxy_addr).await.unwrap();
+    gone.write_all(ask("/abandoned").as_bytes()).await.unwrap();
+    wait_for(
+        "the abandoned request to wait",
+        Duration::from_secs(5),
+        || async {
+            tokens(s.admin_addr, "leave")
+                .await
+                .is_some_and(|t| t < -0.5)
+        },
+    )
+    .await;
+    drop(gone);
+    t.write_all(ask("/after").as_bytes()).await.unwrap();
+    assert!(read_response(&mut t).await.starts_with("HTTP/1.1 200"));
+    let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
+    assert_eq!(
+        paths,
+        ["/first", "/after"],
+        "the abandoned request never arrived"
+    );
+    s.stop().await;
+}
+
 /// Reads until the peer closes (within 10 s): everything it sent.
 async fn read_until_closed(t: &mut TcpStream) -> String {
     let mut all = Vec::new();
