@@ -447,9 +447,15 @@ async fn a_request_whose_sender_leaves_while_it_waits_never_arrives() {
     .await;
     drop(gone);
     // Its reservation is given back at once (the next token is still 2 s away).
-    wait_for("the reservation given back", Duration::from_secs(1), || async {
-        tokens(s.admin_addr, "leave").await.is_some_and(|t| t > -0.01)
-    })
+    wait_for(
+        "the reservation given back",
+        Duration::from_secs(1),
+        || async {
+            tokens(s.admin_addr, "leave")
+                .await
+                .is_some_and(|t| t > -0.01)
+        },
+    )
     .await;
     t.write_all(ask("/after").as_bytes()).await.unwrap();
     assert!(read_response(&mut t).await.starts_with("HTTP/1.1 200"));
