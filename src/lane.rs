@@ -792,14 +792,22 @@ fn parse_response(
     out.push(b' ');
     out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
+    // A 204 has no body and may say nothing of one (RFC 9110 §8.6, §6.4.1).
+    let no_content = code == 204;
+    let mut length_sent = false;
     for h in resp.headers.iter() {
         let lower = h.name.to_ascii_lowercase();
         let dropped = match hop_by_hop_index(&lower) {
             // Transfer-Encoding frames the body, which is relayed as it came.
-            Some(i) => i != 3,
+            Some(i) => i != 3 || no_content,
+            None if lower == "content-length" => {
+                // Once: a repeated equal value (checked above) is one value.
+                let drop = chunked.is_some() || no_content || length_sent;
+                length_sent |= !drop;
+                drop
+            }
             None => {
                 lower.starts_with("x-sluice-")
-                    || (lower == "content-length" && chunked.is_some())
                     || listed.iter().any(|n| n.eq_ignore_ascii_case(&lower))
             }
         };
@@ -1028,12 +1036,13 @@ async fn open(app: &App, host: &str, port: u16, uri: &Uri) -> Result<Upstream, F
     } else {
         UpIo::Tcp(tcp)
     };
-    // The `Host` a connection of its own sends: the authority, its port only when not
-    // the scheme's default.
+    // The `Host` a connection of its own sends: the authority without any userinfo,
+    // its port only when not the scheme's default.
     let default = if tls { "443" } else { "80" };
-    let host = match authority.rsplit_once(':') {
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let host = match host.rsplit_once(':') {
         Some((h, p)) if p == default => h,
-        _ => authority,
+        _ => host,
     };
     Ok(Upstream {
         authority: authority.into(),
@@ -1342,6 +1351,21 @@ mod tests {
             answer.unwrap().framing.done(),
             "a HEAD response has no body"
         );
+        // A 204 says nothing of a body; a repeated equal Content-Length goes out once.
+        let text = b"HTTP/1.1 204 No Content\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\nX-K: 1\r\n\r\n";
+        let (_, answer) = parse_response(text, Ask::default(), &mut out)
+            .unwrap()
+            .unwrap();
+        assert!(answer.unwrap().framing.done(), "no body");
+        let head = String::from_utf8(out.clone()).unwrap();
+        assert_eq!(head, "HTTP/1.1 204 No Content\r\nX-K: 1\r\n\r\n");
+        let text = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length: 2\r\n\r\n";
+        let (_, answer) = parse_response(text, Ask::default(), &mut out)
+            .unwrap()
+            .unwrap();
+        assert!(matches!(answer.unwrap().framing, Framing::Length(2)));
+        let head = String::from_utf8(out.clone()).unwrap();
+        assert_eq!(head, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n");
         // HTTP/1.0: the connection ends with the response unless it says keep-alive.
         for (text, close) in [
             (&b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n"[..], true),

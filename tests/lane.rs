@@ -24,6 +24,8 @@ struct Seen {
     body: usize,
     /// The head carried a `Connection` header.
     connection: bool,
+    /// The whole request head as it arrived.
+    head: String,
 }
 
 /// A hand-written HTTP/1.1 upstream: answers by path with framings hyper's test server
@@ -103,6 +105,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
                 path,
                 body: 0,
                 connection: false,
+                head,
             });
             let no = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\nConnection: close\r\n\r\ntoo big!";
             let _ = s.write_all(no).await;
@@ -129,6 +132,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             path: path.clone(),
             body: length,
             connection: head.to_ascii_lowercase().contains("\r\nconnection:"),
+            head: head.clone(),
         });
         let answer: Vec<u8> = match path.as_str() {
             "/chunked" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n".to_vec(),
@@ -465,6 +469,26 @@ async fn a_request_whose_sender_leaves_while_it_waits_never_arrives() {
         ["/first", "/after"],
         "the abandoned request never arrived"
     );
+    s.stop().await;
+}
+
+/// A target with userinfo (`http://user:pw@host/`): the receiver's `Host` is the
+/// host alone, as on hyper's path, and the credentials reach it nowhere.
+#[tokio::test]
+async fn userinfo_in_the_target_never_reaches_the_receiver() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    let req = format!("GET http://user:secret@{host}/creds HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    t.write_all(req.as_bytes()).await.unwrap();
+    let r = read_response(&mut t).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    let head = seen[0].head.to_ascii_lowercase();
+    assert!(head.contains(&format!("\r\nhost: {host}\r\n")), "{head}");
+    assert!(!head.contains("secret"), "{head}");
     s.stop().await;
 }
 
