@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use http::header::HOST;
+use http::header::{CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
@@ -577,6 +577,11 @@ async fn forward_request(
     trace.upstream = Some(sent.elapsed());
     let slot = answered(app, admitted, resp.status(), resp.headers(), trace).await;
     let mut resp = resp;
+    // Framed twice by the upstream: its chunked framing won (hyper decoded it), so its
+    // `Content-Length` says nothing true of the body (RFC 9112 §6.3).
+    if resp.headers().contains_key(TRANSFER_ENCODING) {
+        resp.headers_mut().remove(CONTENT_LENGTH);
+    }
     strip_hop_by_hop(resp.headers_mut());
     strip_sluice_headers(resp.headers_mut());
     Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot))))

@@ -138,6 +138,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             "/chunked" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n".to_vec(),
             "/close" => b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(),
             "/http10" => b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+            "/framed-twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 100\r\n\r\n3\r\nabc\r\n0\r\n\r\n".to_vec(),
             "/early" => b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
             "/big" => {
                 let mut a = format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG}\r\n\r\n").into_bytes();
@@ -489,6 +490,45 @@ async fn userinfo_in_the_target_never_reaches_the_receiver() {
     let head = seen[0].head.to_ascii_lowercase();
     assert!(head.contains(&format!("\r\nhost: {host}\r\n")), "{head}");
     assert!(!head.contains("secret"), "{head}");
+    s.stop().await;
+}
+
+/// An answer framed twice (`Transfer-Encoding: chunked` and a `Content-Length`): the
+/// chunked framing wins (RFC 9112 §6.3) and the length is not passed on, by the lane
+/// and by hyper's path alike (before, hyper's path relayed `content-length: 100` with
+/// a 3-byte body, and the sender waited for the rest).
+#[tokio::test]
+async fn an_answer_framed_twice_reaches_the_sender_framed_once() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
+    for connection in ["keep-alive", "x-hop"] {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let req = format!(
+            "GET http://{host}/framed-twice HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
+        );
+        t.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let whole = tokio::time::timeout(Duration::from_secs(5), async {
+            while !got.ends_with(b"0\r\n\r\n") {
+                match t.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+        })
+        .await;
+        let r = String::from_utf8_lossy(&got);
+        assert!(whole.is_ok(), "{connection}: the answer never ended: {r}");
+        assert!(r.starts_with("HTTP/1.1 200"), "{connection}: {r}");
+        assert!(
+            !r.to_ascii_lowercase().contains("content-length"),
+            "{connection}: {r}"
+        );
+        assert!(r.contains("\r\nabc\r\n"), "{connection}: {r}");
+    }
     s.stop().await;
 }
 
