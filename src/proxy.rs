@@ -582,9 +582,44 @@ async fn forward_request(
     if resp.headers().contains_key(TRANSFER_ENCODING) {
         resp.headers_mut().remove(CONTENT_LENGTH);
     }
+    one_content_length(resp.headers_mut());
     strip_hop_by_hop(resp.headers_mut());
     strip_sluice_headers(resp.headers_mut());
     Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot))))
+}
+
+/// Says the upstream's `Content-Length` once: a repeated or listed equal value is one
+/// value (RFC 9110 §8.6), and hyper's server refuses to write the header twice (it
+/// drops the connection unanswered). Unequal values (left only on a `HEAD` answer,
+/// since hyper's client refuses them with a body) say nothing true: removed.
+fn one_content_length(h: &mut HeaderMap) {
+    let mut all = h.get_all(CONTENT_LENGTH).iter();
+    let Some(first) = all.next() else {
+        return;
+    };
+    if all.next().is_none() && !first.as_bytes().contains(&b',') {
+        return;
+    }
+    let mut one: Option<&str> = None;
+    let mut equal = true;
+    for value in h.get_all(CONTENT_LENGTH) {
+        for n in value.to_str().unwrap_or(",").split(',').map(str::trim) {
+            let digits = !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+            equal &= digits && one.is_none_or(|o| o == n);
+            one = Some(n);
+        }
+    }
+    match one
+        .filter(|_| equal)
+        .map(|n| http::HeaderValue::from_str(n))
+    {
+        Some(Ok(v)) => {
+            h.insert(CONTENT_LENGTH, v);
+        }
+        _ => {
+            h.remove(CONTENT_LENGTH);
+        }
+    }
 }
 
 /// Steps 1–6 of the module doc for a request that is forwarded (not a CONNECT): the
@@ -1022,6 +1057,27 @@ mod tests {
         );
         assert!(last.recall(&after, &Named::Host("y.example")).is_none());
         assert!(last.recall(&after, &Named::Header(&other)).is_none());
+    }
+
+    #[test]
+    fn a_repeated_equal_content_length_is_said_once_and_unequal_ones_not_at_all() {
+        let said = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(CONTENT_LENGTH, v.parse().unwrap());
+            }
+            one_content_length(&mut h);
+            let all: Vec<_> = h.get_all(CONTENT_LENGTH).iter().cloned().collect();
+            all.iter()
+                .map(|v| v.to_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(said(&["5"]), ["5"]);
+        assert_eq!(said(&["5", "5"]), ["5"]);
+        assert_eq!(said(&["5, 5"]), ["5"]);
+        assert_eq!(said(&["5", "6"]), Vec::<String>::new());
+        assert_eq!(said(&["5, x"]), Vec::<String>::new());
+        assert_eq!(said(&[]), Vec::<String>::new());
     }
 
     #[test]

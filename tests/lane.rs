@@ -138,6 +138,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             "/chunked" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n".to_vec(),
             "/close" => b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(),
             "/http10" => b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+            "/length-twice" => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok".to_vec(),
             "/framed-twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 100\r\n\r\n3\r\nabc\r\n0\r\n\r\n".to_vec(),
             "/early" => b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
             "/big" => {
@@ -528,6 +529,49 @@ async fn an_answer_framed_twice_reaches_the_sender_framed_once() {
             "{connection}: {r}"
         );
         assert!(r.contains("\r\nabc\r\n"), "{connection}: {r}");
+    }
+    s.stop().await;
+}
+
+/// An answer that repeats an equal `Content-Length` (RFC 9110 §8.6 lets a recipient
+/// take it as one) reaches the sender with one, for `GET` and `HEAD`, on both paths
+/// (before, hyper's path answered a `HEAD` with nothing: its server refused to write
+/// the header twice and dropped the connection).
+#[tokio::test]
+async fn a_repeated_content_length_reaches_the_sender_once() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
+    for connection in ["keep-alive", "x-hop"] {
+        for method in ["GET", "HEAD"] {
+            let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+            let req = format!(
+                "{method} http://{host}/length-twice HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
+            );
+            t.write_all(req.as_bytes()).await.unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match t.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+            })
+            .await;
+            let r = String::from_utf8_lossy(&got).to_ascii_lowercase();
+            assert!(
+                r.starts_with("http/1.1 200"),
+                "{connection} {method}: {r:?}"
+            );
+            assert_eq!(
+                r.matches("content-length: 2\r\n").count(),
+                1,
+                "{connection} {method}: {r:?}"
+            );
+        }
     }
     s.stop().await;
 }
