@@ -609,10 +609,7 @@ fn one_content_length(h: &mut HeaderMap) {
             one = Some(n);
         }
     }
-    match one
-        .filter(|_| equal)
-        .map(|n| http::HeaderValue::from_str(n))
-    {
+    match one.filter(|_| equal).map(http::HeaderValue::from_str) {
         Some(Ok(v)) => {
             h.insert(CONTENT_LENGTH, v);
         }
