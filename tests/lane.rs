@@ -510,19 +510,8 @@ async fn an_answer_framed_twice_reaches_the_sender_framed_once() {
             "GET http://{host}/framed-twice HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
         );
         t.write_all(req.as_bytes()).await.unwrap();
-        let mut got = Vec::new();
-        let mut buf = [0u8; 4096];
-        let whole = tokio::time::timeout(Duration::from_secs(5), async {
-            while !got.ends_with(b"0\r\n\r\n") {
-                match t.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => got.extend_from_slice(&buf[..n]),
-                }
-            }
-        })
-        .await;
-        let r = String::from_utf8_lossy(&got);
-        assert!(whole.is_ok(), "{connection}: the answer never ended: {r}");
+        let (r, whole) = read_until(&mut t, |got| got.ends_with(b"0\r\n\r\n")).await;
+        assert!(whole, "{connection}: the answer never ended: {r}");
         assert!(r.starts_with("HTTP/1.1 200"), "{connection}: {r}");
         assert!(
             !r.to_ascii_lowercase().contains("content-length"),
@@ -550,18 +539,8 @@ async fn a_repeated_content_length_reaches_the_sender_once() {
                 "{method} http://{host}/length-twice HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
             );
             t.write_all(req.as_bytes()).await.unwrap();
-            let mut got = Vec::new();
-            let mut buf = [0u8; 4096];
-            let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match t.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
-                    }
-                }
-            })
-            .await;
-            let r = String::from_utf8_lossy(&got).to_ascii_lowercase();
+            let head_read = |got: &[u8]| got.windows(4).any(|w| w == b"\r\n\r\n");
+            let r = read_until(&mut t, head_read).await.0.to_ascii_lowercase();
             assert!(
                 r.starts_with("http/1.1 200"),
                 "{connection} {method}: {r:?}"
@@ -574,6 +553,24 @@ async fn a_repeated_content_length_reaches_the_sender_once() {
         }
     }
     s.stop().await;
+}
+
+/// Reads until `done` holds for what came, the peer closes, or 5 s pass: what came,
+/// and whether `done` held.
+async fn read_until(t: &mut TcpStream, done: impl Fn(&[u8]) -> bool) -> (String, bool) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while !done(&got) {
+            match t.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    let whole = done(&got);
+    (String::from_utf8_lossy(&got).into_owned(), whole)
 }
 
 /// Reads until the peer closes (within 10 s): everything it sent.
