@@ -267,7 +267,7 @@ impl CertAuthority {
 
     /// Signs a leaf for [`PROBE_HOST`] and checks that rustls' verifier accepts it.
     fn self_test(&self, subject_der: &[u8]) -> Result<(), String> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = Arc::new(super::crypto_provider());
         let host = Host::parse(PROBE_HOST)?;
         let (chain, _key) = self.mint(&host, Duration::from_secs(3600))?;
         let leaf = chain

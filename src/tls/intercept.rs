@@ -47,7 +47,7 @@ impl Interceptor {
     pub fn new(ca: CertAuthority, capacity: usize, validity: Duration) -> Self {
         Self {
             ca,
-            provider: Arc::new(rustls::crypto::ring::default_provider()),
+            provider: Arc::new(super::crypto_provider()),
             validity: validity.clamp(MIN_LEAF_VALIDITY, MAX_LEAF_VALIDITY),
             cache: LeafCache::new(capacity),
         }
@@ -225,6 +225,8 @@ mod tests {
     struct Handshake {
         server: Result<(String, Vec<u8>), MitmError>,
         client: Result<(Vec<CertificateDer<'static>>, Option<Vec<u8>>), io::Error>,
+        /// The suite the client's side negotiated.
+        suite: Option<rustls::CipherSuite>,
     }
 
     /// Runs `accept` against a tokio-rustls client asking for `name` with `config`;
@@ -250,18 +252,80 @@ mod tests {
             Ok((host, buf.to_vec()))
         };
         let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-        let client = async move {
+        let mut suite = None;
+        let client = async {
             let mut tls = connector.connect(name, client_io).await?;
             tls.write_all(b"ping").await?;
             let mut buf = [0u8; 4];
             tls.read_exact(&mut buf).await?;
             assert_eq!(&buf, b"pong");
             let conn = tls.get_ref().1;
+            suite = conn.negotiated_cipher_suite().map(|s| s.suite());
             let certs = conn.peer_certificates().unwrap_or_default().to_vec();
             Ok((certs, conn.alpn_protocol().map(<[u8]>::to_vec)))
         };
         let (server, client) = tokio::join!(server, client);
-        Handshake { server, client }
+        Handshake {
+            server,
+            client,
+            suite,
+        }
+    }
+
+    /// A client config trusting the CA in `dir`, offering only `suites`, in that order
+    /// (rustls' own provider, as a sender's TLS stack would be).
+    fn offering(dir: &Path, suites: &[rustls::CipherSuite]) -> rustls::ClientConfig {
+        let mut provider = rustls::crypto::ring::default_provider();
+        provider.cipher_suites = suites
+            .iter()
+            .map(|want| {
+                *provider
+                    .cipher_suites
+                    .iter()
+                    .find(|s| s.suite() == *want)
+                    .unwrap()
+            })
+            .collect();
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(
+                rustls_pemfile::certs(&mut &std::fs::read(dir.join("ca.pem")).unwrap()[..])
+                    .next()
+                    .unwrap()
+                    .unwrap(),
+            )
+            .unwrap();
+        rustls::ClientConfig::builder_with_provider(Arc::new(provider))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth()
+    }
+
+    /// A sender whose TLS prefers AES-256-GCM-SHA384 (OpenSSL's and rustls' order) gets
+    /// AES-128-GCM-SHA256, whose handshake costs sluice less; one that does not offer
+    /// it gets a suite it offers.
+    #[tokio::test]
+    async fn senders_get_aes_128_gcm_first_and_otherwise_a_suite_they_offer() {
+        use rustls::CipherSuite::{
+            TLS13_AES_128_GCM_SHA256 as AES128, TLS13_AES_256_GCM_SHA384 as AES256,
+            TLS13_CHACHA20_POLY1305_SHA256 as CHACHA,
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let icpt = Interceptor::new(new_ca(tmp.path()), 16, Duration::from_secs(3600));
+        for (offered, expect) in [
+            (&[AES256, AES128, CHACHA][..], AES128),
+            (&[CHACHA, AES256, AES128][..], AES128),
+            (&[AES256, CHACHA][..], AES256),
+            (&[CHACHA][..], CHACHA),
+        ] {
+            let name = ServerName::try_from("api.example.com").unwrap();
+            let config = offering(tmp.path(), offered);
+            let hs = handshake(&icpt, "api.example.com", name, config).await;
+            hs.server.unwrap();
+            hs.client.unwrap();
+            assert_eq!(hs.suite, Some(expect), "offered {offered:?}");
+        }
     }
 
     fn trusting_config(dir: &Path) -> rustls::ClientConfig {

@@ -106,7 +106,7 @@ pub fn client_config(extra_roots: &[PathBuf]) -> Result<ClientConfig, UpstreamTl
         );
     }
 
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(super::crypto_provider());
     let mut config = ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(UpstreamTlsError::Config)?
@@ -273,6 +273,34 @@ mod tests {
         };
         let ((), res) = tokio::join!(server, client);
         res
+    }
+
+    /// Upstream, sluice offers AES-128-GCM-SHA256 first: a receiver that follows the
+    /// client's order (rustls' and OpenSSL's default) negotiates it.
+    #[tokio::test]
+    async fn sluice_offers_aes_128_gcm_first_upstream() {
+        let dir = tempfile::tempdir().unwrap();
+        let icpt = interceptor(dir.path());
+        let mut server_cfg = (*icpt.server_config("localhost").unwrap()).clone();
+        server_cfg.ignore_client_order = false;
+        let config = client_config(&[dir.path().join("ca.pem")]).unwrap();
+        let (client_io, server_io) = tokio::io::duplex(64 * 1024);
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_cfg));
+        let server = async move {
+            let mut s = acceptor.accept(server_io).await.unwrap();
+            s.write_all(b"x").await.unwrap();
+            s.flush().await.unwrap();
+            s.get_ref().1.negotiated_cipher_suite().map(|s| s.suite())
+        };
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let name = ServerName::try_from("localhost").unwrap();
+        let client = async move {
+            let mut s = connector.connect(name, client_io).await.unwrap();
+            let mut buf = [0u8; 1];
+            s.read_exact(&mut buf).await.unwrap();
+        };
+        let (suite, ()) = tokio::join!(server, client);
+        assert_eq!(suite, Some(rustls::CipherSuite::TLS13_AES_128_GCM_SHA256));
     }
 
     #[tokio::test]
