@@ -14,6 +14,9 @@
 //! - [`upstream`]: the rustls client configuration for connections sluice makes upstream,
 //!   and short reasons for failed upstream handshakes.
 //!
+//! - this file: [`MitmError`] and the crypto provider both sides use
+//!   (`crypto_provider`: rustls' ring suites, AES-128-GCM-SHA256 first).
+//!
 //! Dependencies run one way: `intercept → ca → leaf`; `upstream` stands alone.
 //! Certificates are taken apart with rcgen's own reader ([`rcgen::Issuer::from_ca_cert_der`])
 //! and `x509-parser`, never by hand.
