@@ -13,7 +13,6 @@
 //!   names the host and the fix.
 //! - [`upstream`]: the rustls client configuration for connections sluice makes upstream,
 //!   and short reasons for failed upstream handshakes.
-//!
 //! - this file: [`MitmError`] and the crypto provider both sides use
 //!   (`crypto_provider`: rustls' ring suites, AES-128-GCM-SHA256 first).
 //!
