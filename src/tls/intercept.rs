@@ -303,11 +303,14 @@ mod tests {
     }
 
     /// A sender whose TLS prefers AES-256-GCM-SHA384 (OpenSSL's and rustls' order) gets
-    /// AES-128-GCM-SHA256, whose handshake costs sluice less; one that does not offer
-    /// it gets a suite it offers.
+    /// AES-128-GCM-SHA256, whose handshake costs sluice less, in TLS 1.3 and 1.2; one
+    /// that does not offer it gets a suite it offers.
     #[tokio::test]
     async fn senders_get_aes_128_gcm_first_and_otherwise_a_suite_they_offer() {
         use rustls::CipherSuite::{
+            TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256 as ECDSA_AES128_GCM,
+            TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384 as ECDSA_AES256_GCM,
+            TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256 as ECDSA_CHACHA,
             TLS13_AES_128_GCM_SHA256 as AES128, TLS13_AES_256_GCM_SHA384 as AES256,
             TLS13_CHACHA20_POLY1305_SHA256 as CHACHA,
         };
@@ -318,6 +321,9 @@ mod tests {
             (&[CHACHA, AES256, AES128][..], AES128),
             (&[AES256, CHACHA][..], AES256),
             (&[CHACHA][..], CHACHA),
+            // A TLS 1.2-only sender (its suites for the leaf's ECDSA key).
+            (&[ECDSA_AES256_GCM, ECDSA_AES128_GCM][..], ECDSA_AES128_GCM),
+            (&[ECDSA_CHACHA][..], ECDSA_CHACHA),
         ] {
             let name = ServerName::try_from("api.example.com").unwrap();
             let config = offering(tmp.path(), offered);

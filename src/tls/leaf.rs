@@ -121,7 +121,7 @@ pub(super) fn server_config(
         .and_then(|b| b.with_no_client_auth().with_single_cert(chain, key))
         .map_err(|e| format!("rustls rejected the certificate: {e}"))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    // Sluice's suite order (AES-128-GCM-SHA256 first, `super::crypto_provider`) over the
+    // Sluice's suite order (AES-128-GCM first, `super::crypto_provider`) over the
     // sender's: rustls offers only suites it holds secure, and this one costs the
     // handshake least (a SHA-256 key schedule).
     config.ignore_client_order = true;

@@ -14,7 +14,7 @@
 //! - [`upstream`]: the rustls client configuration for connections sluice makes upstream,
 //!   and short reasons for failed upstream handshakes.
 //! - this file: [`MitmError`] and the crypto provider both sides use
-//!   (`crypto_provider`: rustls' ring suites, AES-128-GCM-SHA256 first).
+//!   (`crypto_provider`: rustls' ring suites, AES-128-GCM first).
 //!
 //! Dependencies run one way: `intercept → ca → leaf`; `upstream` stands alone.
 //! Certificates are taken apart with rcgen's own reader ([`rcgen::Issuer::from_ca_cert_der`])
@@ -36,21 +36,30 @@ pub use intercept::Interceptor;
 pub use upstream::{UpstreamTlsError, client_config, describe_failure, find_rustls};
 
 /// The crypto sluice's TLS uses on both sides of an intercepted tunnel: rustls' ring
-/// provider, with the TLS 1.3 suite AES-128-GCM-SHA256 moved first.
+/// provider, with the AES-128-GCM suites (TLS 1.3's `TLS13_AES_128_GCM_SHA256`, then
+/// TLS 1.2's ECDHE ones) moved first.
 ///
 /// Every suite stays offered; only the order changes, to the one Go, Chrome and Firefox
-/// use. A SHA-256 suite runs the handshake's key schedule and transcript hash on
-/// SHA-256, which ring computes with the CPU's SHA instructions where it has them;
-/// SHA-384 ran in ring's portable code, 8–10% of sluice's CPU for a fresh tunnel on the
-/// benchmark box. The intercepting side applies its own order over the sender's
+/// use. These suites run the handshake's key schedule (TLS 1.2: its PRF) and transcript
+/// hash on SHA-256, which ring computes with the CPU's SHA instructions where it has
+/// them; SHA-384 ran in ring's portable code, 8–10% of sluice's CPU for a fresh tunnel
+/// on the benchmark box. The intercepting side applies its own order over the sender's
 /// ([`leaf::server_config`]); upstream, it is the order sluice offers.
 pub(crate) fn crypto_provider() -> rustls::crypto::CryptoProvider {
-    use rustls::CipherSuite::TLS13_AES_128_GCM_SHA256;
+    use rustls::CipherSuite::{
+        TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+        TLS13_AES_128_GCM_SHA256,
+    };
+    const FIRST: [rustls::CipherSuite; 3] = [
+        TLS13_AES_128_GCM_SHA256,
+        TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+    ];
     let mut provider = rustls::crypto::ring::default_provider();
-    // A stable sort: the rest keep rustls' order.
+    // A stable sort: TLS 1.3 before TLS 1.2 stays, and so does the rest's order.
     provider
         .cipher_suites
-        .sort_by_key(|s| s.suite() != TLS13_AES_128_GCM_SHA256);
+        .sort_by_key(|s| !FIRST.contains(&s.suite()));
     provider
 }
 
