@@ -16,7 +16,8 @@
 //! - this file: [`MitmError`] and the crypto provider both sides use
 //!   (`crypto_provider`: rustls' ring suites, AES-128-GCM first).
 //!
-//! Dependencies run one way: `intercept → ca → leaf`; `upstream` stands alone.
+//! Dependencies run one way: `intercept → ca → leaf`; `upstream` uses only this file's
+//! `crypto_provider`, as all of them do.
 //! Certificates are taken apart with rcgen's own reader ([`rcgen::Issuer::from_ca_cert_der`])
 //! and `x509-parser`, never by hand.
 
