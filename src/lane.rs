@@ -681,8 +681,12 @@ fn request_head(out: &mut Vec<u8>, head: &Head, uri: &Uri, host: &str, own: &[&H
     out.clear();
     out.extend_from_slice(head.method.as_str().as_bytes());
     out.push(b' ');
-    let path = uri.path_and_query().map_or("/", |p| p.as_str());
-    out.extend_from_slice(if path.is_empty() { "/" } else { path }.as_bytes());
+    // `path()` is `/` when the target has none, also before a query (`http://h?q`).
+    out.extend_from_slice(uri.path().as_bytes());
+    if let Some(q) = uri.query() {
+        out.push(b'?');
+        out.extend_from_slice(q.as_bytes());
+    }
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\r\n");

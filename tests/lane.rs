@@ -779,3 +779,26 @@ async fn inside_a_tunnel_bodies_arrive_whole_and_the_upstream_connection_outlive
     );
     s.stop().await;
 }
+
+/// A target with a query and no path (`http://host?q=1`, which RFC 9112 §3.2.1 makes
+/// `/?q=1` in origin-form): the receiver reads `/?q=1` on both paths (before, the lane
+/// wrote `GET ?q=1`, a request line no receiver can parse).
+#[tokio::test]
+async fn a_query_without_a_path_reaches_the_receiver_as_origin_form() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
+    for connection in ["keep-alive", "x-hop"] {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let req = format!(
+            "GET http://{host}?q=1 HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
+        );
+        t.write_all(req.as_bytes()).await.unwrap();
+        let r = read_response(&mut t).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{connection}: {r}");
+    }
+    let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
+    assert_eq!(paths, ["/?q=1", "/?q=1"]);
+    s.stop().await;
+}
