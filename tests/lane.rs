@@ -503,13 +503,9 @@ async fn an_answer_framed_twice_reaches_the_sender_framed_once() {
     let up = RawUpstream::start().await;
     let s = sluice("").await;
     let host = up.addr;
-    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
-    for connection in ["keep-alive", "x-hop"] {
-        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
-        let req = format!(
-            "GET http://{host}/framed-twice HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
-        );
-        t.write_all(req.as_bytes()).await.unwrap();
+    for connection in BOTH_PATHS {
+        let target = format!("http://{host}/framed-twice");
+        let mut t = send_on(s.proxy_addr, connection, "GET", &target).await;
         let (r, whole) = read_until(&mut t, |got| got.ends_with(b"0\r\n\r\n")).await;
         assert!(whole, "{connection}: the answer never ended: {r}");
         assert!(r.starts_with("HTTP/1.1 200"), "{connection}: {r}");
@@ -531,14 +527,10 @@ async fn a_repeated_content_length_reaches_the_sender_once() {
     let up = RawUpstream::start().await;
     let s = sluice("").await;
     let host = up.addr;
-    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
-    for connection in ["keep-alive", "x-hop"] {
+    for connection in BOTH_PATHS {
         for method in ["GET", "HEAD"] {
-            let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
-            let req = format!(
-                "{method} http://{host}/length-twice HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
-            );
-            t.write_all(req.as_bytes()).await.unwrap();
+            let target = format!("http://{host}/length-twice");
+            let mut t = send_on(s.proxy_addr, connection, method, &target).await;
             let head_read = |got: &[u8]| got.windows(4).any(|w| w == b"\r\n\r\n");
             let r = read_until(&mut t, head_read).await.0.to_ascii_lowercase();
             assert!(
@@ -553,6 +545,22 @@ async fn a_repeated_content_length_reaches_the_sender_once() {
         }
     }
     s.stop().await;
+}
+
+/// The `Connection` values that send a request down each path: `keep-alive` is the
+/// lane's; a `Connection` naming a header is hyper's.
+const BOTH_PATHS: [&str; 2] = ["keep-alive", "x-hop"];
+
+/// A new sender connection to `proxy` that has sent `method target` (absolute-form,
+/// with its `Host`) and `Connection: connection`.
+async fn send_on(proxy: SocketAddr, connection: &str, method: &str, target: &str) -> TcpStream {
+    let uri: http::Uri = target.parse().unwrap();
+    let host = uri.authority().unwrap();
+    let mut t = TcpStream::connect(proxy).await.unwrap();
+    let req =
+        format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n");
+    t.write_all(req.as_bytes()).await.unwrap();
+    t
 }
 
 /// Reads until `done` holds for what came, the peer closes, or 5 s pass: what came,
@@ -788,13 +796,14 @@ async fn a_query_without_a_path_reaches_the_receiver_as_origin_form() {
     let up = RawUpstream::start().await;
     let s = sluice("").await;
     let host = up.addr;
-    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
-    for connection in ["keep-alive", "x-hop"] {
-        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
-        let req = format!(
-            "GET http://{host}?q=1 HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
-        );
-        t.write_all(req.as_bytes()).await.unwrap();
+    for connection in BOTH_PATHS {
+        let mut t = send_on(
+            s.proxy_addr,
+            connection,
+            "GET",
+            &format!("http://{host}?q=1"),
+        )
+        .await;
         let r = read_response(&mut t).await;
         assert!(r.starts_with("HTTP/1.1 200"), "{connection}: {r}");
     }
