@@ -321,6 +321,11 @@ pub struct Activity {
     head: AtomicBool,
     /// Requests handed to the service so far (tells one slow head from several quick ones).
     heads: AtomicU64,
+    /// Response bodies being written (hyper's path): bytes read meanwhile are a head
+    /// that waits for them, not one arriving slowly.
+    responding: AtomicUsize,
+    /// Bytes were read while a body was being written and no request was in flight.
+    read_while_responding: AtomicBool,
 }
 
 impl Activity {
@@ -331,6 +336,8 @@ impl Activity {
             in_flight: AtomicUsize::new(0),
             head: AtomicBool::new(false),
             heads: AtomicU64::new(0),
+            responding: AtomicUsize::new(0),
+            read_while_responding: AtomicBool::new(false),
         })
     }
 
@@ -346,10 +353,17 @@ impl Activity {
     }
 
     /// Records bytes read from the sender: activity, and the start of a head when no
-    /// request is in flight.
+    /// request is in flight and no response body is being written (a head read during
+    /// one begins when the body ends: hyper reads ahead, but serves the next request
+    /// only then).
     pub(crate) fn read(&self) {
         self.touch();
-        if self.in_flight.load(Ordering::Relaxed) == 0 && !self.head.load(Ordering::Relaxed) {
+        if self.in_flight.load(Ordering::Relaxed) != 0 || self.head.load(Ordering::Relaxed) {
+            return;
+        }
+        if self.responding.load(Ordering::Relaxed) != 0 {
+            self.read_while_responding.store(true, Ordering::Relaxed);
+        } else {
             self.head.store(true, Ordering::Relaxed);
         }
     }
@@ -596,7 +610,7 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for SendIo<I> {
 }
 
 /// A service that counts its requests in flight (until the response head is ready;
-/// the body's bytes then count as activity).
+/// the body's bytes then count as activity, and its writing as [`Responding`]).
 struct Counted<S> {
     inner: S,
     activity: Arc<Activity>,
@@ -606,7 +620,7 @@ impl<S, B> Service<Request<Incoming>> for Counted<S>
 where
     S: Service<Request<Incoming>, Response = Response<B>>,
 {
-    type Response = Response<B>;
+    type Response = Response<Responding<B>>;
     type Error = S::Error;
     type Future = CountedFuture<S::Future>;
 
@@ -629,11 +643,70 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<F: Future> Future for CountedFuture<F> {
-    type Output = F::Output;
+impl<F, B, E> Future for CountedFuture<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<Responding<B>>, E>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        self.project().inner.poll(cx)
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let resp = std::task::ready!(this.inner.poll(cx))?;
+        // Counted as being written before the request stops counting as in flight.
+        let activity = Arc::clone(&this._guard.0);
+        activity.responding.fetch_add(1, Ordering::Relaxed);
+        Poll::Ready(Ok(resp.map(|inner| Responding {
+            inner,
+            _guard: Writing(activity),
+        })))
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that counts as being written until it ends or is dropped
+    /// (hyper drops it at its end), so that the next request's head, read meanwhile,
+    /// starts its `header_read_timeout` only then.
+    pub struct Responding<B> {
+        #[pin]
+        inner: B,
+        _guard: Writing,
+    }
+}
+
+impl<B: hyper::body::Body> hyper::body::Body for Responding<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<B::Data>, B::Error>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// One response body being written on a connection (until dropped): a head read
+/// meanwhile begins when the last one ends.
+pub struct Writing(Arc<Activity>);
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        let a = &self.0;
+        if a.responding.fetch_sub(1, Ordering::Relaxed) == 1
+            && a.read_while_responding.swap(false, Ordering::Relaxed)
+            && a.in_flight.load(Ordering::Relaxed) == 0
+        {
+            a.head.store(true, Ordering::Relaxed);
+        }
+        a.touch();
     }
 }
 
@@ -647,6 +720,7 @@ impl InFlight {
         // The head is whole: it reached the service.
         a.heads.fetch_add(1, Ordering::Relaxed);
         a.head.store(false, Ordering::Relaxed);
+        a.read_while_responding.store(false, Ordering::Relaxed);
         InFlight(a)
     }
 }

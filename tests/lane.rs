@@ -134,6 +134,22 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             connection: head.to_ascii_lowercase().contains("\r\nconnection:"),
             head: head.clone(),
         });
+        if path == "/dribble" {
+            // A body that takes longer than a head may: one byte each 300 ms.
+            if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n")
+                .await
+                .is_err()
+            {
+                return;
+            }
+            for b in b"dribbled" {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                if s.write_all(&[*b]).await.is_err() {
+                    return;
+                }
+            }
+            continue;
+        }
         let answer: Vec<u8> = match path.as_str() {
             "/chunked" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=y\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n".to_vec(),
             "/close" => b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(),
@@ -809,5 +825,45 @@ async fn a_query_without_a_path_reaches_the_receiver_as_origin_form() {
     }
     let paths: Vec<String> = up.seen().into_iter().map(|s| s.path).collect();
     assert_eq!(paths, ["/?q=1", "/?q=1"]);
+    s.stop().await;
+}
+
+/// A sender that sends its next request while a slow response body is still arriving
+/// (pipelining, or a client that writes ahead) gets the whole body and then the next
+/// answer, on both paths: the head deadline (`header_read_timeout`) runs from the end
+/// of the response, not from the next head's bytes. Before, hyper's path cut the
+/// connection mid-body at the deadline (the next head's bytes started its clock while
+/// the body was still being written).
+#[tokio::test]
+async fn a_head_sent_while_a_slow_body_arrives_waits_for_it_uncut() {
+    let up = RawUpstream::start().await;
+    let s = sluice("[proxy]\nheader_read_timeout = \"1s\"\n").await;
+    let host = up.addr;
+    for connection in BOTH_PATHS {
+        let mut t = send_on(
+            s.proxy_addr,
+            connection,
+            "GET",
+            &format!("http://{host}/dribble"),
+        )
+        .await;
+        // The next head goes once the body has begun arriving.
+        let (r, begun) = read_until(&mut t, |got| got.windows(4).any(|w| w == b"\r\n\r\n")).await;
+        assert!(begun, "{connection}: no response head: {r:?}");
+        let next = format!(
+            "GET http://{host}/next HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
+        );
+        t.write_all(next.as_bytes()).await.unwrap();
+        // 8 body bytes at 300 ms each: 2.4 s, past the 1 s deadline and its half.
+        let (rest, whole) = read_until(&mut t, |got| got.ends_with(b"\r\n\r\nok")).await;
+        assert!(
+            whole,
+            "{connection}: cut before both answers were whole: {r:?}{rest:?}"
+        );
+        assert!(
+            rest.starts_with("dribbledHTTP/1.1 200"),
+            "{connection}: {rest:?}"
+        );
+    }
     s.stop().await;
 }
