@@ -487,56 +487,172 @@ struct Answer {
 /// Writes the request (head, then the rest of its body from the sender) and reads the
 /// response head into `out`, rewritten. The upstream's bytes after the head stay in
 /// `up.buf`.
+///
+/// While the body is sent, the upstream is listened to as well: a receiver may answer
+/// from the head alone (a 413, a 401) and then neither read the rest nor close, or
+/// answer while the sender is slow to upload. Its answer is the sender's then, and the
+/// rest of the body is not sent ([`Answer::early`]).
 async fn send<S: SenderIo>(
     up: &mut Upstream,
     out: &mut Vec<u8>,
     sender: &mut S,
     inb: &mut BytesMut,
-    mut body_left: u64,
+    body_left: u64,
     ask: Ask,
 ) -> Result<Answer, ForwardError> {
     let upstream_write = |e: io::Error| ForwardError::Other(format!("upstream write failed: {e}"));
+    up.buf.clear();
     write_all(&mut up.stream, out)
         .await
         .map_err(upstream_write)?;
-    while body_left > 0 {
-        inb.clear();
-        let n = read(sender, inb)
-            .await
-            .map_err(|e| ForwardError::SenderBody(e.to_string()))?;
-        if n == 0 {
-            return Err(ForwardError::SenderBody(format!(
-                "the sender closed with {body_left} bytes of its Content-Length unsent"
-            )));
+    if body_left > 0 {
+        let mut body = Body {
+            left: body_left,
+            pending: 0,
+            unflushed: false,
+        };
+        match std::future::poll_fn(|cx| body.poll_send(up, sender, inb, out, ask, cx)).await {
+            Sent::All => {}
+            Sent::Answered(answer) => return Ok(answer),
+            Sent::SenderFailed(e) => return Err(ForwardError::SenderBody(e)),
+            Sent::UpstreamFailed(e) => {
+                // The upstream stopped reading or closed: it may have answered first.
+                let ask = Ask { close: true, ..ask };
+                return match read_answer(up, out, ask).await {
+                    Ok(answer) => Ok(early(answer)),
+                    Err(_) => Err(upstream_write(e)),
+                };
+            }
         }
-        let take = (n as u64).min(body_left) as usize;
-        if let Err(e) = write_all(&mut up.stream, &inb[..take]).await {
-            // A receiver may answer from the head alone (a 413, a 401) and close
-            // without reading the body: that answer is the sender's, not a 502.
-            let ask = Ask { close: true, ..ask };
-            return match read_answer(up, out, ask).await {
-                Ok(answer) => Ok(Answer {
-                    close: true,
-                    early: true,
-                    ..answer
-                }),
-                Err(_) => Err(upstream_write(e)),
-            };
-        }
-        inb.advance(take);
-        body_left -= take as u64;
     }
     read_answer(up, out, ask).await
 }
 
+/// An answer that came before the request's body was all sent.
+fn early(answer: Answer) -> Answer {
+    Answer {
+        close: true,
+        early: true,
+        ..answer
+    }
+}
+
+/// A request body on its way from the sender to the upstream.
+struct Body {
+    /// Bytes of it still to come from the sender.
+    left: u64,
+    /// Bytes at the front of the sender's buffer read and not yet written upstream.
+    pending: usize,
+    /// Bytes were written upstream and not yet flushed (a TLS session holds them).
+    unflushed: bool,
+}
+
+/// How sending a body ended.
+enum Sent {
+    /// All of it is with the upstream.
+    All,
+    /// The upstream answered first (`out` holds the rewritten head).
+    Answered(Answer),
+    /// The sender failed or closed before it was all sent.
+    SenderFailed(String),
+    /// Writing to the upstream failed.
+    UpstreamFailed(io::Error),
+}
+
+impl Body {
+    /// Moves the body from the sender to the upstream, watching the upstream for an
+    /// answer all the while; bytes after the body stay in `inb`.
+    fn poll_send<S: SenderIo>(
+        &mut self,
+        up: &mut Upstream,
+        sender: &mut S,
+        inb: &mut BytesMut,
+        out: &mut Vec<u8>,
+        ask: Ask,
+        cx: &mut Context<'_>,
+    ) -> Poll<Sent> {
+        loop {
+            // Has the upstream said something? (Readiness only: no system call unless
+            // it has.)
+            match poll_read(&mut up.stream, &mut up.buf, cx) {
+                Poll::Ready(Ok(n)) if n > 0 => {
+                    match parse_response(&up.buf, Ask { close: true, ..ask }, out) {
+                        Ok(Some((len, Some(answer)))) => {
+                            up.buf.advance(len);
+                            return Poll::Ready(Sent::Answered(early(answer)));
+                        }
+                        // An interim (1xx) response: the body goes on.
+                        Ok(Some((len, None))) => up.buf.advance(len),
+                        Ok(None) => {}
+                        Err(e) => {
+                            let e = io::Error::new(io::ErrorKind::InvalidData, e.to_string());
+                            return Poll::Ready(Sent::UpstreamFailed(e));
+                        }
+                    }
+                    continue;
+                }
+                // Closed or failed: the write that follows fails too, and the answer
+                // it may have sent first is read then.
+                Poll::Ready(Ok(_)) | Poll::Ready(Err(_)) => {
+                    let e = io::Error::new(io::ErrorKind::BrokenPipe, "the upstream closed");
+                    return Poll::Ready(Sent::UpstreamFailed(e));
+                }
+                Poll::Pending => {}
+            }
+            if self.pending > 0 {
+                match Pin::new(&mut up.stream).poll_write(cx, &inb[..self.pending]) {
+                    Poll::Ready(Ok(0)) => {
+                        let e = io::Error::new(io::ErrorKind::WriteZero, "wrote nothing");
+                        return Poll::Ready(Sent::UpstreamFailed(e));
+                    }
+                    Poll::Ready(Ok(n)) => {
+                        inb.advance(n);
+                        self.pending -= n;
+                        self.unflushed = true;
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Sent::UpstreamFailed(e)),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            if self.unflushed {
+                match Pin::new(&mut up.stream).poll_flush(cx) {
+                    Poll::Ready(Ok(())) => self.unflushed = false,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Sent::UpstreamFailed(e)),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            if self.left == 0 {
+                return Poll::Ready(Sent::All);
+            }
+            inb.clear();
+            match poll_read(sender, inb, cx) {
+                Poll::Ready(Ok(0)) => {
+                    let left = self.left;
+                    return Poll::Ready(Sent::SenderFailed(format!(
+                        "the sender closed with {left} bytes of its Content-Length unsent"
+                    )));
+                }
+                Poll::Ready(Ok(n)) => {
+                    let take = (n as u64).min(self.left);
+                    self.pending = take as usize;
+                    self.left -= take;
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Sent::SenderFailed(e.to_string())),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
 /// Reads the upstream's final response head into `out`, rewritten (interim ones are
-/// skipped). Its bytes after the head stay in `up.buf`.
+/// skipped), after any of it already in `up.buf`. Its bytes after the head stay in
+/// `up.buf`.
 async fn read_answer(
     up: &mut Upstream,
     out: &mut Vec<u8>,
     ask: Ask,
 ) -> Result<Answer, ForwardError> {
-    up.buf.clear();
     loop {
         if !up.buf.is_empty() {
             match parse_response(&up.buf, ask, out)? {

@@ -97,6 +97,14 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
         };
         let head = String::from_utf8_lossy(&buf[..end]).to_string();
         let path = head.split(' ').nth(1).unwrap_or("").to_string();
+        if path == "/refuse-open" {
+            // A receiver that refuses an upload from its head alone, and neither reads
+            // the body nor closes (for 10 s).
+            let no = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\n\r\ntoo big!";
+            let _ = s.write_all(no).await;
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            return;
+        }
         if path == "/too-big" {
             // A receiver that refuses an upload from its head alone, and closes
             // without reading the body (the kernel resets what keeps coming).
@@ -866,4 +874,64 @@ async fn a_head_sent_while_a_slow_body_arrives_waits_for_it_uncut() {
         );
     }
     s.stop().await;
+}
+
+/// A receiver that answers from the head alone and then neither reads the body nor
+/// closes: its answer reaches the sender at once, on both paths, whether the sender
+/// uploads fast (sluice's writes to the receiver stall) or has stopped uploading
+/// (sluice waits for the sender). Before, the lane kept sending (or waiting for) the
+/// body and answered 504 at `upstream_timeout`.
+#[tokio::test]
+async fn an_answer_before_the_body_reaches_the_sender_while_the_receiver_stays_open() {
+    let up = RawUpstream::start().await;
+    let s = sluice("[proxy]\nupstream_timeout = \"30s\"\n").await;
+    let host = up.addr;
+    for connection in BOTH_PATHS {
+        for stalled in [false, true] {
+            let t = TcpStream::connect(s.proxy_addr).await.unwrap();
+            let (mut rd, mut wr) = t.into_split();
+            const UPLOAD: usize = 64 << 20;
+            let head = format!(
+                "POST http://{host}/refuse-open HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\nContent-Length: {UPLOAD}\r\n\r\n"
+            );
+            let writing = tokio::spawn(async move {
+                wr.write_all(head.as_bytes()).await.unwrap();
+                let chunk = vec![b'x'; 1 << 16];
+                let chunks = if stalled { 1 } else { UPLOAD / chunk.len() };
+                for _ in 0..chunks {
+                    if wr.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+                // A stalled sender keeps its connection open meanwhile.
+                tokio::time::sleep(Duration::from_secs(20)).await;
+            });
+            let (r, whole) = read_until_half(&mut rd, |got| got.ends_with(b"too big!")).await;
+            let case = format!("{connection}, stalled {stalled}");
+            assert!(whole, "{case}: the receiver's answer did not come: {r:?}");
+            assert!(r.starts_with("HTTP/1.1 413"), "{case}: {r:?}");
+            writing.abort();
+        }
+    }
+    s.stop().await;
+}
+
+/// [`read_until`] on a read half.
+async fn read_until_half(
+    t: &mut tokio::net::tcp::OwnedReadHalf,
+    done: impl Fn(&[u8]) -> bool,
+) -> (String, bool) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while !done(&got) {
+            match t.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    let whole = done(&got);
+    (String::from_utf8_lossy(&got).into_owned(), whole)
 }
