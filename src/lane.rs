@@ -384,8 +384,9 @@ impl<S: SenderIo> Lane<S> {
         // The response head (in `out`) with the body bytes that came with it, then the
         // rest of the body as it comes.
         let mut relay = answer.framing;
-        let now = relay.take(&up.buf).map_err(Failure::Io)?;
-        self.out.extend_from_slice(&up.buf[..now]);
+        let (now, keep) = relay.take(&up.buf).map_err(Failure::Io)?;
+        self.out.extend_from_slice(&up.buf[..keep]);
+        self.out.extend_from_slice(relay.end());
         up.buf.advance(now);
         write_all(&mut self.stream, &self.out)
             .await
@@ -403,8 +404,17 @@ impl<S: SenderIo> Lane<S> {
                 relay.closed().map_err(Failure::Io)?;
                 break;
             }
-            let n = relay.take(&up.buf).map_err(Failure::Io)?;
-            write_all(&mut self.stream, &up.buf[..n])
+            let (n, keep) = relay.take(&up.buf).map_err(Failure::Io)?;
+            let end = relay.end();
+            let bytes = if end.is_empty() {
+                &up.buf[..keep]
+            } else {
+                self.out.clear();
+                self.out.extend_from_slice(&up.buf[..keep]);
+                self.out.extend_from_slice(end);
+                &self.out[..]
+            };
+            write_all(&mut self.stream, bytes)
                 .await
                 .map_err(Failure::Io)?;
             up.buf.advance(n);
@@ -972,23 +982,35 @@ fn contains_ignore_case(hay: &[u8], needle: &[u8]) -> bool {
 enum Framing {
     /// After this many more bytes.
     Length(u64),
-    /// With its last chunk (and trailers).
+    /// With its last chunk (and trailers, which are not relayed: the sender's copy
+    /// ends with the last chunk and an empty trailer section, as on hyper's path).
     Chunked(Chunks),
     /// When the upstream closes (the sender connection closes after it).
     UntilClose,
 }
 
 impl Framing {
-    /// How many of `bytes` (the next bytes from the upstream) belong to the body.
-    fn take(&mut self, bytes: &[u8]) -> io::Result<usize> {
+    /// How many of `bytes` (the next bytes from the upstream) belong to the body, and
+    /// how many of those, from the front, go to the sender (all but a chunked body's
+    /// trailer section; [`Framing::end`] then ends the sender's copy).
+    fn take(&mut self, bytes: &[u8]) -> io::Result<(usize, usize)> {
         match self {
             Framing::Length(n) => {
                 let take = (*n).min(bytes.len() as u64);
                 *n -= take;
-                Ok(take as usize)
+                Ok((take as usize, take as usize))
             }
             Framing::Chunked(c) => c.scan(bytes),
-            Framing::UntilClose => Ok(bytes.len()),
+            Framing::UntilClose => Ok((bytes.len(), bytes.len())),
+        }
+    }
+
+    /// What ends the sender's copy of the body after the last [`Framing::take`] that
+    /// finished it: the empty trailer section of a chunked body.
+    fn end(&self) -> &'static [u8] {
+        match self {
+            Framing::Chunked(c) if c.done() => b"\r\n",
+            _ => b"",
         }
     }
 
@@ -1017,13 +1039,20 @@ impl Framing {
     }
 }
 
-/// Finds where a chunked body ends, without decoding it: sizes, extensions, data and
-/// trailers are relayed as they came.
+/// Finds where a chunked body ends, without decoding it: sizes, extensions and data
+/// are relayed as they came; the trailer section is read and left out.
+///
+/// Strict (RFC 9112 §7.1): every line ends with CRLF, and a size line holds hex digits,
+/// optional blanks, then an extension or nothing; no other control byte anywhere. A
+/// body the sender's client could end somewhere else (a bare LF taken as a line end)
+/// is an error, and the connection is cut: relayed as it came, it would let a receiver
+/// place a response of its own choosing after the body.
 #[derive(Debug, Default)]
 struct Chunks {
     state: Chunk,
     /// Bytes left of the current chunk's data (or its size, while it is read).
     size: u64,
+    /// Digits of the current size, leading zeros included.
     digits: u8,
 }
 
@@ -1031,11 +1060,14 @@ struct Chunks {
 enum Chunk {
     #[default]
     Size,
+    /// Blanks after a size's digits.
+    SizeBlank,
     Extension,
     SizeLf,
     Data,
     DataCr,
     DataLf,
+    /// The start of a line of the trailer section (from here on nothing is relayed).
     TrailerStart,
     Trailer,
     TrailerLf,
@@ -1043,44 +1075,76 @@ enum Chunk {
     Done,
 }
 
+/// Most digits a chunk size may have, leading zeros included.
+const MAX_SIZE_DIGITS: u8 = 32;
+
+/// A byte a field value or chunk extension may hold: HTAB, visible ASCII, space and
+/// obs-text; never another control byte.
+fn field_byte(b: u8) -> bool {
+    b == b'\t' || (b' '..=b'~').contains(&b) || b >= 0x80
+}
+
 impl Chunks {
     fn done(&self) -> bool {
         self.state == Chunk::Done
     }
 
-    /// How many of `bytes` belong to the body (all of them unless it ends in them).
-    fn scan(&mut self, bytes: &[u8]) -> io::Result<usize> {
+    /// Whether the scan is in the trailer section (its bytes are not relayed).
+    fn in_trailers(&self) -> bool {
+        matches!(
+            self.state,
+            Chunk::TrailerStart | Chunk::Trailer | Chunk::TrailerLf | Chunk::EndLf | Chunk::Done
+        )
+    }
+
+    /// How many of `bytes` belong to the body (all of them unless it ends in them), and
+    /// how many of those, from the front, to relay (the trailer section is not).
+    fn scan(&mut self, bytes: &[u8]) -> io::Result<(usize, usize)> {
         let bad = |what: &str| {
             io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("malformed chunked body from the upstream: {what}"),
             )
         };
+        let mut relay = if self.in_trailers() { Some(0) } else { None };
         let mut i = 0;
         while i < bytes.len() {
             let b = bytes[i];
             match self.state {
                 Chunk::Size => match (b as char).to_digit(16) {
-                    Some(d) if self.digits < 15 => {
+                    Some(_) if self.digits >= MAX_SIZE_DIGITS => {
+                        return Err(bad("chunk size too long"));
+                    }
+                    Some(_) if self.size > u64::MAX >> 4 => {
+                        return Err(bad("chunk size too large"));
+                    }
+                    Some(d) => {
                         self.size = self.size * 16 + u64::from(d);
                         self.digits += 1;
                     }
-                    Some(_) => return Err(bad("chunk size too large")),
                     None if self.digits == 0 => return Err(bad("no chunk size")),
-                    None if b == b';' || b == b' ' || b == b'\t' => self.state = Chunk::Extension,
+                    None if b == b' ' || b == b'\t' => self.state = Chunk::SizeBlank,
+                    None if b == b';' => self.state = Chunk::Extension,
                     None if b == b'\r' => self.state = Chunk::SizeLf,
                     None => return Err(bad("bad byte in a chunk size")),
                 },
-                Chunk::Extension => {
-                    if b == b'\r' {
-                        self.state = Chunk::SizeLf;
-                    }
-                }
+                Chunk::SizeBlank => match b {
+                    b' ' | b'\t' => {}
+                    b';' => self.state = Chunk::Extension,
+                    b'\r' => self.state = Chunk::SizeLf,
+                    _ => return Err(bad("bad byte after a chunk size")),
+                },
+                Chunk::Extension => match b {
+                    b'\r' => self.state = Chunk::SizeLf,
+                    b if field_byte(b) => {}
+                    _ => return Err(bad("control byte in a chunk extension")),
+                },
                 Chunk::SizeLf => {
                     if b != b'\n' {
                         return Err(bad("chunk size line not ended by CRLF"));
                     }
                     self.state = if self.size == 0 {
+                        relay = Some(i + 1);
                         Chunk::TrailerStart
                     } else {
                         Chunk::Data
@@ -1102,25 +1166,27 @@ impl Chunks {
                 }
                 Chunk::DataCr | Chunk::DataLf => return Err(bad("chunk data not ended by CRLF")),
                 Chunk::TrailerStart if b == b'\r' => self.state = Chunk::EndLf,
-                Chunk::TrailerStart | Chunk::Trailer => {
-                    self.state = if b == b'\r' {
-                        Chunk::TrailerLf
-                    } else {
-                        Chunk::Trailer
-                    };
+                Chunk::TrailerStart if b != b' ' && b != b'\t' && field_byte(b) && b < 0x80 => {
+                    self.state = Chunk::Trailer;
                 }
+                Chunk::TrailerStart => return Err(bad("bad byte at a trailer line's start")),
+                Chunk::Trailer => match b {
+                    b'\r' => self.state = Chunk::TrailerLf,
+                    b if field_byte(b) => {}
+                    _ => return Err(bad("control byte in a trailer field")),
+                },
                 Chunk::TrailerLf if b == b'\n' => self.state = Chunk::TrailerStart,
                 Chunk::TrailerLf => return Err(bad("trailer line not ended by CRLF")),
                 Chunk::EndLf if b == b'\n' => {
                     self.state = Chunk::Done;
-                    return Ok(i + 1);
+                    return Ok((i + 1, relay.unwrap_or(i + 1)));
                 }
                 Chunk::EndLf => return Err(bad("last chunk not ended by CRLF")),
-                Chunk::Done => return Ok(i),
+                Chunk::Done => return Ok((i, relay.unwrap_or(i))),
             }
             i += 1;
         }
-        Ok(i)
+        Ok((i, relay.unwrap_or(i)))
     }
 }
 
@@ -1310,25 +1376,46 @@ mod tests {
     #[test]
     fn a_chunked_body_ends_where_its_last_chunk_and_trailers_end() {
         let body: &[u8] =
-            b"5;ext=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nx-t: 1\r\n\r\n";
+            b"5;ext=1\r\nhello\r\n1A \t\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nx-t: 1\r\nx-u: \xff\r\n\r\n";
+        // What the sender gets: the same, less the trailer fields.
+        let relayed: &[u8] =
+            b"5;ext=1\r\nhello\r\n1A \t\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\n\r\n";
         let next = b"HTTP/1.1 200 OK\r\n";
         let all = [body, next.as_slice()].concat();
         for cut in 0..=all.len() {
-            let mut c = Chunks::default();
-            let first = c.scan(&all[..cut]).unwrap();
-            let second = if c.done() {
-                0
-            } else {
-                c.scan(&all[cut..]).unwrap()
-            };
-            assert!(c.done(), "cut at {cut}");
-            assert_eq!(first + second, body.len(), "cut at {cut}");
+            let mut framing = Framing::Chunked(Chunks::default());
+            let mut sent = Vec::new();
+            let mut used = 0;
+            for part in [&all[..cut], &all[cut..]] {
+                if framing.done() {
+                    break;
+                }
+                let (n, keep) = framing.take(part).unwrap();
+                assert!(keep <= n, "cut at {cut}");
+                sent.extend_from_slice(&part[..keep]);
+                sent.extend_from_slice(framing.end());
+                used += n;
+            }
+            assert!(framing.done(), "cut at {cut}");
+            assert_eq!(used, body.len(), "cut at {cut}");
+            assert_eq!(sent, relayed, "cut at {cut}");
         }
         let mut c = Chunks::default();
-        assert_eq!(c.scan(b"0\r\n\r\n").unwrap(), 5);
+        assert_eq!(c.scan(b"0\r\n\r\n").unwrap(), (5, 3));
+        assert!(c.done());
+        // Leading zeros are digits like any other.
+        let mut c = Chunks::default();
+        assert_eq!(
+            c.scan(b"0000000000000002\r\nhi\r\n0\r\n\r\n").unwrap(),
+            (27, 25)
+        );
         assert!(c.done());
     }
 
+    /// Bytes a client could read as a line end somewhere else (a bare LF), or any other
+    /// control byte, are errors, wherever they come: the receiver cannot place a
+    /// response of its own after a body its chunked framing ends differently for
+    /// sluice and for the sender.
     #[test]
     fn malformed_chunked_bodies_are_errors() {
         for bad in [
@@ -1337,6 +1424,17 @@ mod tests {
             b"\r\n",
             b"0\r\nab\rX",
             b"fffffffffffffffff\r\n",
+            b"000000000000000000000000000000001\r\n",
+            b"2 junk\r\n",
+            b"2\n",
+            b"49;a\n",
+            b"2;a\x00\r\n",
+            b"2\r\nhi\n",
+            b"2\r\nhi\r\n0\r\n\n",
+            b"0\r\nx-t: 1\n\r\n",
+            b"0\r\nx-t: \x01\r\n",
+            b"0\r\n folded\r\n",
+            b"0\r\n\r\r",
         ] {
             let mut c = Chunks::default();
             assert!(c.scan(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));

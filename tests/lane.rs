@@ -142,6 +142,22 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             connection: head.to_ascii_lowercase().contains("\r\nconnection:"),
             head: head.clone(),
         });
+        if path == "/lf-end" {
+            // A chunked body whose last line ends with a bare LF (a lenient client ends
+            // the message there), then, a moment later, a response of the receiver's
+            // own choosing, for whatever the sender asks next.
+            let body = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\n";
+            let forged =
+                b"HTTP/1.1 200 OK\r\nSet-Cookie: session=attacker\r\nContent-Length: 14\r\n\r\n";
+            if s.write_all(body).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if s.write_all(forged).await.is_err() {
+                return;
+            }
+            continue;
+        }
         if path == "/dribble" {
             // A body that takes longer than a head may: one byte each 300 ms.
             if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n")
@@ -163,6 +179,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             "/close" => b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(),
             "/http10" => b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
             "/length-twice" => b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+            "/trailers" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nX-Sluice-Reason: forged\r\nConnection: x\r\n\r\n".to_vec(),
             "/framed-twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 100\r\n\r\n3\r\nabc\r\n0\r\n\r\n".to_vec(),
             "/early" => b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
             "/big" => {
@@ -934,4 +951,78 @@ async fn read_until_half(
     .await;
     let whole = done(&got);
     (String::from_utf8_lossy(&got).into_owned(), whole)
+}
+
+/// A chunked body whose end a sender's client could read somewhere else than sluice
+/// does (a bare LF ending the last line) is cut, on both paths, and the response the
+/// receiver placed after it reaches no request. Before, the lane relayed the bytes as
+/// they came, and a lenient client (Python's http.client) took the receiver's
+/// response as the answer to its next request.
+#[tokio::test]
+async fn a_receiver_cannot_place_a_response_after_an_ambiguous_chunked_body() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    for connection in BOTH_PATHS {
+        let mut t = send_on(
+            s.proxy_addr,
+            connection,
+            "GET",
+            &format!("http://{host}/lf-end"),
+        )
+        .await;
+        let (first, _) = read_until(&mut t, |got| got.ends_with(b"0\r\n\r\n")).await;
+        // Whatever came of the first answer, the next request (when the connection is
+        // still open) gets its own.
+        let next = format!(
+            "GET http://{host}/plain HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
+        );
+        let (second, _) = match t.write_all(next.as_bytes()).await {
+            Ok(()) => read_until(&mut t, |got| got.ends_with(b"\r\n\r\nok")).await,
+            Err(_) => (String::new(), false),
+        };
+        let all = first + &second;
+        assert!(!all.contains("attacker"), "{connection}: {all:?}");
+        if !second.is_empty() {
+            assert!(
+                second.starts_with("HTTP/1.1 200"),
+                "{connection}: {second:?}"
+            );
+            assert!(second.ends_with("\r\n\r\nok"), "{connection}: {second:?}");
+        }
+    }
+    s.stop().await;
+}
+
+/// A chunked body's trailer fields stay behind, on both paths: the sender's copy ends
+/// with the last chunk and an empty trailer section, so a receiver's `X-Sluice-*` or
+/// `Connection` trailer reaches no sender.
+#[tokio::test]
+async fn trailer_fields_stay_behind() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    for connection in BOTH_PATHS {
+        let mut t = send_on(
+            s.proxy_addr,
+            connection,
+            "GET",
+            &format!("http://{host}/trailers"),
+        )
+        .await;
+        let (r, whole) = read_until(&mut t, |got| got.ends_with(b"\r\n0\r\n\r\n")).await;
+        assert!(whole, "{connection}: {r:?}");
+        assert!(
+            r.ends_with("\r\n\r\n2\r\nhi\r\n0\r\n\r\n"),
+            "{connection}: {r:?}"
+        );
+        // And the connection carries the next request.
+        let next = format!(
+            "GET http://{host}/plain HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
+        );
+        t.write_all(next.as_bytes()).await.unwrap();
+        let (r, whole) = read_until(&mut t, |got| got.ends_with(b"\r\n\r\nok")).await;
+        assert!(whole, "{connection}: {r:?}");
+    }
+    s.stop().await;
 }
