@@ -130,9 +130,15 @@ const MAX_NAME: usize = 253;
 const MAX_LABEL: usize = 63;
 
 /// The canonical form of a request target's host: lowercase, one trailing dot removed,
-/// IPv6 without brackets. Refuses anything that is not a DNS name (≤ 253 characters,
-/// labels of 1–63 letters, digits, `-` or `_`) or an IP address, so such hosts never
-/// reach endpoint rules, metric labels or DNS.
+/// IPv6 without brackets, an IPv4 address in dotted decimal however it was spelled.
+/// Refuses anything that is not a DNS name (≤ 253 characters, labels of 1–63 letters,
+/// digits, `-` or `_`) or an IP address, so such hosts never reach endpoint rules,
+/// metric labels or DNS.
+///
+/// A host whose last label is a number is an IPv4 address (as the WHATWG URL standard
+/// and every resolver read it: `127.1`, `0x7f.0.0.1`, `0177.0.0.1`, `2130706433` all
+/// name 127.0.0.1), or refused when it is not one: each spelling would otherwise be an
+/// endpoint and bucket of its own, and miss the `hosts` rules written for the address.
 pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
     if let Some(inner) = raw.strip_prefix('[') {
         let inner = inner.strip_suffix(']').ok_or(BadHost("unclosed '['"))?;
@@ -175,7 +181,60 @@ pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
     if label == 0 {
         return Err(BadHost("empty label"));
     }
+    let last = name.rsplit('.').next().unwrap_or(name);
+    if last.bytes().all(|b| b.is_ascii_digit()) || ipv4_part(last).is_some() {
+        return ipv4_any_form(name)
+            .map(|ip| ip.to_string())
+            .ok_or(BadHost("ends in a number but is not an IPv4 address"));
+    }
     Ok(name.to_ascii_lowercase())
+}
+
+/// One part of an IPv4 address in any form: decimal, octal after a leading `0`, or
+/// hexadecimal after `0x` (`0x` alone is 0).
+fn ipv4_part(part: &str) -> Option<u64> {
+    let (digits, radix) =
+        if let Some(hex) = part.strip_prefix("0x").or_else(|| part.strip_prefix("0X")) {
+            (hex, 16)
+        } else if part.len() > 1 && part.starts_with('0') {
+            (&part[1..], 8)
+        } else {
+            (part, 10)
+        };
+    if digits.is_empty() {
+        return (radix == 16).then_some(0);
+    }
+    // Leading zeros aside, no part of an address has more than 32 bits of digits.
+    let digits = digits.trim_start_matches('0');
+    if digits.len() > 11 || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    if digits.is_empty() {
+        return Some(0);
+    }
+    u64::from_str_radix(digits, radix).ok()
+}
+
+/// An IPv4 address in any of the forms resolvers take (`inet_aton`): one to four
+/// parts, the last filling the bytes the others leave.
+fn ipv4_any_form(name: &str) -> Option<Ipv4Addr> {
+    let parts: Vec<&str> = name.split('.').collect();
+    if parts.len() > 4 {
+        return None;
+    }
+    let numbers = parts
+        .iter()
+        .map(|p| ipv4_part(p))
+        .collect::<Option<Vec<u64>>>()?;
+    let (last, leading) = numbers.split_last()?;
+    if leading.iter().any(|n| *n > 255) || *last >= 1u64 << (8 * (4 - leading.len())) {
+        return None;
+    }
+    let mut ip = *last;
+    for (i, n) in leading.iter().enumerate() {
+        ip += n << (8 * (3 - i));
+    }
+    Some(Ipv4Addr::from(ip as u32))
 }
 
 /// Loopback, private, link-local, CGNAT, unspecified, multicast, and their IPv6 forms,
@@ -293,6 +352,42 @@ mod tests {
         assert_eq!(normalise_host("10.0.0.1").unwrap(), "10.0.0.1");
         assert_eq!(normalise_host("my_host-1").unwrap(), "my_host-1");
         assert_eq!(normalise_host("2001:DB8::1").unwrap(), "2001:db8::1");
+        // Every spelling of an IPv4 address is that address.
+        for spelling in [
+            "127.0.0.1",
+            "127.0.0.1.",
+            "127.1",
+            "127.0.1",
+            "0x7f.0.0.1",
+            "0X7F.0.0.1",
+            "0177.0.0.1",
+            "127.000.000.001",
+            "2130706433",
+            "0x7f000001",
+            "017700000001",
+            "0x7f.1",
+        ] {
+            assert_eq!(normalise_host(spelling).unwrap(), "127.0.0.1", "{spelling}");
+        }
+        assert_eq!(normalise_host("0x").unwrap(), "0.0.0.0");
+        assert_eq!(normalise_host("4294967295").unwrap(), "255.255.255.255");
+        // Names stay names when their last label is not a number.
+        assert_eq!(normalise_host("1.2.3.com").unwrap(), "1.2.3.com");
+        assert_eq!(normalise_host("a.0x1g").unwrap(), "a.0x1g");
+        assert_eq!(normalise_host("123abc").unwrap(), "123abc");
+        for bad in [
+            "1.2.3.256",
+            "1.2.3.4.5",
+            "256.1.2.3",
+            "1.2.3.09",
+            "4294967296",
+            "1.2.65536",
+            "example.123",
+            "a.b.0x10",
+            "00000000000000000000000000000000001.2.3.4.5",
+        ] {
+            assert!(normalise_host(bad).is_err(), "{bad:?} must be refused");
+        }
         for bad in [
             "",
             ".",

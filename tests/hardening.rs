@@ -707,3 +707,48 @@ async fn hundreds_of_senders_wait_in_the_backlog_at_the_connection_cap() {
     assert_eq!(up.count(), SENDERS + 1);
     s.stop().await;
 }
+
+/// An IPv4 address spelled another way (`0x7f.0.0.1`, `127.1`, `2130706433`: every
+/// resolver takes them) is that address: it spends the bucket of the endpoint whose
+/// `hosts` name the address, on both paths. Before, each spelling was an endpoint of
+/// its own with the default policy, so a sender could multiply its budget for one
+/// receiver by spelling its address differently.
+#[tokio::test]
+async fn an_address_spelled_another_way_spends_the_same_bucket() {
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[[endpoints]]\nid = \"loop\"\nrate = 0.001\nburst = 1.0\nmax_wait = \"0s\"\nhosts = [\"127.0.0.1\"]\n",
+    )
+    .await;
+    let port = up.addr.port();
+    let first = raw(
+        s.proxy_addr,
+        &format!("GET http://127.0.0.1:{port}/first HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"),
+    )
+    .await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
+    for connection in ["keep-alive", "x-hop"] {
+        for spelling in [
+            "0x7f.0.0.1",
+            "127.1",
+            "2130706433",
+            "0177.0.0.1",
+            "127.0.0.1.",
+        ] {
+            let head = raw(
+                s.proxy_addr,
+                &format!(
+                    "GET http://{spelling}:{port}/again HTTP/1.1\r\nHost: {spelling}:{port}\r\nConnection: {connection}\r\n\r\n"
+                ),
+            )
+            .await;
+            assert!(
+                head.starts_with("HTTP/1.1 429") || head.starts_with("HTTP/1.1 503"),
+                "{spelling} ({connection}) spends endpoint loop's empty bucket: {head}"
+            );
+        }
+    }
+    assert_eq!(up.count(), 1, "only the first request arrived");
+    s.stop().await;
+}
