@@ -463,11 +463,7 @@ impl<S: SenderIo> Lane<S> {
             header_line(out, k.as_str().as_bytes(), v.as_bytes());
         }
         header_line(out, b"content-length", bytes.len().to_string().as_bytes());
-        header_line(
-            out,
-            b"date",
-            httpdate::fmt_http_date(SystemTime::now()).as_bytes(),
-        );
+        header_line(out, b"date", &http_date());
         if !keep {
             header_line(out, b"connection", b"close");
         }
@@ -801,6 +797,16 @@ fn content_length(v: &[u8]) -> Option<u64> {
     std::str::from_utf8(v).ok()?.parse().ok()
 }
 
+/// A response's `Content-Length` value: one length, or a list of equal ones (RFC 9110
+/// §8.6 lets a recipient take `2, 2` as 2, as hyper's client does).
+fn content_length_list(v: &[u8]) -> Option<u64> {
+    let mut lengths = v
+        .split(|b| *b == b',')
+        .map(|n| content_length(n.trim_ascii()));
+    let first = lengths.next()??;
+    lengths.all(|n| n == Some(first)).then_some(first)
+}
+
 /// Writes the request head for the upstream into `out`: origin-form, `Host` from the
 /// checked target, the sender's headers less hop-by-hop ones, its `Host` and `own`.
 fn request_head(out: &mut Vec<u8>, head: &Head, uri: &Uri, host: &str, own: &[&HeaderName]) {
@@ -875,14 +881,17 @@ fn parse_response(
     let mut keep_alive = false;
     let mut listed: Vec<&str> = Vec::new();
     let mut worth_reading = code == 429 || code == 503;
+    let mut dated = false;
     for h in resp.headers.iter() {
         let name = h.name;
-        if name.eq_ignore_ascii_case("transfer-encoding") {
+        if name.eq_ignore_ascii_case("date") {
+            dated = true;
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
             let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
             chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
         } else if name.eq_ignore_ascii_case("content-length") {
-            let n = content_length(h.value.trim_ascii())
-                .ok_or_else(|| bad("invalid Content-Length".into()))?;
+            let n =
+                content_length_list(h.value).ok_or_else(|| bad("invalid Content-Length".into()))?;
             if length.is_some_and(|l| l != n) {
                 return Err(bad("conflicting Content-Length values".into()));
             }
@@ -906,6 +915,11 @@ fn parse_response(
     // (RFC 9112 §9.3).
     if resp.version == Some(0) && !keep_alive {
         close = true;
+    }
+    // An HTTP/1.0 message has no transfer codings: its framing is faulty (RFC 9112
+    // §6.1), as hyper's client also takes it.
+    if resp.version == Some(0) && chunked.is_some() {
+        return Err(bad("Transfer-Encoding in an HTTP/1.0 response".into()));
     }
     let framing = if ask.head_request || code == 204 || code == 304 {
         Framing::Length(0)
@@ -931,10 +945,14 @@ fn parse_response(
             // Transfer-Encoding frames the body, which is relayed as it came.
             Some(i) => i != 3 || no_content,
             None if lower == "content-length" => {
-                // Once: a repeated equal value (checked above) is one value.
-                let drop = chunked.is_some() || no_content || length_sent;
-                length_sent |= !drop;
-                drop
+                // Once, as one number: a repeated or listed equal value (checked above)
+                // is one value.
+                if !(chunked.is_some() || no_content || length_sent) {
+                    let n = length.unwrap_or_default().to_string();
+                    header_line(out, h.name.as_bytes(), n.as_bytes());
+                    length_sent = true;
+                }
+                true
             }
             None => {
                 lower.starts_with("x-sluice-")
@@ -947,6 +965,11 @@ fn parse_response(
     }
     if ask.close || matches!(framing, Framing::UntilClose) {
         header_line(out, b"connection", b"close");
+    }
+    // A forwarded response without a `Date` gets one (RFC 9110 §6.6.1), as hyper's
+    // server adds it.
+    if !dated {
+        header_line(out, b"date", &http_date());
     }
     out.extend_from_slice(b"\r\n");
     let headers = worth_reading.then(|| {
@@ -971,6 +994,27 @@ fn parse_response(
             early: false,
         }),
     )))
+}
+
+/// Now as a `Date` value, formatted at most once a second on each thread.
+fn http_date() -> [u8; 29] {
+    thread_local! {
+        static NOW: std::cell::Cell<(u64, [u8; 29])> = const { std::cell::Cell::new((u64::MAX, [0; 29])) };
+    }
+    let now = SystemTime::now();
+    let secs = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    NOW.with(|cell| {
+        let (at, text) = cell.get();
+        if at == secs {
+            return text;
+        }
+        let mut text = [0u8; 29];
+        text.copy_from_slice(httpdate::fmt_http_date(now).as_bytes());
+        cell.set((secs, text));
+        text
+    })
 }
 
 fn contains_ignore_case(hay: &[u8], needle: &[u8]) -> bool {
@@ -1222,20 +1266,20 @@ async fn open(app: &App, host: &str, port: u16, uri: &Uri) -> Result<Upstream, F
     } else {
         UpIo::Tcp(tcp)
     };
-    // The `Host` a connection of its own sends: the authority without any userinfo,
-    // its port only when not the scheme's default.
-    let default = if tls { "443" } else { "80" };
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    let host = match host.rsplit_once(':') {
-        Some((h, p)) if p == default => h,
-        _ => host,
+    // The `Host` a connection of its own sends: the authority's host (no userinfo),
+    // and its port, as a number, only when not the scheme's default.
+    let default = if tls { 443 } else { 80 };
+    let name = uri.host().unwrap_or_default();
+    let host: Box<str> = match uri.port_u16() {
+        Some(p) if p != default => format!("{name}:{p}").into(),
+        _ => name.into(),
     };
     Ok(Upstream {
         authority: authority.into(),
         generation: 0,
         stream,
         buf: BytesMut::with_capacity(8192),
-        host: host.into(),
+        host,
     })
 }
 
@@ -1534,7 +1578,7 @@ mod tests {
     #[test]
     fn responses_lose_hop_by_hop_and_sluice_headers_and_keep_their_framing() {
         let mut out = Vec::new();
-        let text = "HTTP/1.1 200 Fine\r\nConnection: keep-alive, X-Drop\r\nX-Drop: 1\r\nKeep-Alive: timeout=5\r\nX-Sluice-Reason: forged\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\nX-Keep: 2\r\n\r\n";
+        let text = "HTTP/1.1 200 Fine\r\nConnection: keep-alive, X-Drop\r\nX-Drop: 1\r\nKeep-Alive: timeout=5\r\nX-Sluice-Reason: forged\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\nX-Keep: 2\r\nDate: D\r\n\r\n";
         let (len, answer) = parse_response(text.as_bytes(), Ask::default(), &mut out)
             .unwrap()
             .unwrap();
@@ -1544,7 +1588,7 @@ mod tests {
         assert!(answer.headers.is_none());
         assert_eq!(
             String::from_utf8(out.clone()).unwrap(),
-            "HTTP/1.1 200 Fine\r\nTransfer-Encoding: chunked\r\nX-Keep: 2\r\n\r\n"
+            "HTTP/1.1 200 Fine\r\nTransfer-Encoding: chunked\r\nX-Keep: 2\r\nDate: D\r\n\r\n"
         );
         let (_, answer) = parse_response(b"HTTP/1.1 200 OK\r\n\r\n", Ask::default(), &mut out)
             .unwrap()
@@ -1570,20 +1614,57 @@ mod tests {
             "a HEAD response has no body"
         );
         // A 204 says nothing of a body; a repeated equal Content-Length goes out once.
-        let text = b"HTTP/1.1 204 No Content\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\nX-K: 1\r\n\r\n";
+        let text = b"HTTP/1.1 204 No Content\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\nX-K: 1\r\nDate: D\r\n\r\n";
         let (_, answer) = parse_response(text, Ask::default(), &mut out)
             .unwrap()
             .unwrap();
         assert!(answer.unwrap().framing.done(), "no body");
         let head = String::from_utf8(out.clone()).unwrap();
-        assert_eq!(head, "HTTP/1.1 204 No Content\r\nX-K: 1\r\n\r\n");
-        let text = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length: 2\r\n\r\n";
-        let (_, answer) = parse_response(text, Ask::default(), &mut out)
-            .unwrap()
-            .unwrap();
-        assert!(matches!(answer.unwrap().framing, Framing::Length(2)));
+        assert_eq!(head, "HTTP/1.1 204 No Content\r\nX-K: 1\r\nDate: D\r\n\r\n");
+        // A repeated or listed equal Content-Length goes out once, as one number.
+        for text in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length: 2\r\nDate: D\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nDate: D\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2,2\r\ncontent-length: 2\r\nDate: D\r\n\r\n",
+        ] {
+            let (_, answer) = parse_response(text, Ask::default(), &mut out)
+                .unwrap()
+                .unwrap();
+            assert!(matches!(answer.unwrap().framing, Framing::Length(2)));
+            let head = String::from_utf8(out.clone()).unwrap();
+            assert_eq!(
+                head,
+                "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nDate: D\r\n\r\n"
+            );
+        }
+        for bad in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 2, 3\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2,\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n",
+            // HTTP/1.0 has no transfer codings.
+            b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        ] {
+            let parsed = parse_response(bad, Ask::default(), &mut out);
+            assert!(parsed.is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+        // Without a `Date`, the sender's copy gets one.
+        let (_, answer) = parse_response(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n",
+            Ask::default(),
+            &mut out,
+        )
+        .unwrap()
+        .unwrap();
+        assert!(answer.is_some());
         let head = String::from_utf8(out.clone()).unwrap();
-        assert_eq!(head, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n");
+        let date = head
+            .strip_prefix("HTTP/1.1 200 OK\r\nContent-Length: 2\r\ndate: ")
+            .and_then(|d| d.strip_suffix(" GMT\r\n\r\n"))
+            .unwrap_or_else(|| panic!("{head:?}"));
+        assert!(
+            httpdate::parse_http_date(&format!("{date} GMT")).is_ok(),
+            "{head:?}"
+        );
         // HTTP/1.0: the connection ends with the response unless it says keep-alive.
         for (text, close) in [
             (&b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n"[..], true),
@@ -1608,12 +1689,13 @@ mod tests {
             head_request: false,
             close: true,
         };
-        let text = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n";
+        let text =
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\nDate: D\r\n\r\n";
         let (_, answer) = parse_response(text, ask, &mut out).unwrap().unwrap();
         assert!(!answer.unwrap().close, "the upstream connection stays");
         assert_eq!(
             String::from_utf8(out.clone()).unwrap(),
-            "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nconnection: close\r\n\r\n"
+            "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nDate: D\r\nconnection: close\r\n\r\n"
         );
         let (_, interim) = parse_response(
             b"HTTP/1.1 103 Early Hints\r\n\r\n",

@@ -1026,3 +1026,29 @@ async fn trailer_fields_stay_behind() {
     }
     s.stop().await;
 }
+
+/// A port written with leading zeros (`http://127.0.0.1:080/`) reaches the receiver's
+/// `Host` as a number, on both paths (before, the lane copied `:080` as it came, where
+/// hyper's path sends the port as a number, and none for the scheme's default).
+#[tokio::test]
+async fn the_receiver_host_carries_the_port_as_a_number() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let port = up.addr.port();
+    for connection in BOTH_PATHS {
+        let target = format!("http://127.0.0.1:00{port}/padded");
+        let mut t = send_on(s.proxy_addr, connection, "GET", &target).await;
+        let r = read_response(&mut t).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{connection}: {r}");
+    }
+    let seen = up.seen();
+    assert_eq!(seen.len(), 2);
+    for s in seen {
+        let head = s.head.to_ascii_lowercase();
+        assert!(
+            head.contains(&format!("\r\nhost: 127.0.0.1:{port}\r\n")),
+            "{head}"
+        );
+    }
+    s.stop().await;
+}
