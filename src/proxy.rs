@@ -819,11 +819,25 @@ async fn connect(
     conn: &Arc<Conn>,
     trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
-    let authority = req
-        .uri()
+    let uri = req.uri();
+    // Authority-form only (RFC 9110 §9.3.6): no scheme, path or userinfo.
+    let authority = uri
         .authority()
+        .filter(|_| uri.scheme().is_none() && uri.path_and_query().is_none())
+        .filter(|a| !a.as_str().contains('@'))
         .cloned()
         .ok_or_else(|| ProxyError::BadRequest("CONNECT needs host:port".into()))?;
+    // A CONNECT request has no content: bytes after its head are the tunnel's, and a
+    // request that frames some as its body would have sluice and the sender disagree
+    // on where the tunnel begins.
+    let h = req.headers();
+    let framed = h.contains_key(TRANSFER_ENCODING)
+        || h.get_all(CONTENT_LENGTH)
+            .iter()
+            .any(|v| v.as_bytes() != b"0");
+    if framed {
+        return Err(ProxyError::BadRequest("a CONNECT request carries no content".into()).into());
+    }
     let target = Target::new(&authority, 443)?;
     trace.destination = Some(authority.clone());
     let rt = app.runtime.load_full();

@@ -752,3 +752,33 @@ async fn an_address_spelled_another_way_spends_the_same_bucket() {
     assert_eq!(up.count(), 1, "only the first request arrived");
     s.stop().await;
 }
+
+/// A CONNECT whose target is not `host:port` (a URL, userinfo) or that frames content
+/// (RFC 9110 §9.3.6: it has none) is a 400 and opens no tunnel. Before, sluice took
+/// a `Content-Length`'s bytes as a body and tunnelled what followed, where the sender
+/// may count those bytes as the tunnel's.
+#[tokio::test]
+async fn a_connect_that_is_not_host_and_port_alone_opens_no_tunnel() {
+    let up = Upstream::start().await;
+    let s = common::sluice("").await;
+    let port = up.addr.port();
+    let a = format!("127.0.0.1:{port}");
+    for head in [
+        format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\nContent-Length: 5\r\n\r\nhello"),
+        format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
+        format!("CONNECT http://{a}/ HTTP/1.1\r\nHost: {a}\r\n\r\n"),
+        format!("CONNECT user:pw@{a} HTTP/1.1\r\nHost: {a}\r\n\r\n"),
+    ] {
+        let answer = raw(s.proxy_addr, &head).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{head:?}: {answer}");
+    }
+    // `host:port` alone, with or without a zero length, opens one.
+    for head in [
+        format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n\r\n"),
+        format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\nContent-Length: 0\r\n\r\n"),
+    ] {
+        let answer = raw(s.proxy_addr, &head).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{head:?}: {answer}");
+    }
+    s.stop().await;
+}
