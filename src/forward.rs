@@ -37,7 +37,7 @@ use tokio::net::TcpStream;
 use tokio::time::Sleep;
 
 use crate::conn::{Activity, SendIo, Watched};
-use crate::destination::{DestinationPolicy, ResolveError};
+use crate::destination::{DestinationPolicy, ResolveError, normalise_host};
 
 /// Why forwarding failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -80,7 +80,10 @@ impl tower_service::Service<Name> for GuardedResolver {
 
     fn call(&mut self, name: Name) -> Self::Future {
         let policy = self.policy.load_full();
-        Box::pin(async move { policy.resolve(name.as_str(), 0).await.map(Vec::into_iter) })
+        // The host as the lane resolves it (one trailing dot removed, an IPv4 address in
+        // any spelling as itself): both paths reach the same address or refusal.
+        let host = normalise_host(name.as_str()).unwrap_or_else(|_| name.as_str().to_owned());
+        Box::pin(async move { policy.resolve(&host, 0).await.map(Vec::into_iter) })
     }
 }
 

@@ -879,7 +879,7 @@ fn parse_response(
     let mut length: Option<u64> = None;
     let mut close = false;
     let mut keep_alive = false;
-    let mut listed: Vec<&str> = Vec::new();
+    let mut listed: Vec<&[u8]> = Vec::new();
     let mut worth_reading = code == 429 || code == 503;
     let mut dated = false;
     for h in resp.headers.iter() {
@@ -897,12 +897,13 @@ fn parse_response(
             }
             length = Some(n);
         } else if name.eq_ignore_ascii_case("connection") {
-            for token in std::str::from_utf8(h.value).unwrap_or("").split(',') {
-                let token = token.trim();
-                if token.eq_ignore_ascii_case("close") {
+            // Token by token, as bytes: one that is not ASCII drops no other.
+            for token in h.value.split(|b| *b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
                     close = true;
                 } else if !token.is_empty() {
-                    keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+                    keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
                     listed.push(token);
                 }
             }
@@ -948,15 +949,19 @@ fn parse_response(
                 // Once, as one number: a repeated or listed equal value (checked above)
                 // is one value.
                 if !(chunked.is_some() || no_content || length_sent) {
-                    let n = length.unwrap_or_default().to_string();
-                    header_line(out, h.name.as_bytes(), n.as_bytes());
+                    use std::io::Write as _;
+                    out.extend_from_slice(h.name.as_bytes());
+                    // Into the Vec: no allocation, and writing to one cannot fail.
+                    let _ = write!(out, ": {}\r\n", length.unwrap_or_default());
                     length_sent = true;
                 }
                 true
             }
             None => {
                 lower.starts_with("x-sluice-")
-                    || listed.iter().any(|n| n.eq_ignore_ascii_case(&lower))
+                    || listed
+                        .iter()
+                        .any(|n| n.eq_ignore_ascii_case(lower.as_bytes()))
             }
         };
         if !dropped {
@@ -1621,6 +1626,14 @@ mod tests {
         assert!(answer.unwrap().framing.done(), "no body");
         let head = String::from_utf8(out.clone()).unwrap();
         assert_eq!(head, "HTTP/1.1 204 No Content\r\nX-K: 1\r\nDate: D\r\n\r\n");
+        // A `Connection` token that is not ASCII drops no other.
+        let text = b"HTTP/1.1 200 OK\r\nConnection: X-Drop, \xff\r\nX-Drop: 1\r\nContent-Length: 0\r\nDate: D\r\n\r\n";
+        parse_response(text, Ask::default(), &mut out).unwrap();
+        let head = String::from_utf8(out.clone()).unwrap();
+        assert_eq!(
+            head,
+            "HTTP/1.1 200 OK\r\nContent-Length: 0\r\nDate: D\r\n\r\n"
+        );
         // A repeated or listed equal Content-Length goes out once, as one number.
         for text in [
             &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length: 2\r\nDate: D\r\n\r\n"[..],

@@ -782,3 +782,31 @@ async fn a_connect_that_is_not_host_and_port_alone_opens_no_tunnel() {
     }
     s.stop().await;
 }
+
+/// A target host with its trailing dot (`localhost.`) reaches the same address on both
+/// paths (before, hyper's path asked the resolver for `localhost.` and answered 502
+/// where the lane forwarded).
+#[tokio::test]
+async fn a_trailing_dot_host_reaches_the_same_address_on_both_paths() {
+    let up = Upstream::start().await;
+    let s = common::sluice("").await;
+    let port = up.addr.port();
+    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
+    for connection in ["keep-alive", "x-hop"] {
+        for host in ["localhost.", "127.0.0.1.", "0x7f.1"] {
+            let head = raw(
+                s.proxy_addr,
+                &format!(
+                    "GET http://{host}:{port}/dot HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: {connection}\r\n\r\n"
+                ),
+            )
+            .await;
+            assert!(
+                head.starts_with("HTTP/1.1 200"),
+                "{host} ({connection}): {head}"
+            );
+        }
+    }
+    assert_eq!(up.count(), 6);
+    s.stop().await;
+}
