@@ -62,6 +62,11 @@ use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
 /// a request with more is handed to hyper, which answers 431.
 pub const MAX_HEADERS: usize = 100;
 
+/// Longest response head the lane reads from an upstream: hyper's client limit (its
+/// default read buffer), so a receiver's large head (many cookies) is relayed on
+/// both paths alike.
+const MAX_RESPONSE_HEAD_BYTES: usize = 8192 + 4096 * 100;
+
 /// Longest a tunnel's TLS session is given to send its close_notify when the lane ends
 /// it (a sender that reads nothing more must not hold the task).
 const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(1);
@@ -671,9 +676,9 @@ async fn read_answer(
                     up.buf.advance(len);
                     continue;
                 }
-                None if up.buf.len() >= MAX_HEAD_BYTES => {
+                None if up.buf.len() >= MAX_RESPONSE_HEAD_BYTES => {
                     return Err(ForwardError::Other(format!(
-                        "upstream response head larger than {MAX_HEAD_BYTES} bytes"
+                        "upstream response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
                     )));
                 }
                 None => {}
