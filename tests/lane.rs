@@ -604,13 +604,26 @@ const BOTH_PATHS: [&str; 2] = ["keep-alive", "x-hop"];
 /// A new sender connection to `proxy` that has sent `method target` (absolute-form,
 /// with its `Host`) and `Connection: connection`.
 async fn send_on(proxy: SocketAddr, connection: &str, method: &str, target: &str) -> TcpStream {
+    let mut t = TcpStream::connect(proxy).await.unwrap();
+    send_again(&mut t, connection, method, target)
+        .await
+        .unwrap();
+    t
+}
+
+/// Sends `method target` (absolute-form, with its `Host`) and `Connection: connection`
+/// on a sender connection.
+async fn send_again(
+    t: &mut TcpStream,
+    connection: &str,
+    method: &str,
+    target: &str,
+) -> std::io::Result<()> {
     let uri: http::Uri = target.parse().unwrap();
     let host = uri.authority().unwrap();
-    let mut t = TcpStream::connect(proxy).await.unwrap();
     let req =
         format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n");
-    t.write_all(req.as_bytes()).await.unwrap();
-    t
+    t.write_all(req.as_bytes()).await
 }
 
 /// Reads until `done` holds for what came, the peer closes, or 5 s pass: what came,
@@ -884,10 +897,9 @@ async fn a_head_sent_while_a_slow_body_arrives_waits_for_it_uncut() {
         // The next head goes once the body has begun arriving.
         let (r, begun) = read_until(&mut t, |got| got.windows(4).any(|w| w == b"\r\n\r\n")).await;
         assert!(begun, "{connection}: no response head: {r:?}");
-        let next = format!(
-            "GET http://{host}/next HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
-        );
-        t.write_all(next.as_bytes()).await.unwrap();
+        send_again(&mut t, connection, "GET", &format!("http://{host}/next"))
+            .await
+            .unwrap();
         // 8 body bytes at 300 ms each: 2.4 s, past the 1 s deadline and its half.
         let (rest, whole) = read_until(&mut t, |got| got.ends_with(b"\r\n\r\nok")).await;
         assert!(
@@ -983,13 +995,11 @@ async fn a_receiver_cannot_place_a_response_after_an_ambiguous_chunked_body() {
         let (first, _) = read_until(&mut t, |got| got.ends_with(b"0\r\n\r\n")).await;
         // Whatever came of the first answer, the next request (when the connection is
         // still open) gets its own.
-        let next = format!(
-            "GET http://{host}/plain HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
-        );
-        let (second, _) = match t.write_all(next.as_bytes()).await {
-            Ok(()) => read_until(&mut t, |got| got.ends_with(b"\r\n\r\nok")).await,
-            Err(_) => (String::new(), false),
-        };
+        let (second, _) =
+            match send_again(&mut t, connection, "GET", &format!("http://{host}/plain")).await {
+                Ok(()) => read_until(&mut t, |got| got.ends_with(b"\r\n\r\nok")).await,
+                Err(_) => (String::new(), false),
+            };
         let all = first + &second;
         assert!(!all.contains("attacker"), "{connection}: {all:?}");
         if !second.is_empty() {
@@ -1026,10 +1036,9 @@ async fn trailer_fields_stay_behind() {
             "{connection}: {r:?}"
         );
         // And the connection carries the next request.
-        let next = format!(
-            "GET http://{host}/plain HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\n\r\n"
-        );
-        t.write_all(next.as_bytes()).await.unwrap();
+        send_again(&mut t, connection, "GET", &format!("http://{host}/plain"))
+            .await
+            .unwrap();
         let (r, whole) = read_until(&mut t, |got| got.ends_with(b"\r\n\r\nok")).await;
         assert!(whole, "{connection}: {r:?}");
     }
