@@ -48,6 +48,9 @@ pub async fn run(
 ) {
     let cfg = app.runtime.load_full().config.clone();
     let stop = app.lifecycle.signal();
+    // The workers run the connections being drained: they stop only once the drain
+    // is over (the accept loop's handle goes when it does).
+    let _running = workers.clone();
     let accept_proxy = accept_proxy(&app, proxy, workers, stop.clone());
     let accept_admin = accept_admin(&app, admin, stop);
     let accepting = async { tokio::join!(accept_proxy, accept_admin) };

@@ -681,3 +681,60 @@ async fn every_request_leaves_one_decision_line() {
     assert_eq!(lines[0]["status"], 200);
     assert!(lines[0]["upstream_ms"].is_u64());
 }
+
+/// SIGTERM to the real process (sender connections on its worker threads): a request
+/// already at the receiver gets its answer, and one waiting for its token is served
+/// or refused, within `shutdown_grace`; none is dropped without an answer. Before, the
+/// worker pool stopped as soon as the accept loop did, cancelling every connection at
+/// once: the receiver's answer never reached its sender, who would send again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_requests_in_flight_and_waiting_finish() {
+    let up = Upstream::with(Arc::new(|a: &common::Arrival| {
+        if a.path == "/slow" {
+            Reply::ok().delay(Duration::from_secs(1))
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let rest = "[[endpoints]]\nid = \"ep\"\nrate = 1.0\nburst = 1.0\nmax_wait = \"5s\"\n";
+    std::fs::write(&path, Proc::config(proxy, admin, rest)).unwrap();
+    let p = Proc::start(&path, admin).await;
+    let c = client(proxy);
+    let get = |path: &str, ep: &str| {
+        let req = c.get(up.url(path)).header("X-Endpoint-Id", ep);
+        tokio::spawn(async move {
+            let r = req.send().await?;
+            let status = r.status().as_u16();
+            Ok::<_, reqwest::Error>((status, r.text().await?))
+        })
+    };
+    let in_flight = get("/slow", "other");
+    common::wait_for(
+        "the slow request to reach the receiver",
+        Duration::from_secs(5),
+        || async { up.count() >= 1 },
+    )
+    .await;
+    let (status, _) = get("/first", "ep").await.unwrap().unwrap();
+    assert_eq!(status, 200);
+    let waiting = get("/waits", "ep");
+    common::wait_for_tokens_below(admin, "ep", -0.5).await;
+    let log = tokio::task::spawn_blocking(move || p.stop()).await.unwrap();
+    let (status, body) = in_flight
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("the request in flight lost its answer: {e}\n{log}"));
+    assert_eq!((status, body.as_str()), (200, "ok"), "{log}");
+    let (status, _) = waiting
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("the waiting request got no answer: {e}\n{log}"));
+    assert!(
+        status == 200 || status == 503,
+        "waiting request: {status}\n{log}"
+    );
+}
