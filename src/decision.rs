@@ -86,12 +86,12 @@ pub fn refused(peer: SocketAddr, method: &str, t: &Trace, e: &ProxyError) {
         | ProxyError::StoreUnavailable { .. } => tracing::warn!(
             target: "sluice::decision",
             endpoint, user, %peer, method, destination, outcome = e.reason(), waited_ms,
-            error = %e, "request failed"
+            error = e.to_string(), "request failed"
         ),
         _ => tracing::info!(
             target: "sluice::decision",
             endpoint, user, %peer, method, destination, outcome = e.reason(), waited_ms,
-            error = %e, "request refused"
+            error = e.to_string(), "request refused"
         ),
     }
 }

@@ -738,3 +738,54 @@ async fn sigterm_lets_requests_in_flight_and_waiting_finish() {
         "waiting request: {status}\n{log}"
     );
 }
+
+/// A sender cannot forge lines or fields of the text decision log: an endpoint named
+/// through the proxy user (base64, so any byte) with a newline and an ANSI escape, or
+/// through the header with quotes and `key=value` text, is written escaped inside the
+/// one line of its refusal. Before, the refusal's error was written as it came: a
+/// second line of the sender's choosing, and raw escape bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn senders_cannot_forge_decision_log_lines() {
+    use base64::Engine;
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let config = Proc::config(proxy, admin, "")
+        .replace("[proxy]\n", "[proxy]\nendpoint_from_proxy_user = true\n");
+    std::fs::write(&path, config).unwrap();
+    let p = Proc::start(&path, admin).await;
+    let forged = "x\nFORGED sluice decision outcome=\"forwarded\" \u{1b}[2J:pw";
+    let basic = base64::engine::general_purpose::STANDARD.encode(forged);
+    let a = up.addr;
+    let first = common::raw_exchange(
+        proxy,
+        format!(
+            "GET http://{a}/p HTTP/1.1\r\nHost: {a}\r\nProxy-Authorization: Basic {basic}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await;
+    let second = common::raw_exchange(
+        proxy,
+        format!("GET http://{a}/h HTTP/1.1\r\nHost: {a}\r\nX-Endpoint-Id: zz\" outcome=forwarded x=\"\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert!(first.starts_with("HTTP/1.1 400"), "{first}");
+    assert!(second.starts_with("HTTP/1.1 400"), "{second}");
+    p.wait_log("request refused", Duration::from_secs(5)).await;
+    let log = p.stop();
+    assert!(
+        !log.contains('\u{1b}'),
+        "raw escape bytes in the log:\n{log}"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("FORGED")),
+        "a line of the sender's own:\n{log}"
+    );
+    assert!(
+        !log.contains("\" outcome=forwarded x=\""),
+        "fields of the sender's own:\n{log}"
+    );
+    assert_eq!(up.count(), 0);
+}

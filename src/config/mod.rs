@@ -687,8 +687,9 @@ pub fn check_endpoint_id(id: &str) -> Result<(), String> {
         return Err("endpoint id must be 1 to 128 characters".into());
     }
     if !id.bytes().all(|b| b.is_ascii_graphic()) {
+        // Quoted and escaped: the id is the sender's, and the message reaches logs.
         return Err(format!(
-            "endpoint id \"{id}\" may only contain visible ASCII characters"
+            "endpoint id {id:?} may only contain visible ASCII characters"
         ));
     }
     Ok(())
