@@ -14,7 +14,11 @@
 //! Credentials are never logged. The cache is keyed by a SHA-256 of the header value, so
 //! no password is kept in memory after verification; bcrypt's own comparison is
 //! constant-time, and a cache hit compares digests of the secret, which tell an
-//! attacker nothing about it.
+//! attacker nothing about it. A user name that is not listed costs the same bcrypt as
+//! one that is (against a decoy hash of the file's highest cost), so the time of a
+//! refusal does not tell which names exist. Refused and in-progress values are kept
+//! apart from verified ones: a flood of wrong values can fill and flush only its own
+//! part, never evict the verified credentials of the senders at work.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -84,22 +88,34 @@ pub enum UsersFileError {
 pub struct Users {
     hashes: HashMap<String, String>,
     grants: HashMap<String, GlobSet>,
-    cache: Mutex<HashMap<[u8; 32], Slot>>,
+    cache: Mutex<Cache>,
+    /// A hash of no password, at the file's highest cost: what a name that is not
+    /// listed is checked against (made on first need).
+    decoy: OnceCell<Option<String>>,
     /// bcrypt is CPU-bound: at most this many run at once, off the async workers.
     verifying: Arc<Semaphore>,
     /// bcrypt runs so far (each verifies one header value).
     bcrypt_runs: AtomicU64,
 }
 
-/// A cached header value: its verdict, or the verification in progress that every
-/// request carrying it waits for.
+/// Header values by digest: the verified ones, and apart from them the refused ones and
+/// those being verified (each part bounded on its own).
+#[derive(Default)]
+struct Cache {
+    verified: HashMap<[u8; 32], Cached>,
+    others: HashMap<[u8; 32], Slot>,
+}
+
+/// A value not verified (yet): refused until a time, or the verification in progress
+/// that every request carrying it waits for.
 enum Slot {
-    Known(Cached),
+    Refused(Instant),
     Verifying(Arc<OnceCell<Option<Identity>>>),
 }
 
+/// A verified value: who it is, until when (renewed by use).
 struct Cached {
-    identity: Option<Identity>,
+    identity: Identity,
     until: Instant,
 }
 
@@ -177,7 +193,8 @@ impl Users {
         Ok(Users {
             hashes,
             grants,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Cache::default()),
+            decoy: OnceCell::new(),
             verifying: Arc::new(Semaphore::new(workers)),
             bcrypt_runs: AtomicU64::new(0),
         })
@@ -232,7 +249,7 @@ impl Users {
         self.bcrypt_runs.load(Ordering::Relaxed)
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<[u8; 32], Slot>> {
+    fn lock(&self) -> MutexGuard<'_, Cache> {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -240,25 +257,28 @@ impl Users {
     /// else the verification to wait for, started here when none is under way.
     fn lookup(&self, digest: &[u8; 32], now: Instant) -> Lookup {
         let mut cache = self.lock();
-        match cache.get_mut(digest) {
-            Some(Slot::Known(c)) if c.until > now => {
-                if c.identity.is_some() {
-                    c.until = now + CACHE_TTL;
-                }
-                return Lookup::Hit(c.identity.clone());
+        if let Some(c) = cache.verified.get_mut(digest) {
+            if c.until > now {
+                c.until = now + CACHE_TTL;
+                return Lookup::Hit(Some(c.identity.clone()));
             }
+        }
+        match cache.others.get(digest) {
+            Some(Slot::Refused(until)) if *until > now => return Lookup::Hit(None),
             Some(Slot::Verifying(cell)) => return Lookup::Verifying(Arc::clone(cell)),
             _ => {}
         }
-        if cache.len() >= CACHE_CAPACITY {
-            cache.retain(|_, s| !matches!(s, Slot::Known(c) if c.until <= now));
-            if cache.len() >= CACHE_CAPACITY {
-                // Still full of live entries: start over rather than grow.
-                cache.clear();
+        let others = &mut cache.others;
+        if others.len() >= CACHE_CAPACITY {
+            others.retain(|_, s| !matches!(s, Slot::Refused(until) if *until <= now));
+            if others.len() >= CACHE_CAPACITY {
+                // Still full of live entries: start over rather than grow (verified
+                // values are kept apart, and stay).
+                others.clear();
             }
         }
         let cell = Arc::new(OnceCell::new());
-        cache.insert(*digest, Slot::Verifying(Arc::clone(&cell)));
+        others.insert(*digest, Slot::Verifying(Arc::clone(&cell)));
         Lookup::Verifying(cell)
     }
 
@@ -272,15 +292,42 @@ impl Users {
         now: Instant,
     ) {
         let mut cache = self.lock();
-        if matches!(cache.get(&digest), Some(Slot::Verifying(c)) if Arc::ptr_eq(c, cell)) {
-            let ttl = if identity.is_some() {
-                CACHE_TTL
-            } else {
-                NEGATIVE_TTL
-            };
-            let until = now + ttl;
-            cache.insert(digest, Slot::Known(Cached { identity, until }));
+        if !matches!(cache.others.get(&digest), Some(Slot::Verifying(c)) if Arc::ptr_eq(c, cell))
+        {
+            return;
         }
+        let Some(identity) = identity else {
+            cache
+                .others
+                .insert(digest, Slot::Refused(now + NEGATIVE_TTL));
+            return;
+        };
+        cache.others.remove(&digest);
+        let verified = &mut cache.verified;
+        if verified.len() >= CACHE_CAPACITY {
+            verified.retain(|_, c| c.until > now);
+            if verified.len() >= CACHE_CAPACITY {
+                verified.clear();
+            }
+        }
+        let until = now + CACHE_TTL;
+        verified.insert(digest, Cached { identity, until });
+    }
+
+    /// The hash a name that is not listed is checked against: of no password, at the
+    /// highest cost in the file, made once (on a blocking thread). `None` without users.
+    async fn decoy(&self) -> Option<String> {
+        let cost = self
+            .hashes
+            .values()
+            .filter_map(|h| bcrypt::HashParts::from_str(h).ok())
+            .map(|p| p.get_cost())
+            .max()?;
+        let made = self.decoy.get_or_init(|| async move {
+            let hashing = move || bcrypt::hash("sluice: no such user", cost).ok();
+            tokio::task::spawn_blocking(hashing).await.ok().flatten()
+        });
+        made.await.clone()
     }
 
     async fn verify(&self, header: &[u8]) -> Option<Identity> {
@@ -292,14 +339,19 @@ impl Users {
             ),
             None => (name, None),
         };
-        let hash = self.hashes.get(&user)?.clone();
+        // A name not listed costs the same bcrypt as one that is.
+        let listed = self.hashes.get(&user).cloned();
+        let hash = match &listed {
+            Some(h) => h.clone(),
+            None => self.decoy().await?,
+        };
         let _permit = self.verifying.acquire().await.ok()?;
         self.bcrypt_runs.fetch_add(1, Ordering::Relaxed);
         let ok =
             tokio::task::spawn_blocking(move || bcrypt::verify(password, &hash).unwrap_or(false))
                 .await
                 .unwrap_or(false);
-        ok.then(|| Identity {
+        (ok && listed.is_some()).then(|| Identity {
             user: user.into(),
             endpoint,
         })
@@ -405,7 +457,7 @@ mod tests {
         let u = users();
         let h = header(&basic("alice:s3cret"));
         u.authenticate(&h).await.unwrap();
-        assert_eq!(u.cache.lock().unwrap().len(), 1);
+        assert_eq!(u.cache.lock().unwrap().verified.len(), 1);
         // A hit does not need the verifier: hold every permit and ask again.
         let _all = u
             .verifying
@@ -454,6 +506,43 @@ mod tests {
             tokio::time::advance(Duration::from_secs(2)).await;
         }
         assert_eq!(u.bcrypt_runs(), 4, "refused at 0 s and again at 6 s");
+    }
+
+    /// A name that is not listed costs the same bcrypt as one that is (before, it was
+    /// refused at once, and the time of a refusal told which names exist).
+    #[tokio::test]
+    async fn a_name_not_listed_costs_a_bcrypt_like_any_other() {
+        let u = users();
+        for (value, runs) in [("alice:nope", 1), ("mallory:nope", 2), ("mallory:other", 3)] {
+            let refused = u.authenticate(&header(&basic(value))).await;
+            assert_eq!(refused, Err(AuthError::Refused), "{value}");
+            assert_eq!(u.bcrypt_runs(), runs, "{value}");
+        }
+        // Even with the decoy's password.
+        let decoy = basic("mallory:sluice: no such user");
+        assert_eq!(u.authenticate(&header(&decoy)).await, Err(AuthError::Refused));
+    }
+
+    /// A flood of refused values (each a new one) never evicts a verified value: the
+    /// sender at work is answered from the cache throughout. Before, one cache held
+    /// both, and a full one was cleared.
+    #[tokio::test]
+    async fn refused_values_never_evict_verified_ones() {
+        let u = users();
+        let h = header(&basic("alice:s3cret"));
+        u.authenticate(&h).await.unwrap();
+        let now = Instant::now();
+        for i in 0..(2 * CACHE_CAPACITY as u32) {
+            let d = digest(&i.to_le_bytes());
+            let Lookup::Verifying(cell) = u.lookup(&d, now) else {
+                panic!("a new value is verified");
+            };
+            u.remember(d, &cell, None, now);
+        }
+        assert!(u.cache.lock().unwrap().others.len() <= CACHE_CAPACITY);
+        let runs = u.bcrypt_runs();
+        u.authenticate(&h).await.unwrap();
+        assert_eq!(u.bcrypt_runs(), runs, "alice's value is still cached");
     }
 
     #[test]
