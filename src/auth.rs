@@ -18,9 +18,14 @@
 //! one that is (against a decoy hash of the file's highest cost), so the time of a
 //! refusal does not tell which names exist. Refused and in-progress values are kept
 //! apart from verified ones: a flood of wrong values can fill and flush only its own
-//! part, never evict the verified credentials of the senders at work.
+//! part, never evict the verified credentials of the senders at work. One sender address
+//! has at most [`MAX_CHECKS_PER_PEER`] new values under bcrypt (running or queued) at
+//! a time; a further new value from it is refused unchecked (and not remembered), so
+//! a flood of wrong passwords from one address cannot queue every other sender's
+//! first check behind it.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +47,9 @@ const CACHE_TTL: Duration = Duration::from_secs(60);
 const NEGATIVE_TTL: Duration = Duration::from_secs(5);
 /// Cached credential digests, at most.
 const CACHE_CAPACITY: usize = 10_000;
+/// New header values from one sender address under bcrypt at once (running or queued
+/// for the verifier), at most. A sender sends one value: it never meets this.
+pub const MAX_CHECKS_PER_PEER: usize = 2;
 
 /// An authenticated sender.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,6 +104,29 @@ pub struct Users {
     verifying: Arc<Semaphore>,
     /// bcrypt runs so far (each verifies one header value).
     bcrypt_runs: AtomicU64,
+    /// Values under bcrypt (running or queued) by sender address.
+    checks: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// A value was not checked: its sender address has [`MAX_CHECKS_PER_PEER`] under way.
+struct Busy;
+
+/// One value under bcrypt for a sender address (until dropped).
+struct Check<'a> {
+    users: &'a Users,
+    peer: IpAddr,
+}
+
+impl Drop for Check<'_> {
+    fn drop(&mut self) {
+        let mut checks = self.users.checks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = checks.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                checks.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// Header values by digest: the verified ones, and apart from them the refused ones and
@@ -197,6 +228,7 @@ impl Users {
             decoy: OnceCell::new(),
             verifying: Arc::new(Semaphore::new(workers)),
             bcrypt_runs: AtomicU64::new(0),
+            checks: Mutex::new(HashMap::new()),
         })
     }
 
@@ -222,10 +254,16 @@ impl Users {
             .is_none_or(|globs| globs.is_match(endpoint))
     }
 
-    /// Checks `Proxy-Authorization`. A value verified and used within the last minute is
-    /// answered from the cache; otherwise bcrypt runs on a blocking thread, once for all
-    /// the requests that carry the value meanwhile.
-    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Identity, AuthError> {
+    /// Checks `Proxy-Authorization` from a sender at `peer`. A value verified and used
+    /// within the last minute is answered from the cache; otherwise bcrypt runs on a
+    /// blocking thread, once for all the requests that carry the value meanwhile (and
+    /// not at all when `peer` has [`MAX_CHECKS_PER_PEER`] other values under way:
+    /// refused, unremembered).
+    pub async fn authenticate(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+    ) -> Result<Identity, AuthError> {
         let value = headers
             .get(http::header::PROXY_AUTHORIZATION)
             .ok_or(AuthError::Missing)?;
@@ -237,8 +275,9 @@ impl Users {
         // The first request to get here verifies; the others wait for its verdict (and
         // one of them takes over if that request hangs up meanwhile).
         let identity = cell
-            .get_or_init(|| self.verify(value.as_bytes()))
+            .get_or_try_init(|| self.verify(value.as_bytes(), peer))
             .await
+            .map_err(|Busy| AuthError::Refused)?
             .clone();
         self.remember(digest, &cell, identity.clone(), Instant::now());
         identity.ok_or(AuthError::Refused)
@@ -330,8 +369,26 @@ impl Users {
         made.await.clone()
     }
 
-    async fn verify(&self, header: &[u8]) -> Option<Identity> {
-        let (name, password) = decode_basic(header)?;
+    /// A turn under bcrypt for `peer`, unless it has its most under way.
+    fn check(&self, peer: IpAddr) -> Option<Check<'_>> {
+        let mut checks = self.checks.lock().unwrap_or_else(|e| e.into_inner());
+        let n = checks.entry(peer).or_insert(0);
+        if *n >= MAX_CHECKS_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(Check { users: self, peer })
+    }
+
+    async fn verify(&self, header: &[u8], peer: IpAddr) -> Result<Option<Identity>, Busy> {
+        let Some((name, password)) = decode_basic(header) else {
+            return Ok(None);
+        };
+        let _turn = self.check(peer).ok_or(Busy)?;
+        Ok(self.verify_password(name, password).await)
+    }
+
+    async fn verify_password(&self, name: String, password: String) -> Option<Identity> {
         let (user, endpoint) = match name.split_once('+') {
             Some((u, e)) => (
                 u.to_owned(),
@@ -407,6 +464,9 @@ mod tests {
         )
     }
 
+    /// The address the tests' requests come from.
+    const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
     fn users() -> Users {
         let hash = bcrypt::hash("s3cret", 4).unwrap();
         Users::parse(&format!("# comment\n\nalice:{hash}\n"), &[]).unwrap()
@@ -416,25 +476,25 @@ mod tests {
     async fn right_wrong_and_missing_credentials() {
         let u = users();
         let id = u
-            .authenticate(&header(&basic("alice:s3cret")))
+            .authenticate(&header(&basic("alice:s3cret")), PEER)
             .await
             .unwrap();
         assert_eq!(&*id.user, "alice");
         assert_eq!(id.endpoint, None);
         assert_eq!(
-            u.authenticate(&header(&basic("alice:nope"))).await,
+            u.authenticate(&header(&basic("alice:nope")), PEER).await,
             Err(AuthError::Refused)
         );
         assert_eq!(
-            u.authenticate(&header(&basic("bob:s3cret"))).await,
+            u.authenticate(&header(&basic("bob:s3cret")), PEER).await,
             Err(AuthError::Refused)
         );
         assert_eq!(
-            u.authenticate(&HeaderMap::new()).await,
+            u.authenticate(&HeaderMap::new(), PEER).await,
             Err(AuthError::Missing)
         );
         assert_eq!(
-            u.authenticate(&header("Bearer x")).await,
+            u.authenticate(&header("Bearer x"), PEER).await,
             Err(AuthError::Refused)
         );
     }
@@ -443,7 +503,7 @@ mod tests {
     async fn endpoint_after_plus() {
         let u = users();
         let id = u
-            .authenticate(&header(&basic("alice+ep_42:s3cret")))
+            .authenticate(&header(&basic("alice+ep_42:s3cret")), PEER)
             .await
             .unwrap();
         assert_eq!(
@@ -456,7 +516,7 @@ mod tests {
     async fn verified_credentials_are_cached() {
         let u = users();
         let h = header(&basic("alice:s3cret"));
-        u.authenticate(&h).await.unwrap();
+        u.authenticate(&h, PEER).await.unwrap();
         assert_eq!(u.cache.lock().unwrap().verified.len(), 1);
         // A hit does not need the verifier: hold every permit and ask again.
         let _all = u
@@ -464,7 +524,7 @@ mod tests {
             .acquire_many(u.verifying.available_permits() as u32)
             .await
             .unwrap();
-        let again = tokio::time::timeout(Duration::from_secs(1), u.authenticate(&h)).await;
+        let again = tokio::time::timeout(Duration::from_secs(1), u.authenticate(&h, PEER)).await;
         assert!(matches!(again, Ok(Ok(_))), "{again:?}");
     }
 
@@ -475,11 +535,11 @@ mod tests {
     async fn concurrent_first_requests_share_one_bcrypt_run() {
         let u = users();
         let h = header(&basic("alice:s3cret"));
-        let all = futures_util::future::join_all((0..32).map(|_| u.authenticate(&h))).await;
+        let all = futures_util::future::join_all((0..32).map(|_| u.authenticate(&h, PEER))).await;
         assert!(all.iter().all(Result::is_ok), "{all:?}");
         assert_eq!(u.bcrypt_runs(), 1);
         let wrong = header(&basic("alice:nope"));
-        let all = futures_util::future::join_all((0..32).map(|_| u.authenticate(&wrong))).await;
+        let all = futures_util::future::join_all((0..32).map(|_| u.authenticate(&wrong, PEER))).await;
         assert!(all.iter().all(|r| *r == Err(AuthError::Refused)), "{all:?}");
         assert_eq!(u.bcrypt_runs(), 2);
     }
@@ -492,17 +552,17 @@ mod tests {
         let u = users();
         let h = header(&basic("alice:s3cret"));
         for _ in 0..5 {
-            u.authenticate(&h).await.unwrap();
+            u.authenticate(&h, PEER).await.unwrap();
             tokio::time::advance(Duration::from_secs(50)).await;
         }
         assert_eq!(u.bcrypt_runs(), 1, "used every 50 s for 250 s");
         tokio::time::advance(Duration::from_secs(11)).await;
-        u.authenticate(&h).await.unwrap();
+        u.authenticate(&h, PEER).await.unwrap();
         assert_eq!(u.bcrypt_runs(), 2, "61 s without use");
 
         let wrong = header(&basic("alice:nope"));
         for _ in 0..4 {
-            assert_eq!(u.authenticate(&wrong).await, Err(AuthError::Refused));
+            assert_eq!(u.authenticate(&wrong, PEER).await, Err(AuthError::Refused));
             tokio::time::advance(Duration::from_secs(2)).await;
         }
         assert_eq!(u.bcrypt_runs(), 4, "refused at 0 s and again at 6 s");
@@ -514,13 +574,13 @@ mod tests {
     async fn a_name_not_listed_costs_a_bcrypt_like_any_other() {
         let u = users();
         for (value, runs) in [("alice:nope", 1), ("mallory:nope", 2), ("mallory:other", 3)] {
-            let refused = u.authenticate(&header(&basic(value))).await;
+            let refused = u.authenticate(&header(&basic(value)), PEER).await;
             assert_eq!(refused, Err(AuthError::Refused), "{value}");
             assert_eq!(u.bcrypt_runs(), runs, "{value}");
         }
         // Even with the decoy's password.
         let decoy = basic("mallory:sluice: no such user");
-        assert_eq!(u.authenticate(&header(&decoy)).await, Err(AuthError::Refused));
+        assert_eq!(u.authenticate(&header(&decoy), PEER).await, Err(AuthError::Refused));
     }
 
     /// A flood of refused values (each a new one) never evicts a verified value: the
@@ -530,7 +590,7 @@ mod tests {
     async fn refused_values_never_evict_verified_ones() {
         let u = users();
         let h = header(&basic("alice:s3cret"));
-        u.authenticate(&h).await.unwrap();
+        u.authenticate(&h, PEER).await.unwrap();
         let now = Instant::now();
         for i in 0..(2 * CACHE_CAPACITY as u32) {
             let d = digest(&i.to_le_bytes());
@@ -541,8 +601,40 @@ mod tests {
         }
         assert!(u.cache.lock().unwrap().others.len() <= CACHE_CAPACITY);
         let runs = u.bcrypt_runs();
-        u.authenticate(&h).await.unwrap();
+        u.authenticate(&h, PEER).await.unwrap();
         assert_eq!(u.bcrypt_runs(), runs, "alice's value is still cached");
+    }
+
+    /// A flood of new wrong values from one address gets at most two bcrypt runs at a
+    /// time; the rest are refused unchecked, so another sender's first login is
+    /// checked at once instead of queueing behind the flood. Before, every value
+    /// queued a bcrypt (200 wrong passwords kept a valid login waiting 10 s).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_address_cannot_queue_others_behind_its_wrong_passwords() {
+        let u = users();
+        let flood: Vec<HeaderMap> = (0..50)
+            .map(|i| header(&basic(&format!("alice:wrong{i}"))))
+            .collect();
+        let other: IpAddr = "10.0.0.2".parse().unwrap();
+        let good = header(&basic("alice:s3cret"));
+        let (refused, ok) = tokio::join!(
+            futures_util::future::join_all(flood.iter().map(|h| u.authenticate(h, PEER))),
+            u.authenticate(&good, other),
+        );
+        assert!(refused.iter().all(|r| *r == Err(AuthError::Refused)));
+        assert!(ok.is_ok(), "{ok:?}");
+        assert_eq!(
+            u.bcrypt_runs(),
+            MAX_CHECKS_PER_PEER as u64 + 1,
+            "two of the flood's values and the other sender's"
+        );
+        // A value refused unchecked is not remembered: once the address has no check
+        // under way, the same value is checked (here: wrong, so refused, by bcrypt).
+        let again = u.authenticate(&flood[49], PEER).await;
+        assert_eq!(again, Err(AuthError::Refused));
+        assert_eq!(u.bcrypt_runs(), MAX_CHECKS_PER_PEER as u64 + 2);
+        // And an unchecked right value is accepted when asked again.
+        assert!(u.authenticate(&good, PEER).await.is_ok());
     }
 
     #[test]

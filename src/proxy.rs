@@ -531,7 +531,7 @@ async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who,
     let from_user = rt.resolver.uses_proxy_user();
     match &rt.users {
         Some(users) => {
-            let checking = Box::pin(users.authenticate(headers));
+            let checking = Box::pin(users.authenticate(headers, conn.peer.ip()));
             let id = checking.await.map_err(|_| ProxyError::ProxyAuthRequired)?;
             let endpoint_hint = id
                 .endpoint
