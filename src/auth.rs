@@ -331,8 +331,7 @@ impl Users {
         now: Instant,
     ) {
         let mut cache = self.lock();
-        if !matches!(cache.others.get(&digest), Some(Slot::Verifying(c)) if Arc::ptr_eq(c, cell))
-        {
+        if !matches!(cache.others.get(&digest), Some(Slot::Verifying(c)) if Arc::ptr_eq(c, cell)) {
             return;
         }
         let Some(identity) = identity else {
@@ -539,7 +538,8 @@ mod tests {
         assert!(all.iter().all(Result::is_ok), "{all:?}");
         assert_eq!(u.bcrypt_runs(), 1);
         let wrong = header(&basic("alice:nope"));
-        let all = futures_util::future::join_all((0..32).map(|_| u.authenticate(&wrong, PEER))).await;
+        let all =
+            futures_util::future::join_all((0..32).map(|_| u.authenticate(&wrong, PEER))).await;
         assert!(all.iter().all(|r| *r == Err(AuthError::Refused)), "{all:?}");
         assert_eq!(u.bcrypt_runs(), 2);
     }
@@ -580,7 +580,10 @@ mod tests {
         }
         // Even with the decoy's password.
         let decoy = basic("mallory:sluice: no such user");
-        assert_eq!(u.authenticate(&header(&decoy), PEER).await, Err(AuthError::Refused));
+        assert_eq!(
+            u.authenticate(&header(&decoy), PEER).await,
+            Err(AuthError::Refused)
+        );
     }
 
     /// A flood of refused values (each a new one) never evicts a verified value: the

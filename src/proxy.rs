@@ -209,6 +209,17 @@ impl Target {
             normalise_host(host).map_err(|e| ProxyError::BadRequest(format!("bad host: {e}")))?;
         Ok(Target { host, port })
     }
+
+    /// `host:port`, the host normalised (an IPv6 address in brackets).
+    fn authority(&self) -> Result<Authority, ProxyError> {
+        let (host, port) = (&self.host, self.port);
+        let text = if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        Authority::try_from(text).map_err(|e| ProxyError::BadRequest(e.to_string()))
+    }
 }
 
 /// The host (an IPv6 literal in its brackets) and the port `authority` names, or
@@ -281,11 +292,35 @@ impl From<ProxyError> for Refused {
     }
 }
 
+/// An HTTP/2 request's `cookie` fields, which senders may split one pair per field, as
+/// the one field HTTP/1.1 allows, joined with `; ` (RFC 9113 §8.2.3).
+fn join_cookies(headers: &mut HeaderMap) {
+    let cookie = http::header::COOKIE;
+    if headers.get_all(&cookie).iter().nth(1).is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    for v in headers.get_all(&cookie) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(v.as_bytes());
+    }
+    // Each part was a valid value, and `; ` is too.
+    if let Ok(v) = http::HeaderValue::from_bytes(&joined) {
+        headers.insert(cookie, v);
+    }
+}
+
 /// Serves one request from a sender (or from inside an intercepted tunnel).
 pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> Response<Body> {
     let method = req.method().clone();
     let mut trace = Trace::default();
-    let result = if method == Method::CONNECT && conn.tunnel.is_none() {
+    let result = if method == Method::CONNECT && conn.tunnel.is_some() {
+        // A tunnel inside a tunnel: nothing to forward it to (its receiver is no proxy).
+        let e = ProxyError::BadRequest("CONNECT inside a CONNECT tunnel".into());
+        Err(e.into())
+    } else if method == Method::CONNECT {
         // Boxed: a tunnel's set-up is rare and its future large; every plain request
         // would otherwise carry (and copy) its size.
         let connecting = Box::pin(connect(&app, req, &conn, &mut trace));
@@ -563,6 +598,9 @@ async fn forward_request(
     // The upstream's Host comes from the target we checked, never from the sender:
     // `send_via` replaces it.
     *req.uri_mut() = uri;
+    if req.version() == Version::HTTP_2 {
+        join_cookies(req.headers_mut());
+    }
     *req.version_mut() = Version::HTTP_11;
     let sent = tokio::time::Instant::now();
     // Awaited where it is made: a future first bound to a name is kept twice in this
@@ -715,6 +753,11 @@ fn target_uri(uri: &Uri, tunnel: Option<&Tunnel>) -> Result<Uri, ProxyError> {
             ))),
         },
         (None, None) => Err(ProxyError::NotAProxyRequest),
+        // `GET host:port` (authority-form) is CONNECT's alone: inside a tunnel it would
+        // go out as `/`, another resource than the one named.
+        (Some(_), Some(_)) if uri.scheme().is_none() => Err(ProxyError::BadRequest(format!(
+            "request target {uri} inside a tunnel is neither a path nor a URL"
+        ))),
         (_, Some(t)) => {
             let pq = uri
                 .path_and_query()
@@ -839,6 +882,9 @@ async fn connect(
         return Err(ProxyError::BadRequest("a CONNECT request carries no content".into()).into());
     }
     let target = Target::new(&authority, 443)?;
+    // The tunnel's requests go to its host as normalised (`127.1` is `127.0.0.1`): the
+    // same name for the TLS handshake and `Host` on every path.
+    let authority = target.authority()?;
     trace.destination = Some(authority.clone());
     let rt = app.runtime.load_full();
     let who = identify(&rt, req.headers(), conn).await?;

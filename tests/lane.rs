@@ -1098,3 +1098,164 @@ async fn a_large_response_head_reaches_the_sender_on_both_paths() {
     }
     s.stop().await;
 }
+
+/// An intercepted TLS session through `proxy` to `authority` (CONNECT, then a handshake
+/// trusting sluice's CA and naming `server_name`), offering HTTP/1.1.
+async fn open_tunnel(
+    proxy: SocketAddr,
+    ca: &sluice::tls::CaFiles,
+    authority: &str,
+    server_name: &str,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut std::fs::read(&ca.cert).unwrap().as_slice()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let mut tcp = TcpStream::connect(proxy).await.unwrap();
+    let connect = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+    tcp.write_all(connect.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = tcp.read(&mut buf).await.unwrap();
+    let answer = String::from_utf8_lossy(&buf[..n]);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned()).unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .unwrap()
+}
+
+/// Reads one whole response from an intercepted session (head, then its
+/// `Content-Length` of body), within 10 s.
+async fn tls_response(tls: &mut tokio_rustls::client::TlsStream<TcpStream>) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let whole = |got: &[u8]| {
+        let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+            return false;
+        };
+        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        got.len() >= end + 4 + length
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !whole(&got) {
+            match tls.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await
+    .expect("a response within 10 s");
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Inside an intercepted tunnel, a CONNECT (a tunnel in the tunnel) and a request whose
+/// target is `host:port` or a bare word (authority-form, CONNECT's alone) are 400s:
+/// nothing reaches the receiver. Before, the CONNECT went upstream as one (a token
+/// spent, no answer), and `DELETE users` went out as `DELETE /`.
+#[tokio::test]
+async fn inside_a_tunnel_a_connect_or_a_target_that_is_no_path_is_refused() {
+    use common::tls::{TestPki, TlsUpstream};
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::new(&["localhost"]);
+    let up = TlsUpstream::ok(&pki).await;
+    let (s, ca) = intercepting(dir.path(), &pki).await;
+    let authority = format!("localhost:{}", up.addr.port());
+    for head in [
+        "CONNECT other.example:443 HTTP/1.1\r\nHost: other.example:443\r\n\r\n".to_string(),
+        format!("DELETE users HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+        format!("GET evil.example:443 HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+        format!("GET a@b HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+    ] {
+        let mut tls = open_tunnel(s.proxy_addr, &ca, &authority, "localhost").await;
+        tls.write_all(head.as_bytes()).await.unwrap();
+        let r = tls_response(&mut tls).await;
+        assert!(r.starts_with("HTTP/1.1 400"), "{head:?}: {r}");
+    }
+    assert_eq!(up.arrivals().len(), 0, "nothing reached the receiver");
+    s.stop().await;
+}
+
+/// A CONNECT to an IPv4 address spelled another way (`127.1`) reaches that address on
+/// both paths inside the tunnel, with one name for the TLS handshake and `Host`: the
+/// address. Before, hyper's path asked its TLS client for the name `127.1` and
+/// answered 502.
+#[tokio::test]
+async fn a_tunnel_to_an_address_spelled_another_way_reaches_it_on_both_paths() {
+    use common::tls::{TestPki, TlsUpstream};
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::new(&["127.0.0.1"]);
+    let up = TlsUpstream::ok(&pki).await;
+    let (s, ca) = intercepting(dir.path(), &pki).await;
+    let port = up.addr.port();
+    let mut tls = open_tunnel(s.proxy_addr, &ca, &format!("127.1:{port}"), "127.0.0.1").await;
+    for connection in BOTH_PATHS {
+        let req = format!(
+            "GET /{connection} HTTP/1.1\r\nHost: 127.1:{port}\r\nConnection: {connection}\r\n\r\n"
+        );
+        tls.write_all(req.as_bytes()).await.unwrap();
+        let r = tls_response(&mut tls).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{connection}: {r}");
+    }
+    let arrivals = up.arrivals();
+    assert_eq!(arrivals.len(), 2);
+    for a in arrivals {
+        assert_eq!(
+            a.headers["host"],
+            format!("127.0.0.1:{port}").as_str(),
+            "{}",
+            a.path
+        );
+    }
+    s.stop().await;
+}
+
+/// An h2 sender's `cookie` fields (browsers and h2 clients split them, one pair each)
+/// reach the HTTP/1.1 receiver as one `cookie` joined with `; ` (RFC 9113 §8.2.3).
+/// Before, they went out as several `cookie` lines, and a receiver that reads one lost
+/// the rest.
+#[tokio::test]
+async fn an_h2_senders_split_cookies_reach_the_receiver_as_one() {
+    use common::tls::{TestPki, TlsUpstream};
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::new(&["localhost"]);
+    let up = TlsUpstream::ok(&pki).await;
+    let (s, ca) = intercepting(dir.path(), &pki).await;
+    let pem = std::fs::read(&ca.cert).unwrap();
+    let c = reqwest::Client::builder()
+        .use_rustls_tls()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(&pem).unwrap())
+        .proxy(reqwest::Proxy::https(format!("http://{}", s.proxy_addr)).unwrap())
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let mut cookies = reqwest::header::HeaderMap::new();
+    for pair in ["a=1", "b=2", "c=3"] {
+        cookies.append(reqwest::header::COOKIE, pair.parse().unwrap());
+    }
+    let r = c.get(up.url("/c")).headers(cookies).send().await.unwrap();
+    assert_eq!(
+        r.version(),
+        reqwest::Version::HTTP_2,
+        "the tunnel carries h2"
+    );
+    assert_eq!(r.status(), 200);
+    let a = up.arrivals().pop().unwrap();
+    let got: Vec<_> = a.headers.get_all("cookie").iter().collect();
+    assert_eq!(got, ["a=1; b=2; c=3"]);
+    s.stop().await;
+}
