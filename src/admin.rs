@@ -135,11 +135,13 @@ fn authorised(app: &App, headers: &http::HeaderMap) -> bool {
     let Some(token) = &rt.admin_token else {
         return true;
     };
+    // The scheme's case is the client's (RFC 9110 §11.1): `bearer` is `Bearer`.
     let given = headers
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map_or("", |(_, token)| token);
     crate::auth::constant_time_eq(given.trim().as_bytes(), token.as_bytes())
 }
 

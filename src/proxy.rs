@@ -368,6 +368,19 @@ async fn admission(
         peer,
         last,
     } = ask;
+    // Two endpoint headers would be two answers to which bucket pays: refused, as a
+    // second `Host` is, before a connection's last endpoint is recalled (a name with
+    // several values is rare: counting them is cheaper than a lookup).
+    if headers.len() != headers.keys_len()
+        && headers
+            .get_all(rt.resolver.header())
+            .iter()
+            .nth(1)
+            .is_some()
+    {
+        let name = rt.resolver.header();
+        return Err(ProxyError::BadRequest(format!("more than one {name} header")).into());
+    }
     let named = match headers.get(rt.resolver.header()) {
         Some(h) => Some(Named::Header(h)),
         None if who.endpoint_hint.is_none() => Some(Named::Host(&target.host)),

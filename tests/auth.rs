@@ -278,6 +278,22 @@ async fn admin_token_guards_metrics_and_endpoints_but_not_probes() {
             .await
             .unwrap();
         assert_eq!(r.status(), 200, "{path}");
+        // The scheme in any case (RFC 9110 §11.1); another scheme, or the token alone,
+        // is no token.
+        for (value, status) in [
+            ("bearer t0ken-123", 200),
+            ("BEARER t0ken-123", 200),
+            ("Basic t0ken-123", 401),
+            ("t0ken-123", 401),
+        ] {
+            let r = c
+                .get(format!("{base}{path}"))
+                .header("authorization", value)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), status, "{path} {value}");
+        }
     }
     for path in ["/healthz", "/readyz"] {
         assert_eq!(

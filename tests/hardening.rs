@@ -810,3 +810,33 @@ async fn a_trailing_dot_host_reaches_the_same_address_on_both_paths() {
     assert_eq!(up.count(), 6);
     s.stop().await;
 }
+
+/// Two endpoint headers with different values are a 400 on both paths, as two `Host`
+/// headers are: nothing is sent or spent. Before, the first one decided (checked
+/// against the sender's grant, so no bypass, but which bucket paid was the order's).
+#[tokio::test]
+async fn two_endpoint_headers_are_a_bad_request() {
+    let up = Upstream::start().await;
+    let s = common::sluice("").await;
+    let a = up.addr;
+    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
+    // On a kept-alive connection too, whose last request named one of them.
+    for connection in ["keep-alive", "x-hop"] {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let one = format!(
+            "GET http://{a}/one HTTP/1.1\r\nHost: {a}\r\nX-Endpoint-Id: one\r\nConnection: {connection}\r\n\r\n"
+        );
+        t.write_all(one.as_bytes()).await.unwrap();
+        let first = common::read_response(&mut t).await;
+        assert!(first.starts_with("HTTP/1.1 200"), "{connection}: {first}");
+        let two = format!(
+            "GET http://{a}/two HTTP/1.1\r\nHost: {a}\r\nX-Endpoint-Id: one\r\nX-Endpoint-Id: two\r\nConnection: {connection}\r\n\r\n"
+        );
+        t.write_all(two.as_bytes()).await.unwrap();
+        let second = common::read_response(&mut t).await;
+        assert!(second.starts_with("HTTP/1.1 400"), "{connection}: {second}");
+    }
+    let paths: Vec<String> = up.arrivals().into_iter().map(|a| a.path).collect();
+    assert_eq!(paths, ["/one", "/one"]);
+    s.stop().await;
+}
