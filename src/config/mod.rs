@@ -838,6 +838,11 @@ mod tests {
                 "[defaults]\nrate = 0.5\n[defaults.adaptive]\nfloor = 1.0",
                 "defaults.rate",
             ),
+            // The rate inherited (10), the floor above it: the floor is named.
+            (
+                "[defaults.adaptive]\nfloor = 20.0",
+                "defaults.adaptive.floor",
+            ),
             (
                 "[store]\nbackend = \"redis\"\nurls = [\"redis://a/\", \"redis://b/\"]",
                 "store.urls",
@@ -910,6 +915,18 @@ mod tests {
     fn syntax_errors_have_a_line() {
         let i = issues("[proxy]\nlisten = \n");
         assert_eq!(i[0].line, 2);
+    }
+
+    /// A floor above an inherited rate is reported at the floor's line (before: at
+    /// 1:1, under `defaults.rate`, a key the file did not have).
+    #[test]
+    fn a_floor_above_an_inherited_rate_is_reported_where_it_is() {
+        let i = issues("[proxy]\n\n[defaults.adaptive]\n# x\nfloor = 20.0\n");
+        assert_eq!(i.len(), 1, "{i:?}");
+        assert_eq!(
+            (i[0].line, i[0].key.as_str()),
+            (5, "defaults.adaptive.floor")
+        );
     }
 
     #[test]

@@ -424,10 +424,18 @@ impl Reader<'_> {
         };
         if let Some(a) = &adaptive {
             if a.floor > rate {
-                let at = t.get("rate").map_or(0, |v| v.span().start);
+                // At the rate when this table sets it, else at the floor that does.
+                let floor_at = || match t.get("adaptive").map(|a| a.get_ref()) {
+                    Some(DeValue::Table(a)) => a.get("floor").map(|f| f.span().start),
+                    _ => None,
+                };
+                let (at, key) = match t.get("rate") {
+                    Some(v) => (v.span().start, join(path, "rate")),
+                    None => (floor_at().unwrap_or(0), join(&adaptive_path, "floor")),
+                };
                 self.issue(
                     at,
-                    &join(path, "rate"),
+                    &key,
                     format!(
                         "rate {rate} is below the adaptive floor {}: lower the floor",
                         a.floor
