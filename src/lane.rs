@@ -526,6 +526,7 @@ async fn send<S: SenderIo>(
             Sent::All => {}
             Sent::Answered(answer) => return Ok(answer),
             Sent::SenderFailed(e) => return Err(ForwardError::SenderBody(e)),
+            Sent::Malformed(e) => return Err(e),
             Sent::UpstreamFailed(e) => {
                 // The upstream stopped reading or closed: it may have answered first.
                 let ask = Ask { close: true, ..ask };
@@ -568,6 +569,8 @@ enum Sent {
     SenderFailed(String),
     /// Writing to the upstream failed.
     UpstreamFailed(io::Error),
+    /// The upstream's answer is not one (malformed, or a head too large).
+    Malformed(ForwardError),
 }
 
 impl Body {
@@ -594,11 +597,15 @@ impl Body {
                         }
                         // An interim (1xx) response: the body goes on.
                         Ok(Some((len, None))) => up.buf.advance(len),
-                        Ok(None) => {}
-                        Err(e) => {
-                            let e = io::Error::new(io::ErrorKind::InvalidData, e.to_string());
-                            return Poll::Ready(Sent::UpstreamFailed(e));
+                        // A head that never ends is refused here as `read_answer`
+                        // refuses it, not read until `upstream_timeout`.
+                        Ok(None) if up.buf.len() >= MAX_RESPONSE_HEAD_BYTES => {
+                            return Poll::Ready(Sent::Malformed(ForwardError::Other(format!(
+                                "upstream response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
+                            ))));
                         }
+                        Ok(None) => {}
+                        Err(e) => return Poll::Ready(Sent::Malformed(e)),
                     }
                     continue;
                 }
@@ -917,6 +924,8 @@ fn parse_response(
             worth_reading = true;
         }
     }
+    // A `Date` the upstream's `Connection` lists is not relayed: one is added instead.
+    dated &= !listed.iter().any(|n| n.eq_ignore_ascii_case(b"date"));
     // An HTTP/1.0 connection ends after the response unless it says `keep-alive`
     // (RFC 9112 §9.3).
     if resp.version == Some(0) && !keep_alive {
@@ -1639,6 +1648,12 @@ mod tests {
             head,
             "HTTP/1.1 200 OK\r\nContent-Length: 0\r\nDate: D\r\n\r\n"
         );
+        // A `Date` the `Connection` lists goes, and a fresh one comes.
+        let text = b"HTTP/1.1 200 OK\r\nConnection: date\r\nDate: D\r\nContent-Length: 0\r\n\r\n";
+        parse_response(text, Ask::default(), &mut out).unwrap();
+        let head = String::from_utf8(out.clone()).unwrap();
+        assert!(!head.contains("Date: D"), "{head:?}");
+        assert!(head.contains("\r\ndate: "), "{head:?}");
         // A repeated or listed equal Content-Length goes out once, as one number.
         for text in [
             &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-length: 2\r\nDate: D\r\n\r\n"[..],

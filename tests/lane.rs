@@ -97,6 +97,15 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
         };
         let head = String::from_utf8_lossy(&buf[..end]).to_string();
         let path = head.split(' ').nth(1).unwrap_or("").to_string();
+        if path == "/endless-head" {
+            // A response head that does not end (600 KB of one header, more than a
+            // head may be), sent while the request's body is still coming.
+            let mut head = b"HTTP/1.1 200 OK\r\nX-A: ".to_vec();
+            head.extend(std::iter::repeat_n(b'a', 600 << 10));
+            let _ = s.write_all(&head).await;
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            return;
+        }
         if path == "/refuse-open" {
             // A receiver that refuses an upload from its head alone, and neither reads
             // the body nor closes (for 10 s).
@@ -1257,5 +1266,29 @@ async fn an_h2_senders_split_cookies_reach_the_receiver_as_one() {
     let a = up.arrivals().pop().unwrap();
     let got: Vec<_> = a.headers.get_all("cookie").iter().collect();
     assert_eq!(got, ["a=1; b=2; c=3"]);
+    s.stop().await;
+}
+
+/// A response head that does not end, sent while the request's body is still coming
+/// (a slow upload), is refused at the head's limit, as it is after a whole body: a 502
+/// at once, on both paths. Before, the lane kept every byte of it until
+/// `upstream_timeout` (gigabytes, and a core re-parsing them).
+#[tokio::test]
+async fn a_head_without_end_during_an_upload_is_refused_at_the_limit() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    for connection in BOTH_PATHS {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let head = format!(
+            "POST http://{host}/endless-head HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\nContent-Length: 100\r\n\r\nx"
+        );
+        t.write_all(head.as_bytes()).await.unwrap();
+        // The rest of the body never comes.
+        let (r, answered) =
+            read_until(&mut t, |got| got.windows(4).any(|w| w == b"\r\n\r\n")).await;
+        assert!(answered, "{connection}: no answer: {r:?}");
+        assert!(r.starts_with("HTTP/1.1 502"), "{connection}: {r}");
+    }
     s.stop().await;
 }
