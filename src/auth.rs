@@ -19,10 +19,9 @@
 //! refusal does not tell which names exist. Refused and in-progress values are kept
 //! apart from verified ones: a flood of wrong values can fill and flush only its own
 //! part, never evict the verified credentials of the senders at work. One sender address
-//! has at most [`MAX_CHECKS_PER_PEER`] new values under bcrypt (running or queued) at
-//! a time; a further new value from it is refused unchecked (and not remembered), so
-//! a flood of wrong passwords from one address cannot queue every other sender's
-//! first check behind it.
+//! has one new value under bcrypt at a time; its others wait their turn, so a flood of
+//! wrong passwords from one address holds one of the verifier's places, and the other
+//! senders' first checks run beside it instead of queueing behind the whole flood.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -47,9 +46,6 @@ const CACHE_TTL: Duration = Duration::from_secs(60);
 const NEGATIVE_TTL: Duration = Duration::from_secs(5);
 /// Cached credential digests, at most.
 const CACHE_CAPACITY: usize = 10_000;
-/// New header values from one sender address under bcrypt at once (running or queued
-/// for the verifier), at most. A sender sends one value: it never meets this.
-pub const MAX_CHECKS_PER_PEER: usize = 2;
 
 /// An authenticated sender.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,27 +100,26 @@ pub struct Users {
     verifying: Arc<Semaphore>,
     /// bcrypt runs so far (each verifies one header value).
     bcrypt_runs: AtomicU64,
-    /// Values under bcrypt (running or queued) by sender address.
-    checks: Mutex<HashMap<IpAddr, usize>>,
+    /// Each sender address's turn at the verifier (one value at a time), while some
+    /// value of it is checked or waits.
+    turns: Mutex<HashMap<IpAddr, Arc<Semaphore>>>,
 }
 
-/// A value was not checked: its sender address has [`MAX_CHECKS_PER_PEER`] under way.
-struct Busy;
-
-/// One value under bcrypt for a sender address (until dropped).
-struct Check<'a> {
+/// A sender address's turn at the verifier, or its place in the queue for one (until
+/// dropped: the address is forgotten with its last).
+struct Turn<'a> {
     users: &'a Users,
     peer: IpAddr,
+    gate: Option<Arc<Semaphore>>,
 }
 
-impl Drop for Check<'_> {
+impl Drop for Turn<'_> {
     fn drop(&mut self) {
-        let mut checks = self.users.checks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = checks.get_mut(&self.peer) {
-            *n -= 1;
-            if *n == 0 {
-                checks.remove(&self.peer);
-            }
+        let mut turns = self.users.turns.lock().unwrap_or_else(|e| e.into_inner());
+        let gate = self.gate.take();
+        // The map's handle and this one: no other value of the address waits.
+        if gate.is_some_and(|g| Arc::strong_count(&g) == 2) {
+            turns.remove(&self.peer);
         }
     }
 }
@@ -228,7 +223,7 @@ impl Users {
             decoy: OnceCell::new(),
             verifying: Arc::new(Semaphore::new(workers)),
             bcrypt_runs: AtomicU64::new(0),
-            checks: Mutex::new(HashMap::new()),
+            turns: Mutex::new(HashMap::new()),
         })
     }
 
@@ -256,9 +251,8 @@ impl Users {
 
     /// Checks `Proxy-Authorization` from a sender at `peer`. A value verified and used
     /// within the last minute is answered from the cache; otherwise bcrypt runs on a
-    /// blocking thread, once for all the requests that carry the value meanwhile (and
-    /// not at all when `peer` has [`MAX_CHECKS_PER_PEER`] other values under way:
-    /// refused, unremembered).
+    /// blocking thread, once for all the requests that carry the value meanwhile, after
+    /// the other new values of `peer` (one at a time per address).
     pub async fn authenticate(
         &self,
         headers: &HeaderMap,
@@ -275,9 +269,8 @@ impl Users {
         // The first request to get here verifies; the others wait for its verdict (and
         // one of them takes over if that request hangs up meanwhile).
         let identity = cell
-            .get_or_try_init(|| self.verify(value.as_bytes(), peer))
+            .get_or_init(|| self.verify(value.as_bytes(), peer))
             .await
-            .map_err(|Busy| AuthError::Refused)?
             .clone();
         self.remember(digest, &cell, identity.clone(), Instant::now());
         identity.ok_or(AuthError::Refused)
@@ -368,23 +361,25 @@ impl Users {
         made.await.clone()
     }
 
-    /// A turn under bcrypt for `peer`, unless it has its most under way.
-    fn check(&self, peer: IpAddr) -> Option<Check<'_>> {
-        let mut checks = self.checks.lock().unwrap_or_else(|e| e.into_inner());
-        let n = checks.entry(peer).or_insert(0);
-        if *n >= MAX_CHECKS_PER_PEER {
-            return None;
+    /// `peer`'s place in the queue for its turn at the verifier.
+    fn turn(&self, peer: IpAddr) -> Turn<'_> {
+        let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        let gate = turns
+            .entry(peer)
+            .or_insert_with(|| Arc::new(Semaphore::new(1)));
+        Turn {
+            users: self,
+            peer,
+            gate: Some(Arc::clone(gate)),
         }
-        *n += 1;
-        Some(Check { users: self, peer })
     }
 
-    async fn verify(&self, header: &[u8], peer: IpAddr) -> Result<Option<Identity>, Busy> {
-        let Some((name, password)) = decode_basic(header) else {
-            return Ok(None);
-        };
-        let _turn = self.check(peer).ok_or(Busy)?;
-        Ok(self.verify_password(name, password).await)
+    async fn verify(&self, header: &[u8], peer: IpAddr) -> Option<Identity> {
+        let (name, password) = decode_basic(header)?;
+        let turn = self.turn(peer);
+        let gate = turn.gate.as_ref()?;
+        let _mine = gate.acquire().await.ok()?;
+        self.verify_password(name, password).await
     }
 
     async fn verify_password(&self, name: String, password: String) -> Option<Identity> {
@@ -608,10 +603,12 @@ mod tests {
         assert_eq!(u.bcrypt_runs(), runs, "alice's value is still cached");
     }
 
-    /// A flood of new wrong values from one address gets at most two bcrypt runs at a
-    /// time; the rest are refused unchecked, so another sender's first login is
-    /// checked at once instead of queueing behind the flood. Before, every value
-    /// queued a bcrypt (200 wrong passwords kept a valid login waiting 10 s).
+    /// A flood of new wrong values from one address is checked one at a time, beside
+    /// the other senders' checks: another address's first login is checked while the
+    /// flood has barely begun, and every value of the flood is still checked (none is
+    /// refused unchecked: a sender naming several endpoints after `+` sends several
+    /// right values at once). Before, every value queued a bcrypt in arrival order
+    /// (200 wrong passwords kept a valid login waiting 10 s).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_address_cannot_queue_others_behind_its_wrong_passwords() {
         let u = users();
@@ -620,24 +617,33 @@ mod tests {
             .collect();
         let other: IpAddr = "10.0.0.2".parse().unwrap();
         let good = header(&basic("alice:s3cret"));
+        let runs_when_in = std::sync::Mutex::new(0);
         let (refused, ok) = tokio::join!(
             futures_util::future::join_all(flood.iter().map(|h| u.authenticate(h, PEER))),
-            u.authenticate(&good, other),
+            async {
+                let ok = u.authenticate(&good, other).await;
+                *runs_when_in.lock().unwrap() = u.bcrypt_runs();
+                ok
+            },
         );
         assert!(refused.iter().all(|r| *r == Err(AuthError::Refused)));
         assert!(ok.is_ok(), "{ok:?}");
-        assert_eq!(
-            u.bcrypt_runs(),
-            MAX_CHECKS_PER_PEER as u64 + 1,
-            "two of the flood's values and the other sender's"
+        let runs = *runs_when_in.lock().unwrap();
+        assert!(
+            runs <= 4,
+            "{runs} bcrypt runs before the other sender was in"
         );
-        // A value refused unchecked is not remembered: once the address has no check
-        // under way, the same value is checked (here: wrong, so refused, by bcrypt).
-        let again = u.authenticate(&flood[49], PEER).await;
-        assert_eq!(again, Err(AuthError::Refused));
-        assert_eq!(u.bcrypt_runs(), MAX_CHECKS_PER_PEER as u64 + 2);
-        // And an unchecked right value is accepted when asked again.
-        assert!(u.authenticate(&good, PEER).await.is_ok());
+        assert_eq!(u.bcrypt_runs(), 51, "every value was checked");
+        // Several right values from one address (`alice+ep0` … `alice+ep5`): all in.
+        let eps: Vec<HeaderMap> = (0..6)
+            .map(|i| header(&basic(&format!("alice+ep{i}:s3cret"))))
+            .collect();
+        let all = futures_util::future::join_all(eps.iter().map(|h| u.authenticate(h, PEER))).await;
+        assert!(all.iter().all(Result::is_ok), "{all:?}");
+        assert!(
+            u.turns.lock().unwrap().is_empty(),
+            "no address is remembered after"
+        );
     }
 
     #[test]
