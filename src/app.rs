@@ -187,6 +187,19 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     start_on(config, None).await
 }
 
+/// Drops idle upstream connections past their time now and then, until shutdown, so
+/// they go also when no sender comes again.
+async fn sweep_idle_upstreams(app: Arc<App>) {
+    let mut stop = app.lifecycle.signal();
+    let mut tick = tokio::time::interval(crate::idle::IDLE_FOR / 2);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => app.idle.sweep(),
+            _ = crate::conn::until_down(&mut stop) => return,
+        }
+    }
+}
+
 /// Binds the listeners and starts serving, sender connections on `workers` when given
 /// (`sluice run`).
 pub async fn start_on(
@@ -207,6 +220,7 @@ pub async fn start_on(
     })?;
     let (tx, rx) = oneshot::channel();
     tokio::spawn(crate::observer::run(Arc::clone(&app), OBSERVE_EVERY));
+    tokio::spawn(sweep_idle_upstreams(Arc::clone(&app)));
     let join = tokio::spawn(crate::server::run(
         Arc::clone(&app),
         proxy,

@@ -608,6 +608,9 @@ fn pool(
 ) -> Pool {
     let https = connector(tls, timeout, policy);
     Client::builder(TokioExecutor::new())
+        // The idle timeout needs a timer to act on its own (hyper-util): without one,
+        // an idle connection went only when its destination was asked for again.
+        .pool_timer(hyper_util::rt::TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(60))
         .pool_max_idle_per_host(256)
         .build(https)

@@ -22,6 +22,10 @@ pub const IDLE_FOR: Duration = Duration::from_secs(90);
 /// Most idle connections kept per destination and thread.
 pub const PER_KEY: usize = 32;
 
+/// Most idle connections kept in all (a sender cycling through many destinations
+/// cannot pile up sockets): past it, a connection leaving is closed.
+pub const MAX_KEPT: usize = 4096;
+
 /// Idle connections of type `T` by destination key `K` and thread.
 pub struct Idle<K, T> {
     inner: Mutex<Shelves<K, T>>,
@@ -29,6 +33,8 @@ pub struct Idle<K, T> {
 
 struct Shelves<K, T> {
     by_key: HashMap<(ThreadId, K), Vec<(Instant, T)>>,
+    /// Connections on every shelf.
+    kept: usize,
     /// When expired connections were last dropped from every shelf.
     swept: Instant,
 }
@@ -38,6 +44,7 @@ impl<K: Eq + Hash, T> Default for Idle<K, T> {
         Idle {
             inner: Mutex::new(Shelves {
                 by_key: HashMap::new(),
+                kept: 0,
                 swept: Instant::now(),
             }),
         }
@@ -52,20 +59,32 @@ impl<K: Eq + Hash, T> Idle<K, T> {
         let now = Instant::now();
         let mut s = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if now.duration_since(s.swept) >= IDLE_FOR / 2 {
-            s.by_key.retain(|_, shelf| {
-                shelf.retain(|(since, _)| now.duration_since(*since) < IDLE_FOR);
-                !shelf.is_empty()
-            });
-            s.swept = now;
+            s.sweep(now);
         }
-        let shelf = s
+        if s.kept >= MAX_KEPT {
+            return;
+        }
+        let shelves = &mut *s;
+        let shelf = shelves
             .by_key
             .entry((std::thread::current().id(), key))
             .or_default();
         if shelf.len() >= PER_KEY {
             shelf.remove(0);
+        } else {
+            shelves.kept += 1;
         }
         shelf.push((now, conn));
+    }
+
+    /// Drops every connection idle longer than [`IDLE_FOR`]: run now and then, so they
+    /// go also when no sender comes again.
+    pub fn sweep(&self) {
+        let now = Instant::now();
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sweep(now);
     }
 
     /// The most recently kept connection for `key` on this thread that is younger
@@ -76,7 +95,9 @@ impl<K: Eq + Hash, T> Idle<K, T> {
         let k = (std::thread::current().id(), key);
         let shelf = s.by_key.get_mut(&k)?;
         let mut found = None;
+        let mut gone = 0;
         while let Some((since, conn)) = shelf.pop() {
+            gone += 1;
             if now.duration_since(since) < IDLE_FOR && usable(&conn) {
                 found = Some(conn);
                 break;
@@ -85,18 +106,29 @@ impl<K: Eq + Hash, T> Idle<K, T> {
         if shelf.is_empty() {
             s.by_key.remove(&k);
         }
+        s.kept -= gone;
         found
     }
 
     /// How many connections are kept, over all threads.
     pub fn len(&self) -> usize {
-        let s = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        s.by_key.values().map(Vec::len).sum()
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).kept
     }
 
     /// Whether none is kept.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+impl<K, T> Shelves<K, T> {
+    fn sweep(&mut self, now: Instant) {
+        self.by_key.retain(|_, shelf| {
+            shelf.retain(|(since, _)| now.duration_since(*since) < IDLE_FOR);
+            !shelf.is_empty()
+        });
+        self.kept = self.by_key.values().map(Vec::len).sum();
+        self.swept = now;
     }
 }
 
@@ -133,5 +165,24 @@ mod tests {
         tokio::time::advance(IDLE_FOR).await;
         idle.put(2, 0);
         assert_eq!(idle.len(), 1, "key 1's expired connections were swept");
+    }
+
+    /// Expired connections go at a sweep with no sender coming again (before, only a
+    /// later `put` dropped them: an idle proxy kept its sockets for ever), and no more
+    /// than [`MAX_KEPT`] are kept in all, however many destinations.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_shelf_empties_on_its_own_and_is_bounded_in_all() {
+        let idle: Idle<usize, usize> = Idle::default();
+        for key in 0..MAX_KEPT + 100 {
+            idle.put(key, key);
+        }
+        assert_eq!(idle.len(), MAX_KEPT);
+        idle.sweep();
+        assert_eq!(idle.len(), MAX_KEPT, "none expired yet");
+        tokio::time::advance(IDLE_FOR).await;
+        idle.sweep();
+        assert!(idle.is_empty());
+        idle.put(7, 7);
+        assert_eq!(idle.take(7, |_| true), Some(7), "room again");
     }
 }
