@@ -93,8 +93,10 @@ pub struct Users {
     hashes: HashMap<String, String>,
     grants: HashMap<String, GlobSet>,
     cache: Mutex<Cache>,
-    /// A hash of no password, at the file's highest cost: what a name that is not
-    /// listed is checked against (made on first need).
+    /// The highest bcrypt cost in the file (`None` without users): the decoy's.
+    decoy_cost: Option<u32>,
+    /// A hash of no password at `decoy_cost`: what a name that is not listed is checked
+    /// against (made on first need).
     decoy: OnceCell<Option<String>>,
     /// bcrypt is CPU-bound: at most this many run at once, off the async workers.
     verifying: Arc<Semaphore>,
@@ -110,15 +112,14 @@ pub struct Users {
 struct Turn<'a> {
     users: &'a Users,
     peer: IpAddr,
-    gate: Option<Arc<Semaphore>>,
+    gate: Arc<Semaphore>,
 }
 
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
         let mut turns = self.users.turns.lock().unwrap_or_else(|e| e.into_inner());
-        let gate = self.gate.take();
         // The map's handle and this one: no other value of the address waits.
-        if gate.is_some_and(|g| Arc::strong_count(&g) == 2) {
+        if Arc::strong_count(&self.gate) == 2 {
             turns.remove(&self.peer);
         }
     }
@@ -216,8 +217,14 @@ impl Users {
             .map(|g| (g.user.clone(), g.endpoints.clone()))
             .collect();
         let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let decoy_cost = hashes
+            .values()
+            .filter_map(|h| bcrypt::HashParts::from_str(h).ok())
+            .map(|p| p.get_cost())
+            .max();
         Ok(Users {
             hashes,
+            decoy_cost,
             grants,
             cache: Mutex::new(Cache::default()),
             decoy: OnceCell::new(),
@@ -348,12 +355,7 @@ impl Users {
     /// The hash a name that is not listed is checked against: of no password, at the
     /// highest cost in the file, made once (on a blocking thread). `None` without users.
     async fn decoy(&self) -> Option<String> {
-        let cost = self
-            .hashes
-            .values()
-            .filter_map(|h| bcrypt::HashParts::from_str(h).ok())
-            .map(|p| p.get_cost())
-            .max()?;
+        let cost = self.decoy_cost?;
         let made = self.decoy.get_or_init(|| async move {
             let hashing = move || bcrypt::hash("sluice: no such user", cost).ok();
             tokio::task::spawn_blocking(hashing).await.ok().flatten()
@@ -370,15 +372,14 @@ impl Users {
         Turn {
             users: self,
             peer,
-            gate: Some(Arc::clone(gate)),
+            gate: Arc::clone(gate),
         }
     }
 
     async fn verify(&self, header: &[u8], peer: IpAddr) -> Option<Identity> {
         let (name, password) = decode_basic(header)?;
         let turn = self.turn(peer);
-        let gate = turn.gate.as_ref()?;
-        let _mine = gate.acquire().await.ok()?;
+        let _mine = turn.gate.acquire().await.ok()?;
         self.verify_password(name, password).await
     }
 
