@@ -718,6 +718,24 @@ pub fn strip_hop_by_hop_and(h: &mut HeaderMap, also: &[&HeaderName]) {
     }
 }
 
+/// A `Content-Length` value: ASCII digits only, no sign, no list, at most 18 of them.
+pub(crate) fn content_length(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(v).ok()?.parse().ok()
+}
+
+/// A response's `Content-Length` value: one length, or a list of equal ones (RFC 9110
+/// §8.6 lets a recipient take `2, 2` as 2, as hyper's client does; both paths read it so).
+pub(crate) fn content_length_list(v: &[u8]) -> Option<u64> {
+    let mut lengths = v
+        .split(|b| *b == b',')
+        .map(|n| content_length(n.trim_ascii()));
+    let first = lengths.next()??;
+    lengths.all(|n| n == Some(first)).then_some(first)
+}
+
 /// Where `name` is in [`HOP_BY_HOP`]: a `match` on the text, half the instructions of
 /// comparing `HeaderName`s one by one.
 pub(crate) fn hop_by_hop_index(name: &str) -> Option<usize> {

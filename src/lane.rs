@@ -55,7 +55,7 @@ use tokio::time::{Instant, Sleep};
 use crate::conn::{Activity, InFlight, MAX_HEAD_BYTES, Quiet, SendIo, Timeouts, Writes, watched};
 use crate::core::App;
 use crate::decision::{self, Trace};
-use crate::forward::{ForwardError, hop_by_hop_index};
+use crate::forward::{ForwardError, content_length, content_length_list, hop_by_hop_index};
 use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
 
 /// Most headers a request or response head may have in the lane (hyper's own limit);
@@ -540,6 +540,13 @@ async fn send<S: SenderIo>(
     read_answer(up, out, ask).await
 }
 
+/// An upstream response head past [`MAX_RESPONSE_HEAD_BYTES`] without its end.
+fn head_too_large() -> ForwardError {
+    ForwardError::Other(format!(
+        "upstream response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
+    ))
+}
+
 /// An answer that came before the request's body was all sent.
 fn early(answer: Answer) -> Answer {
     Answer {
@@ -600,9 +607,7 @@ impl Body {
                         // A head that never ends is refused here as `read_answer`
                         // refuses it, not read until `upstream_timeout`.
                         Ok(None) if up.buf.len() >= MAX_RESPONSE_HEAD_BYTES => {
-                            return Poll::Ready(Sent::Malformed(ForwardError::Other(format!(
-                                "upstream response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
-                            ))));
+                            return Poll::Ready(Sent::Malformed(head_too_large()));
                         }
                         Ok(None) => {}
                         Err(e) => return Poll::Ready(Sent::Malformed(e)),
@@ -684,9 +689,7 @@ async fn read_answer(
                     continue;
                 }
                 None if up.buf.len() >= MAX_RESPONSE_HEAD_BYTES => {
-                    return Err(ForwardError::Other(format!(
-                        "upstream response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
-                    )));
+                    return Err(head_too_large());
                 }
                 None => {}
             }
@@ -799,24 +802,6 @@ fn connection_close(v: &[u8]) -> Option<bool> {
         }
     }
     Some(close)
-}
-
-/// A `Content-Length` value: ASCII digits only, no sign, no list, at most 18 of them.
-fn content_length(v: &[u8]) -> Option<u64> {
-    if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(v).ok()?.parse().ok()
-}
-
-/// A response's `Content-Length` value: one length, or a list of equal ones (RFC 9110
-/// §8.6 lets a recipient take `2, 2` as 2, as hyper's client does).
-fn content_length_list(v: &[u8]) -> Option<u64> {
-    let mut lengths = v
-        .split(|b| *b == b',')
-        .map(|n| content_length(n.trim_ascii()));
-    let first = lengths.next()??;
-    lengths.all(|n| n == Some(first)).then_some(first)
 }
 
 /// Writes the request head for the upstream into `out`: origin-form, `Host` from the

@@ -43,7 +43,9 @@ use crate::decision::{self, Trace};
 use crate::destination::normalise_host;
 use crate::endpoint::{Resolved, proxy_user};
 use crate::error::{Body, ProxyError};
-use crate::forward::{ForwardError, strip_hop_by_hop, strip_hop_by_hop_and, strip_sluice_headers};
+use crate::forward::{
+    ForwardError, content_length_list, strip_hop_by_hop, strip_hop_by_hop_and, strip_sluice_headers,
+};
 use crate::limiter::{Ask, Grant, HeldBody, Place, Refusal, Shadow, Slot};
 use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED};
 
@@ -651,20 +653,18 @@ fn one_content_length(h: &mut HeaderMap) {
     if all.next().is_none() && !first.as_bytes().contains(&b',') {
         return;
     }
-    let mut one: Option<&str> = None;
+    let mut one: Option<u64> = None;
     let mut equal = true;
     for value in h.get_all(CONTENT_LENGTH) {
-        for n in value.to_str().unwrap_or(",").split(',').map(str::trim) {
-            let digits = !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
-            equal &= digits && one.is_none_or(|o| o == n);
-            one = Some(n);
-        }
+        let n = content_length_list(value.as_bytes());
+        equal &= n.is_some() && (one.is_none() || one == n);
+        one = one.or(n);
     }
-    match one.filter(|_| equal).map(http::HeaderValue::from_str) {
-        Some(Ok(v)) => {
-            h.insert(CONTENT_LENGTH, v);
+    match one.filter(|_| equal) {
+        Some(n) => {
+            h.insert(CONTENT_LENGTH, http::HeaderValue::from(n));
         }
-        _ => {
+        None => {
             h.remove(CONTENT_LENGTH);
         }
     }
