@@ -969,3 +969,72 @@ async fn a_replica_holds_workers_plus_two_redis_connections() {
         .count();
     assert_eq!(held, 2 + 2, "connections for 2 workers:\n{list}");
 }
+
+/// A Redis that stalls (SIGSTOP) and answers again (SIGCONT) under saturating load, with
+/// `on_error = "local"`: the reservations the shared bucket handed out before the stall,
+/// the local bucket's during it and the shared bucket's after it together keep the bound
+/// in every window. Nothing arrives twice or after a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_stall_and_its_end_under_saturation_keep_the_bound() {
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 20.0\nburst = 10.0\nmax_wait = \"2s\"\n",
+        redis.url()
+    ))
+    .await;
+    let up = Upstream::start().await;
+    let admin = format!("http://{}/readyz", s.admin_addr);
+    let store_is = |state: &'static str| {
+        let admin = admin.clone();
+        move || {
+            let admin = admin.clone();
+            async move {
+                let r: serde_json::Value =
+                    reqwest::get(&admin).await.unwrap().json().await.unwrap();
+                r["store"] == state
+            }
+        }
+    };
+    // 60 senders: demand far above 20/s, so the shared bucket holds reservations up to
+    // max_wait ahead when it stalls.
+    let load = Saturation::start(std::slice::from_ref(&s), &up, "stall", 60, 400);
+    common::wait_for(
+        "arrivals paced on Redis",
+        Duration::from_secs(10),
+        || async { times_of(&up, "stall").len() >= 40 },
+    )
+    .await;
+    redis.pause();
+    common::wait_for(
+        "the store to be degraded",
+        Duration::from_secs(5),
+        store_is("degraded"),
+    )
+    .await;
+    let stalled = times_of(&up, "stall").len();
+    common::wait_for(
+        "arrivals paced locally",
+        Duration::from_secs(10),
+        || async { times_of(&up, "stall").len() >= stalled + 50 },
+    )
+    .await;
+    redis.resume();
+    common::wait_for(
+        "the store to answer again",
+        Duration::from_secs(5),
+        store_is("ok"),
+    )
+    .await;
+    let resumed = times_of(&up, "stall").len();
+    common::wait_for(
+        "arrivals paced on Redis again",
+        Duration::from_secs(10),
+        || async { times_of(&up, "stall").len() >= resumed + 60 },
+    )
+    .await;
+    let sent = load.finish().await;
+    assert_exactly_once(&sent, &up);
+    assert_no_overdraw(&times_of(&up, "stall"), 20.0, 10.0);
+    s.stop().await;
+}

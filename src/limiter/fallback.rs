@@ -9,17 +9,24 @@
 //!
 //! Each outage starts with a fresh, *empty* local store: a bucket left over from an
 //! earlier outage would have refilled and would add a burst on top of what the shared
-//! bucket already let through. Reservations handed out by the local store carry
-//! [`LOCAL_GENERATION`] so that their confirmation and refund go back to the store that
-//! made them, whichever store is in use by then.
+//! bucket already let through. Nor does a local bucket refill before its endpoint's
+//! *horizon*, the start of the last reservation the shared bucket was seen to grant
+//! ([`Horizons`]): until then the slots belong to requests already holding shared
+//! reservations, which leave uncharged when they wake (one that wakes later is charged).
+//!
+//! Reservations handed out by the local store carry [`LOCAL_GENERATION`] and the number
+//! of the outage whose store made them. Confirmed during that outage, they stay local.
+//! Once the shared store answers again (or another outage has a new local store), the
+//! store deciding never counted them: they ask it afresh, like a new request, rather than
+//! leave on top of what it grants. So that no such request leaves unasked, every
+//! reservation made before the last change of store is confirmed on waking
+//! ([`BucketStore::needs_confirm`]).
 //!
 //! The local buckets take this replica's *share* of each limit: while the store answers,
 //! every replica registers a heartbeat there ([`heartbeats`]) and learns how many
 //! replicas are alive ([`Peers`]); during an outage its local bucket runs at
 //! `rate / N` (burst `burst / N`, at least 1), N = the last count seen, never below
-//! `store.fallback_min_replicas`. A request holding a shared reservation that leaves
-//! during the outage is charged to the local bucket, so the reservations the shared
-//! bucket handed out before the outage are not granted a second time locally.
+//! `store.fallback_min_replicas`.
 //!
 //! The replica registers before the store decides anything for it, at start-up and again
 //! when the store answers after a failure ([`Resilient::rejoin`]): an outage longer than
@@ -29,8 +36,9 @@
 //!
 //! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, Weak};
 use std::time::Duration;
 
@@ -48,8 +56,13 @@ use crate::config::{Adaptive, OnError};
 /// How often a degraded store lets one call try the primary again.
 pub const PROBE_EVERY: Duration = Duration::from_millis(250);
 
-/// Bit set in the generation of reservations made by the local fallback store.
+/// Bit set in the generation of reservations made by the local fallback store; bits
+/// 32–61 hold the outage's number, bits 0–31 the local bucket's generation.
 pub const LOCAL_GENERATION: u64 = 1 << 62;
+/// The local bucket's own generation in a local reservation's generation.
+const LOCAL_BUCKET_GENERATION: u64 = 0xFFFF_FFFF;
+/// The outage's number in a local reservation's generation (above the bucket's).
+const OUTAGE_NUMBER: u64 = (LOCAL_GENERATION - 1) & !LOCAL_BUCKET_GENERATION;
 
 /// How often a replica registers its heartbeat while the store answers.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
@@ -121,10 +134,89 @@ pub async fn heartbeats(store: Weak<RedisStore>, peers: Arc<Peers>) {
     }
 }
 
+/// Per endpoint, the start of the last reservation the shared store was seen to grant
+/// with a wait: a local bucket taking over for an endpoint starts no earlier (see
+/// [`MemoryStore::fallback`]). Times past are swept out as the map grows.
+#[derive(Debug, Default)]
+pub struct Horizons {
+    inner: Mutex<HorizonMap>,
+}
+
+#[derive(Debug, Default)]
+struct HorizonMap {
+    by_endpoint: HashMap<Box<str>, Instant>,
+    /// Past times are swept out when the map reaches this size.
+    sweep_at: usize,
+}
+
+impl Horizons {
+    /// Fewest entries before past ones are swept out.
+    const SWEEP_FROM: usize = 1024;
+
+    /// Records a shared reservation of `endpoint` starting at `at`.
+    fn saw(&self, endpoint: &str, at: Instant) {
+        let mut m = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(t) = m.by_endpoint.get_mut(endpoint) {
+            *t = (*t).max(at);
+            return;
+        }
+        if m.by_endpoint.len() >= m.sweep_at {
+            let now = Instant::now();
+            m.by_endpoint.retain(|_, t| *t > now);
+            m.sweep_at = (m.by_endpoint.len() * 2).max(Self::SWEEP_FROM);
+        }
+        m.by_endpoint.insert(endpoint.into(), at);
+    }
+
+    /// The start of the last shared reservation of `endpoint` seen, if any.
+    pub fn get(&self, endpoint: &str) -> Option<Instant> {
+        let m = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        m.by_endpoint.get(endpoint).copied()
+    }
+}
+
+/// One outage's local store, with the outage's number for the reservations it makes.
+struct Local {
+    store: MemoryStore,
+    outage: u64,
+}
+
+impl Local {
+    /// Marks an outcome of this store as local and its own.
+    fn tag(&self, o: Outcome) -> Outcome {
+        match o {
+            Outcome::Granted {
+                wait_us,
+                generation,
+            } => Outcome::Granted {
+                wait_us,
+                generation: LOCAL_GENERATION
+                    | (self.outage << 32) & OUTAGE_NUMBER
+                    | generation & LOCAL_BUCKET_GENERATION,
+            },
+            refused => refused,
+        }
+    }
+
+    /// The local bucket's generation of a reservation this store made; `None` when
+    /// another store made it.
+    fn own(&self, generation: u64) -> Option<u64> {
+        let outage = (generation & OUTAGE_NUMBER) >> 32;
+        (is_local(generation) && outage == self.outage & (OUTAGE_NUMBER >> 32))
+            .then_some(generation & LOCAL_BUCKET_GENERATION)
+    }
+}
+
 /// The shared store wrapped with the `on_error` policy.
 pub struct Resilient {
     primary: Arc<dyn BucketStore>,
-    local: ArcSwap<MemoryStore>,
+    local: ArcSwap<Local>,
+    /// Outages so far: numbers each one's local store.
+    outages: AtomicU64,
+    horizons: Arc<Horizons>,
+    /// When the store deciding last changed (µs since `born`, plus one; 0: never).
+    changed: AtomicU64,
+    born: Instant,
     on_error: OnError,
     stats: StoreStats,
     degraded: AtomicBool,
@@ -144,9 +236,17 @@ impl Resilient {
         peers: Arc<Peers>,
     ) -> Resilient {
         stats.degraded.set(0);
+        let horizons = Arc::new(Horizons::default());
         Resilient {
             primary,
-            local: ArcSwap::from_pointee(MemoryStore::starting_empty()),
+            local: ArcSwap::from_pointee(Local {
+                store: MemoryStore::fallback(Arc::clone(&horizons)),
+                outage: 0,
+            }),
+            outages: AtomicU64::new(0),
+            horizons,
+            changed: AtomicU64::new(0),
+            born: Instant::now(),
             on_error,
             stats,
             degraded: AtomicBool::new(false),
@@ -184,8 +284,12 @@ impl Resilient {
             return;
         }
         // A fresh, empty fallback for this outage, installed before anyone can use it.
-        self.local.store(Arc::new(MemoryStore::starting_empty()));
+        self.local.store(Arc::new(Local {
+            store: MemoryStore::fallback(Arc::clone(&self.horizons)),
+            outage: self.outages.fetch_add(1, Ordering::AcqRel) + 1,
+        }));
         if !self.degraded.swap(true, Ordering::AcqRel) {
+            self.changed_now();
             self.stats.degraded.set(1);
             let fallback = match self.on_error {
                 OnError::Local => "deciding with in-process buckets at this replica's share",
@@ -217,8 +321,38 @@ impl Resilient {
         Ok(())
     }
 
+    /// Records that the store deciding changed now.
+    fn changed_now(&self) {
+        let us = self.born.elapsed().as_micros() as u64 + 1;
+        self.changed.store(us, Ordering::Release);
+    }
+
+    /// Whether the store deciding changed at or after `since`.
+    fn changed_since(&self, since: Instant) -> bool {
+        match self.changed.load(Ordering::Acquire) {
+            0 => false,
+            at => since.saturating_duration_since(self.born).as_micros() as u64 + 1 <= at,
+        }
+    }
+
+    /// Records where a shared reservation starts (the local store needs it only with
+    /// `on_error = "local"`, and only for reservations with a wait).
+    fn saw(&self, endpoint: &str, o: &Outcome) {
+        if let Outcome::Granted {
+            wait_us,
+            generation,
+        } = *o
+        {
+            if wait_us > 0.0 && !is_local(generation) && self.on_error == OnError::Local {
+                let at = Instant::now() + super::from_micros(wait_us);
+                self.horizons.saw(endpoint, at);
+            }
+        }
+    }
+
     fn recovered(&self) {
         if self.degraded.swap(false, Ordering::AcqRel) {
+            self.changed_now();
             self.stats.degraded.set(0);
             tracing::info!("rate-limit store answers again: shared buckets back in use");
         }
@@ -229,7 +363,7 @@ impl Resilient {
     async fn run<'a, T>(
         &'a self,
         primary: impl FnOnce(&'a dyn BucketStore) -> StoreFuture<'a, T>,
-        fallback: impl FnOnce(&MemoryStore) -> T,
+        fallback: impl FnOnce(&Local) -> T,
         allow: T,
     ) -> Result<T, StoreError> {
         let err = if self.try_primary() {
@@ -264,75 +398,72 @@ impl Resilient {
     }
 }
 
-/// Marks an outcome of the local store as local.
-fn tag_local(o: Outcome) -> Outcome {
-    match o {
-        Outcome::Granted {
-            wait_us,
-            generation,
-        } => Outcome::Granted {
-            wait_us,
-            generation: generation | LOCAL_GENERATION,
-        },
-        refused => refused,
-    }
-}
-
 fn is_local(generation: u64) -> bool {
     generation & LOCAL_GENERATION != 0
 }
 
 impl BucketStore for Resilient {
-    fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
+    fn acquire<'a>(&'a self, endpoint: &'a str, mut ask: Ask) -> StoreFuture<'a, Outcome> {
         Box::pin(async move {
             let share = self.peers.share(ask);
             if let Some(g) = ask.held.filter(|g| is_local(*g)) {
-                // Confirm a local reservation where it was made.
-                let local = Ask {
-                    held: Some(g & !LOCAL_GENERATION),
-                    ..share
-                };
-                return Ok(tag_local(self.local.load().acquire_now(endpoint, local)));
+                let local = self.local.load();
+                match local.own(g) {
+                    // Confirm a reservation of this outage's local store there.
+                    Some(own) if self.degraded.load(Ordering::Acquire) => {
+                        let ask = Ask {
+                            held: Some(own),
+                            ..share
+                        };
+                        return Ok(local.tag(local.store.acquire_now(endpoint, ask)));
+                    }
+                    // The store deciding now never counted it: ask afresh.
+                    _ => ask.held = None,
+                }
             }
             // A shared reservation that cannot be re-checked survives: the shared bucket
-            // already paced it, and no cooldown could be learned meanwhile. It is charged
-            // to the local bucket, which must not grant its slot a second time.
+            // already paced it, and no cooldown could be learned meanwhile. The local
+            // bucket left it its slot (see `Horizons`); if it wakes past that, it is
+            // charged there.
             let survived = ask.held;
-            self.run(
-                move |p| p.acquire(endpoint, ask),
-                move |l| match survived {
-                    Some(generation) => {
-                        l.charge_now(
-                            endpoint,
-                            Ask {
+            let outcome = self
+                .run(
+                    move |p| p.acquire(endpoint, ask),
+                    move |l| match survived {
+                        Some(generation) => {
+                            let ask = Ask {
                                 held: None,
                                 ..share
-                            },
-                        );
-                        Outcome::Granted {
-                            wait_us: 0.0,
-                            generation,
+                            };
+                            l.store.charge_survivor_now(endpoint, ask);
+                            Outcome::Granted {
+                                wait_us: 0.0,
+                                generation,
+                            }
                         }
-                    }
-                    None => tag_local(l.acquire_now(endpoint, share)),
-                },
-                Outcome::Granted {
-                    wait_us: 0.0,
-                    generation: u64::MAX,
-                },
-            )
-            .await
+                        None => l.tag(l.store.acquire_now(endpoint, share)),
+                    },
+                    Outcome::Granted {
+                        wait_us: 0.0,
+                        generation: u64::MAX,
+                    },
+                )
+                .await?;
+            self.saw(endpoint, &outcome);
+            Ok(outcome)
         })
     }
 
     fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             if is_local(generation) {
-                self.local.load().release_now(
-                    endpoint,
-                    self.peers.share(ask),
-                    generation & !LOCAL_GENERATION,
-                );
+                // Back to the local store that made it; one no longer in use counted
+                // it nowhere else.
+                let local = self.local.load();
+                if let Some(own) = local.own(generation) {
+                    let share = self.peers.share(ask);
+                    local.store.release_now(endpoint, share, own);
+                }
                 return Ok(());
             }
             // A shared reservation can only be given back to the shared store.
@@ -359,7 +490,10 @@ impl BucketStore for Resilient {
         );
         Box::pin(self.run(
             move |p| p.feedback(endpoint, ask, adaptive, pause, throttled),
-            move |l| l.feedback_now(endpoint, share, &local_adaptive, pause, throttled),
+            move |l| {
+                l.store
+                    .feedback_now(endpoint, share, &local_adaptive, pause, throttled)
+            },
             (),
         ))
     }
@@ -373,7 +507,7 @@ impl BucketStore for Resilient {
         let (share, n) = (self.peers.share(ask), self.peers.count() as f64);
         Box::pin(self.run(
             move |p| p.view(endpoint, ask, floor),
-            move |l| l.view_now(endpoint, share, floor.map(|f| f / n)),
+            move |l| l.store.view_now(endpoint, share, floor.map(|f| f / n)),
             None,
         ))
     }
@@ -400,9 +534,12 @@ impl BucketStore for Resilient {
         Some(self.peers.count())
     }
 
-    /// While degraded, always confirm (the local store answers at once anyway).
+    /// While degraded, always confirm (the local store answers at once anyway), and so
+    /// does a reservation made before the store deciding last changed.
     fn needs_confirm(&self, endpoint: &str, since: tokio::time::Instant) -> bool {
-        self.degraded.load(Ordering::Acquire) || self.primary.needs_confirm(endpoint, since)
+        self.degraded.load(Ordering::Acquire)
+            || self.changed_since(since)
+            || self.primary.needs_confirm(endpoint, since)
     }
 
     fn acquire_leased<'a>(
@@ -412,17 +549,25 @@ impl BucketStore for Resilient {
         lease: LeaseAsk,
     ) -> StoreFuture<'a, Leased> {
         let share = self.peers.share(ask);
-        Box::pin(self.run(
-            move |p| p.acquire_leased(endpoint, ask, lease),
-            move |l| match l.acquire_leased_now(endpoint, share, lease) {
-                Leased::Took(o) => Leased::Took(tag_local(o)),
-                busy => busy,
-            },
-            Leased::Took(Outcome::Granted {
-                wait_us: 0.0,
-                generation: u64::MAX,
-            }),
-        ))
+        Box::pin(async move {
+            let leased = self
+                .run(
+                    move |p| p.acquire_leased(endpoint, ask, lease),
+                    move |l| match l.store.acquire_leased_now(endpoint, share, lease) {
+                        Leased::Took(o) => Leased::Took(l.tag(o)),
+                        busy => busy,
+                    },
+                    Leased::Took(Outcome::Granted {
+                        wait_us: 0.0,
+                        generation: u64::MAX,
+                    }),
+                )
+                .await?;
+            if let Leased::Took(o) = &leased {
+                self.saw(endpoint, o);
+            }
+            Ok(leased)
+        })
     }
 
     fn renew_lease<'a>(
@@ -433,7 +578,10 @@ impl BucketStore for Resilient {
     ) -> StoreFuture<'a, bool> {
         Box::pin(self.run(
             move |p| p.renew_lease(endpoint, ask, lease),
-            move |l| l.renew_lease_now(endpoint, self.peers.share(ask), lease),
+            move |l| {
+                l.store
+                    .renew_lease_now(endpoint, self.peers.share(ask), lease)
+            },
             true,
         ))
     }
@@ -444,6 +592,7 @@ impl BucketStore for Resilient {
         Box::pin(async move {
             self.local
                 .load()
+                .store
                 .release_lease_now(endpoint, self.peers.share(ask), id);
             self.run(move |p| p.release_lease(endpoint, ask, id), |_| (), ())
                 .await

@@ -11,14 +11,15 @@
 //! IDs cannot grow memory without bound.
 
 use std::hash::{BuildHasher, RandomState};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hashbrown::HashTable;
 use tokio::time::Instant;
 
 use super::bucket::{self, Ask, BucketState, Outcome, View};
+use super::fallback::Horizons;
 use super::lease::{self, LeaseAsk, Leased, Leases};
 use super::{BucketStore, StoreError, StoreFuture};
 use crate::config::Adaptive;
@@ -33,6 +34,9 @@ struct Entry {
     ask: Ask,
     /// In-flight leases (only for endpoints with `max_in_flight`).
     leases: Leases,
+    /// When the bucket began to refill (µs): its creation, or later for a fallback
+    /// bucket taking over from a shared one (see [`MemoryStore::fallback`]).
+    start: f64,
 }
 
 /// One shard's buckets, by endpoint ID.
@@ -47,6 +51,8 @@ pub struct MemoryStore {
     epoch: Instant,
     calls: AtomicU64,
     start_full: bool,
+    /// A fallback store's new buckets start no earlier than the endpoint's horizon.
+    horizons: Option<Arc<Horizons>>,
 }
 
 impl Default for MemoryStore {
@@ -61,15 +67,22 @@ impl MemoryStore {
         MemoryStore::with_fresh_buckets_full(true)
     }
 
-    /// A store whose new buckets start empty: the fallback for a failed shared store,
-    /// which must not add a burst on top of what the shared bucket already let through.
-    pub fn starting_empty() -> MemoryStore {
-        MemoryStore::with_fresh_buckets_full(false)
+    /// The fallback for a failed shared store. Its new buckets start empty, and begin to
+    /// refill no earlier than the endpoint's horizon, the start of the last reservation
+    /// the shared bucket was seen to grant: the reservations the shared bucket already
+    /// handed out fill the time until then, and the local one must not add a burst or a
+    /// second claim on those slots.
+    pub fn fallback(horizons: Arc<Horizons>) -> MemoryStore {
+        MemoryStore {
+            horizons: Some(horizons),
+            ..MemoryStore::with_fresh_buckets_full(false)
+        }
     }
 
     fn with_fresh_buckets_full(start_full: bool) -> MemoryStore {
         MemoryStore {
             start_full,
+            horizons: None,
             shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
             hasher: RandomState::new(),
             epoch: Instant::now(),
@@ -86,6 +99,15 @@ impl MemoryStore {
 
     fn now(&self) -> f64 {
         self.epoch.elapsed().as_secs_f64() * 1e6
+    }
+
+    /// When a new bucket of `endpoint` starts (µs): now, or its horizon when later.
+    fn start_of(&self, endpoint: &str, now: f64) -> f64 {
+        let horizon = self.horizons.as_ref().and_then(|h| h.get(endpoint));
+        horizon.map_or(now, |at| {
+            let at = at.saturating_duration_since(self.epoch).as_secs_f64() * 1e6;
+            at.max(now)
+        })
     }
 
     /// Number of buckets held (tests check eviction).
@@ -108,16 +130,11 @@ impl MemoryStore {
         ask: &Ask,
         f: impl FnOnce(&mut BucketState, f64) -> T,
     ) -> T {
-        self.with_entry(endpoint, ask, |s, _, now| f(s, now))
+        self.with_entry(endpoint, ask, |e, now| f(&mut e.state, now))
     }
 
-    /// Runs `f` on the endpoint's bucket and leases (created when absent).
-    fn with_entry<T>(
-        &self,
-        endpoint: &str,
-        ask: &Ask,
-        f: impl FnOnce(&mut BucketState, &mut Leases, f64) -> T,
-    ) -> T {
+    /// Runs `f` on the endpoint's entry: bucket and leases (created when absent).
+    fn with_entry<T>(&self, endpoint: &str, ask: &Ask, f: impl FnOnce(&mut Entry, f64) -> T) -> T {
         let (hash, idx) = self.locate(endpoint);
         let n = self.calls.fetch_add(1, Ordering::Relaxed);
         if n % SWEEP_EVERY == 0 {
@@ -132,16 +149,18 @@ impl MemoryStore {
                 |(k, _)| self.hasher.hash_one(&**k),
             )
             .or_insert_with(|| {
+                let start = self.start_of(endpoint, now);
                 let fresh = Entry {
-                    state: bucket::fresh(if self.start_full { ask.burst } else { 0.0 }, now),
+                    state: bucket::fresh(if self.start_full { ask.burst } else { 0.0 }, start),
                     ask: *ask,
                     leases: Leases::new(),
+                    start,
                 };
                 (endpoint.into(), fresh)
             })
             .into_mut();
         entry.ask = *ask;
-        f(&mut entry.state, &mut entry.leases, now)
+        f(entry, now)
     }
 
     /// Evicts idle buckets of one shard.
@@ -190,28 +209,34 @@ impl MemoryStore {
             .map(|(_, e)| bucket::view(&e.state, &ask, floor, now))
     }
 
-    /// Counts a request paced elsewhere (see [`bucket::charge`]).
-    pub fn charge_now(&self, endpoint: &str, ask: Ask) {
-        self.with_bucket(endpoint, &ask, |s, now| bucket::charge(s, &ask, now));
+    /// Counts a request the shared bucket paced before this fallback store took over
+    /// (see [`bucket::charge`]), unless it leaves before the endpoint's bucket here
+    /// started: that time was left to the shared bucket's reservations.
+    pub fn charge_survivor_now(&self, endpoint: &str, ask: Ask) {
+        self.with_entry(endpoint, &ask, |e, now| {
+            if now > e.start {
+                bucket::charge(&mut e.state, &ask, now);
+            }
+        });
     }
 
     /// Leased acquire without the future wrapper: a slot and a token together.
     pub fn acquire_leased_now(&self, endpoint: &str, ask: Ask, l: LeaseAsk) -> Leased {
-        self.with_entry(endpoint, &ask, |s, leases, now| {
-            lease::acquire(s, leases, &ask, &l, now)
+        self.with_entry(endpoint, &ask, |e, now| {
+            lease::acquire(&mut e.state, &mut e.leases, &ask, &l, now)
         })
     }
 
     /// Lease renewal without the future wrapper.
     pub fn renew_lease_now(&self, endpoint: &str, ask: Ask, l: LeaseAsk) -> bool {
-        self.with_entry(endpoint, &ask, |_, leases, now| {
-            lease::renew(leases, &l, now)
+        self.with_entry(endpoint, &ask, |e, now| {
+            lease::renew(&mut e.leases, &l, now)
         })
     }
 
     /// Lease release without the future wrapper.
     pub fn release_lease_now(&self, endpoint: &str, ask: Ask, id: u64) {
-        self.with_entry(endpoint, &ask, |_, leases, _| leases.remove(&id));
+        self.with_entry(endpoint, &ask, |e, _| e.leases.remove(&id));
     }
 
     /// Release without the future wrapper.
