@@ -331,7 +331,7 @@ impl Resilient {
     fn changed_since(&self, since: Instant) -> bool {
         match self.changed.load(Ordering::Acquire) {
             0 => false,
-            at => since.saturating_duration_since(self.born).as_micros() as u64 + 1 <= at,
+            at => (since.saturating_duration_since(self.born).as_micros() as u64) < at,
         }
     }
 
