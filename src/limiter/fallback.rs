@@ -607,3 +607,188 @@ impl BucketStore for Resilient {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Policy;
+    use crate::limiter::Limiter;
+
+    /// A real memory store behind a switch that makes every call fail while it is off:
+    /// a shared store going away and coming back, in virtual time.
+    struct Switched {
+        store: MemoryStore,
+        down: AtomicBool,
+    }
+
+    impl Switched {
+        fn check(&self) -> Result<(), StoreError> {
+            if self.down.load(Ordering::Relaxed) {
+                Err(StoreError::Unreachable("switched off".into()))
+            } else {
+                Ok(())
+            }
+        }
+
+        fn answer<T: Send + 'static>(&self, v: impl FnOnce() -> T) -> StoreFuture<'_, T> {
+            let r = self.check().map(|()| v());
+            Box::pin(std::future::ready(r))
+        }
+    }
+
+    impl BucketStore for Switched {
+        fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
+            self.answer(|| self.store.acquire_now(endpoint, ask))
+        }
+        fn release<'a>(&'a self, e: &'a str, ask: Ask, g: u64) -> StoreFuture<'a, ()> {
+            self.answer(|| self.store.release_now(e, ask, g))
+        }
+        fn feedback<'a>(
+            &'a self,
+            e: &'a str,
+            ask: Ask,
+            a: Adaptive,
+            pause: Duration,
+            throttled: bool,
+        ) -> StoreFuture<'a, ()> {
+            self.answer(|| self.store.feedback_now(e, ask, &a, pause, throttled))
+        }
+        fn view<'a>(
+            &'a self,
+            e: &'a str,
+            ask: Ask,
+            f: Option<f64>,
+        ) -> StoreFuture<'a, Option<View>> {
+            self.answer(|| self.store.view_now(e, ask, f))
+        }
+        fn ping(&self) -> StoreFuture<'_, ()> {
+            self.answer(|| ())
+        }
+        fn acquire_leased<'a>(
+            &'a self,
+            e: &'a str,
+            ask: Ask,
+            l: LeaseAsk,
+        ) -> StoreFuture<'a, Leased> {
+            self.answer(|| self.store.acquire_leased_now(e, ask, l))
+        }
+        fn renew_lease<'a>(&'a self, e: &'a str, ask: Ask, l: LeaseAsk) -> StoreFuture<'a, bool> {
+            self.answer(|| self.store.renew_lease_now(e, ask, l))
+        }
+        fn release_lease<'a>(&'a self, e: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+            self.answer(|| self.store.release_lease_now(e, ask, id))
+        }
+    }
+
+    /// Requests admitted from `at` on, each recording when it was let go.
+    fn admit_from(
+        limiter: &Limiter,
+        policy: &Arc<Policy>,
+        n: usize,
+    ) -> Vec<tokio::task::JoinHandle<Instant>> {
+        (0..n)
+            .map(|_| {
+                let (limiter, policy) = (limiter.clone(), Arc::clone(policy));
+                tokio::spawn(async move {
+                    limiter.admit("ep", &policy).await.expect("admitted");
+                    Instant::now()
+                })
+            })
+            .collect()
+    }
+
+    /// The bound in virtual time, exact: in every window [t, t + w), at most
+    /// rate·w + burst departures.
+    fn assert_bound(mut left: Vec<Instant>, rate: f64, burst: f64) {
+        left.sort();
+        for w in [0.5, 1.0, 2.0, 4.0] {
+            let win = Duration::from_secs_f64(w);
+            for (i, t) in left.iter().enumerate() {
+                let n = left[i..].iter().take_while(|u| **u < *t + win).count();
+                let ms: Vec<u128> = left.iter().map(|u| (*u - left[0]).as_millis()).collect();
+                assert!(
+                    n as f64 <= rate * w + burst,
+                    "{n} left in {w} s from {:?}; ms after the first: {ms:?}",
+                    *t - left[0]
+                );
+            }
+        }
+    }
+
+    /// The shared store goes away while it holds reservations up to 2.9 s ahead and comes
+    /// back while the local store holds its own: the local bucket leaves the shared
+    /// reservations their slots, and the local reservations ask the shared bucket again
+    /// instead of leaving on top of what it grants newcomers.
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_and_its_end_keep_the_bound_across_both_stores() {
+        let primary = Arc::new(Switched {
+            store: MemoryStore::new(),
+            down: AtomicBool::new(false),
+        });
+        let store = Resilient::new(
+            Arc::clone(&primary) as Arc<dyn BucketStore>,
+            OnError::Local,
+            StoreStats::default(),
+            Arc::new(Peers::new(1)),
+        );
+        let limiter = Limiter::new(Arc::new(store));
+        let policy = Arc::new(Policy {
+            rate: 10.0,
+            burst: 1.0,
+            max_wait: Duration::from_secs(10),
+            adaptive: None,
+            ..Policy::default()
+        });
+        let t0 = Instant::now();
+        // 30 shared reservations: 0, 0.1, ..., 2.9 s.
+        let mut tasks = admit_from(&limiter, &policy, 30);
+        tokio::time::sleep_until(t0 + Duration::from_millis(550)).await;
+        primary.down.store(true, Ordering::Relaxed);
+        // 10 asked of the local store while the shared one is away.
+        tasks.extend(admit_from(&limiter, &policy, 10));
+        tokio::time::sleep_until(t0 + Duration::from_millis(1550)).await;
+        primary.down.store(false, Ordering::Relaxed);
+        // The next waking request's probe finds the shared store back.
+        tokio::time::sleep_until(t0 + Duration::from_millis(1850)).await;
+        assert_eq!(limiter.store().health(), StoreHealth::Ok);
+        // 10 newcomers asking the shared store.
+        tasks.extend(admit_from(&limiter, &policy, 10));
+        let mut left = Vec::new();
+        for t in tasks {
+            left.push(t.await.unwrap());
+        }
+        assert_eq!(left.len(), 50);
+        assert_bound(left.clone(), 10.0, 1.0);
+        // Nothing was wasted either: 50 at 10/s, the first at once.
+        let last = *left.iter().max().unwrap() - t0;
+        assert!(
+            last <= Duration::from_millis(4950),
+            "the last left at {last:?}"
+        );
+    }
+
+    /// A local reservation belongs to the outage whose store made it: a later outage's
+    /// store does not take it as its own.
+    #[test]
+    fn local_reservations_carry_their_outage() {
+        let local = |outage| Local {
+            store: MemoryStore::fallback(Arc::default()),
+            outage,
+        };
+        let granted = Outcome::Granted {
+            wait_us: 5.0,
+            generation: 3,
+        };
+        let Outcome::Granted { generation, .. } = local(1).tag(granted) else {
+            panic!()
+        };
+        assert!(is_local(generation));
+        assert_eq!(local(1).own(generation), Some(3));
+        assert_eq!(local(2).own(generation), None);
+        assert_eq!(
+            local(1).own(3),
+            None,
+            "a shared reservation is no local one"
+        );
+    }
+}
