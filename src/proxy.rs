@@ -881,6 +881,8 @@ async fn connect(
         .authority()
         .filter(|_| uri.scheme().is_none() && uri.path_and_query().is_none())
         .filter(|a| !a.as_str().contains('@'))
+        // No default port (RFC 9110 §9.3.6: the client must send one).
+        .filter(|a| a.port().is_some())
         .cloned()
         .ok_or_else(|| ProxyError::BadRequest("CONNECT needs host:port".into()))?;
     // A CONNECT request has no content: bytes after its head are the tunnel's, and a

@@ -768,6 +768,8 @@ async fn a_connect_that_is_not_host_and_port_alone_opens_no_tunnel() {
         format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
         format!("CONNECT http://{a}/ HTTP/1.1\r\nHost: {a}\r\n\r\n"),
         format!("CONNECT user:pw@{a} HTTP/1.1\r\nHost: {a}\r\n\r\n"),
+        // No port: CONNECT has no default one.
+        "CONNECT 127.0.0.1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".to_owned(),
     ] {
         let answer = raw(s.proxy_addr, &head).await;
         assert!(answer.starts_with("HTTP/1.1 400"), "{head:?}: {answer}");

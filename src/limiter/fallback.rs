@@ -407,10 +407,13 @@ impl BucketStore for Resilient {
         Box::pin(async move {
             let share = self.peers.share(ask);
             if let Some(g) = ask.held.filter(|g| is_local(*g)) {
+                // Degraded first, then the store: an outage installs its store before
+                // it sets `degraded`, so a store loaded after is that outage's own.
+                let degraded = self.degraded.load(Ordering::Acquire);
                 let local = self.local.load();
                 match local.own(g) {
                     // Confirm a reservation of this outage's local store there.
-                    Some(own) if self.degraded.load(Ordering::Acquire) => {
+                    Some(own) if degraded => {
                         let ask = Ask {
                             held: Some(own),
                             ..share
