@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use common::{Upstream, assert_no_overdraw, client, sustained_rate};
+use common::{Reply, Upstream, assert_no_overdraw, client, sustained_rate};
 
 async fn replicas(store: &str, extra: &str, n: usize) -> Vec<sluice::app::Running> {
     let mut v = Vec::new();
@@ -1036,5 +1036,94 @@ async fn a_redis_stall_and_its_end_under_saturation_keep_the_bound() {
     let sent = load.finish().await;
     assert_exactly_once(&sent, &up);
     assert_no_overdraw(&times_of(&up, "stall"), 20.0, 10.0);
+    s.stop().await;
+}
+
+/// A 429 answered while the store is away starts a cooldown in the local bucket; when
+/// the store answers again, the cooldown holds there too: no request reaches the
+/// endpoint before its `Retry-After` is over (guarantee 4), although the shared bucket
+/// never saw the 429 itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cooldown_learned_during_an_outage_holds_after_it() {
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n",
+        redis.url()
+    ))
+    .await;
+    let up = Upstream::with(Arc::new(|a: &common::Arrival| {
+        if a.path.starts_with("/cool/throttle") {
+            Reply::status(429).header("retry-after", "3")
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await;
+    let c = client(s.proxy_addr);
+    let send = |path: String| {
+        let c = c.clone();
+        let url = up.url(&path);
+        async move {
+            c.get(&url)
+                .header("x-endpoint-id", "cool")
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(send("/cool/warm".into()).await, 200);
+    let admin = format!("http://{}/readyz", s.admin_addr);
+    let store_is = |state: &'static str| {
+        let admin = admin.clone();
+        move || {
+            let admin = admin.clone();
+            async move {
+                let r: serde_json::Value =
+                    reqwest::get(&admin).await.unwrap().json().await.unwrap();
+                r["store"] == state
+            }
+        }
+    };
+    redis.pause();
+    common::wait_for(
+        "the store to be degraded",
+        Duration::from_secs(5),
+        store_is("degraded"),
+    )
+    .await;
+    assert_eq!(send("/cool/throttle".into()).await, 429);
+    let throttled = times_of(&up, "cool").into_iter().max().unwrap();
+    redis.resume();
+    common::wait_for(
+        "the store to answer again",
+        Duration::from_secs(5),
+        store_is("ok"),
+    )
+    .await;
+    let asked = Instant::now();
+    assert!(
+        asked < throttled + Duration::from_secs(2),
+        "the outage ended too late to test anything"
+    );
+    let after: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(send(format!("/cool/after/{i}"))))
+        .collect();
+    for a in after {
+        assert_eq!(a.await.unwrap(), 200);
+    }
+    let early: Vec<Duration> = up
+        .arrivals()
+        .iter()
+        .filter(|a| a.path.starts_with("/cool/after/"))
+        .map(|a| a.at - throttled)
+        .filter(|d| *d < Duration::from_secs(3))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "arrived during the cooldown, after the 429: {early:?}"
+    );
     s.stop().await;
 }

@@ -225,6 +225,38 @@ pub struct Resilient {
     registered: AtomicBool,
     last_probe: Mutex<Instant>,
     peers: Arc<Peers>,
+    /// Cooldowns and decreases the local store applied during an outage, for the
+    /// shared store to apply when it answers again.
+    learned: Mutex<HashMap<Box<str>, Learned>>,
+    /// One rejoin at a time: none declares the replica registered while another is
+    /// still handing the shared store what was learned.
+    rejoining: tokio::sync::Mutex<()>,
+}
+
+/// A 429's lesson learned locally: the cooldown's end and whether to decrease.
+struct Learned {
+    ask: Ask,
+    adaptive: Adaptive,
+    until: Instant,
+    throttled: bool,
+}
+
+impl Learned {
+    /// Adds this lesson to what `endpoint` already taught: the later end, any decrease,
+    /// the newest policy.
+    fn add_to(self, learned: &mut HashMap<Box<str>, Learned>, endpoint: Box<str>) {
+        match learned.entry(endpoint) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(self);
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let l = o.get_mut();
+                (l.ask, l.adaptive) = (self.ask, self.adaptive);
+                l.until = l.until.max(self.until);
+                l.throttled |= self.throttled;
+            }
+        }
+    }
 }
 
 impl Resilient {
@@ -252,6 +284,8 @@ impl Resilient {
             degraded: AtomicBool::new(false),
             registered: AtomicBool::new(false),
             last_probe: Mutex::new(Instant::now()),
+            learned: Mutex::default(),
+            rejoining: tokio::sync::Mutex::new(()),
             peers,
         }
     }
@@ -309,7 +343,12 @@ impl Resilient {
     /// that took them, then gives back the unspent ones, which Redis gives that long again
     /// to arrive. So once the wait is over, no token taken before the registration can
     /// still be spent, and the unspent ones are normally back in the bucket.
+    ///
+    /// Back from an outage, it then hands the shared store the cooldowns and decreases
+    /// the local store learned meanwhile ([`Resilient::teach`]), so guarantee 4 holds
+    /// across the change.
     pub async fn rejoin(&self) -> Result<(), StoreError> {
+        let _one = self.rejoining.lock().await;
         if let Some(n) = self.primary.register().await? {
             self.peers.heard(n);
             // Alone, nobody else can hold tokens taken ahead.
@@ -317,7 +356,60 @@ impl Resilient {
                 tokio::time::sleep(credit::HELD_FOR).await;
             }
         }
+        self.teach().await?;
         self.registered.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Keeps what a 429 taught the local store during an outage (`pause` from now, and
+    /// a decrease when `throttled`), with the endpoint's full policy.
+    fn learn(
+        &self,
+        endpoint: &str,
+        ask: Ask,
+        adaptive: Adaptive,
+        pause: Duration,
+        throttled: bool,
+    ) {
+        if pause.is_zero() && !throttled {
+            return;
+        }
+        let l = Learned {
+            ask,
+            adaptive,
+            until: Instant::now() + pause,
+            throttled,
+        };
+        let mut learned = self.learned.lock().unwrap_or_else(PoisonError::into_inner);
+        l.add_to(&mut learned, endpoint.into());
+    }
+
+    /// Applies what was learned during the outage in the shared store: the rest of each
+    /// cooldown, and each decrease whose climb back is not over. What fails is kept for
+    /// the next try.
+    async fn teach(&self) -> Result<(), StoreError> {
+        let learned =
+            std::mem::take(&mut *self.learned.lock().unwrap_or_else(PoisonError::into_inner));
+        let mut left = learned.into_iter();
+        while let Some((endpoint, l)) = left.next() {
+            let now = Instant::now();
+            let pause = l.until.saturating_duration_since(now);
+            let climbing = l.throttled && l.until + l.adaptive.recovery > now;
+            if pause.is_zero() && !climbing {
+                continue;
+            }
+            let taught = self
+                .primary
+                .feedback(&endpoint, l.ask, l.adaptive, pause, climbing)
+                .await;
+            if let Err(e) = taught {
+                let mut learned = self.learned.lock().unwrap_or_else(PoisonError::into_inner);
+                for (endpoint, l) in std::iter::once((endpoint, l)).chain(left) {
+                    l.add_to(&mut learned, endpoint);
+                }
+                return Err(e);
+            }
+        }
         Ok(())
     }
 
@@ -495,7 +587,8 @@ impl BucketStore for Resilient {
             move |p| p.feedback(endpoint, ask, adaptive, pause, throttled),
             move |l| {
                 l.store
-                    .feedback_now(endpoint, share, &local_adaptive, pause, throttled)
+                    .feedback_now(endpoint, share, &local_adaptive, pause, throttled);
+                self.learn(endpoint, ask, adaptive, pause, throttled);
             },
             (),
         ))
