@@ -1127,3 +1127,70 @@ async fn a_cooldown_learned_during_an_outage_holds_after_it() {
     );
     s.stop().await;
 }
+
+/// The other way round: a 429 answered while the store is up starts a cooldown in the
+/// shared bucket, and the store stalls before it ends. The local bucket that takes over
+/// holds the cooldown too: no request reaches the endpoint before its `Retry-After` is
+/// over (guarantee 4), although the local bucket never saw the 429 itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cooldown_learned_before_an_outage_holds_during_it() {
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n",
+        redis.url()
+    ))
+    .await;
+    let up = Upstream::with(Arc::new(|a: &common::Arrival| {
+        if a.path.starts_with("/cool/throttle") {
+            Reply::status(429).header("retry-after", "3")
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await;
+    let c = client(s.proxy_addr);
+    let send = |path: String| {
+        let c = c.clone();
+        let url = up.url(&path);
+        async move {
+            c.get(&url)
+                .header("x-endpoint-id", "cool")
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(send("/cool/warm".into()).await, 200);
+    assert_eq!(send("/cool/throttle".into()).await, 429);
+    let throttled = times_of(&up, "cool").into_iter().max().unwrap();
+    redis.pause();
+    let after: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(send(format!("/cool/after/{i}"))))
+        .collect();
+    for a in after {
+        assert_eq!(a.await.unwrap(), 200);
+    }
+    let degraded: serde_json::Value = reqwest::get(format!("http://{}/readyz", s.admin_addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(degraded["store"], "degraded", "decided in Redis after all");
+    let early: Vec<Duration> = up
+        .arrivals()
+        .iter()
+        .filter(|a| a.path.starts_with("/cool/after/"))
+        .map(|a| a.at - throttled)
+        .filter(|d| *d < Duration::from_secs(3))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "arrived during the cooldown, after the 429: {early:?}"
+    );
+    redis.resume();
+    s.stop().await;
+}

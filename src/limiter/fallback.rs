@@ -10,9 +10,14 @@
 //! Each outage starts with a fresh, *empty* local store: a bucket left over from an
 //! earlier outage would have refilled and would add a burst on top of what the shared
 //! bucket already let through. Nor does a local bucket refill before its endpoint's
-//! *horizon*, the start of the last reservation the shared bucket was seen to grant
-//! ([`Horizons`]): until then the slots belong to requests already holding shared
-//! reservations, which leave uncharged when they wake (one that wakes later is charged).
+//! *horizon*, the start of the last reservation the shared bucket was seen to grant or
+//! the end of a cooldown it was seen to hold ([`Horizons`]): until then the slots belong
+//! to requests already holding shared reservations, which leave uncharged when they wake
+//! (one that wakes later is charged), or to nobody while the receiver cools down.
+//!
+//! The other way round, a 429 the local store learns from during an outage (a cooldown,
+//! a decrease) is handed to the shared store before it decides anything again
+//! ([`Resilient::rejoin`]): guarantee 4 holds across both changes.
 //!
 //! Reservations handed out by the local store carry [`LOCAL_GENERATION`] and the number
 //! of the outage whose store made them. Confirmed during that outage, they stay local.
@@ -135,7 +140,8 @@ pub async fn heartbeats(store: Weak<RedisStore>, peers: Arc<Peers>) {
 }
 
 /// Per endpoint, the start of the last reservation the shared store was seen to grant
-/// with a wait: a local bucket taking over for an endpoint starts no earlier (see
+/// with a wait, or the end of its last cooldown seen: a local bucket taking over for an
+/// endpoint starts no earlier (see
 /// [`MemoryStore::fallback`]). Times past are swept out as the map grows.
 #[derive(Debug, Default)]
 pub struct Horizons {
@@ -153,7 +159,7 @@ impl Horizons {
     /// Fewest entries before past ones are swept out.
     const SWEEP_FROM: usize = 1024;
 
-    /// Records a shared reservation of `endpoint` starting at `at`.
+    /// Records that the shared bucket of `endpoint` is spoken for until `at`.
     fn saw(&self, endpoint: &str, at: Instant) {
         let mut m = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(t) = m.by_endpoint.get_mut(endpoint) {
@@ -427,18 +433,24 @@ impl Resilient {
         }
     }
 
-    /// Records where a shared reservation starts (the local store needs it only with
-    /// `on_error = "local"`, and only for reservations with a wait).
+    /// Records how far ahead the shared bucket of `endpoint` is spoken for, as `o` shows
+    /// it: a reservation's start, or a cooldown's end. Only `on_error = "local"` needs it,
+    /// and only for a wait, so a limit that never binds records nothing.
     fn saw(&self, endpoint: &str, o: &Outcome) {
-        if let Outcome::Granted {
-            wait_us,
-            generation,
-        } = *o
-        {
-            if wait_us > 0.0 && !is_local(generation) && self.on_error == OnError::Local {
-                let at = Instant::now() + super::from_micros(wait_us);
-                self.horizons.saw(endpoint, at);
-            }
+        let ahead = match *o {
+            Outcome::Granted {
+                wait_us,
+                generation,
+            } if !is_local(generation) => wait_us,
+            Outcome::Refused {
+                cooldown: true,
+                retry_us,
+            } => retry_us,
+            _ => return,
+        };
+        if ahead > 0.0 && self.on_error == OnError::Local {
+            let at = Instant::now() + super::from_micros(ahead);
+            self.horizons.saw(endpoint, at);
         }
     }
 
@@ -583,6 +595,10 @@ impl BucketStore for Resilient {
                 ..adaptive
             },
         );
+        if !pause.is_zero() && self.on_error == OnError::Local {
+            // A local bucket taking over keeps the cooldown too.
+            self.horizons.saw(endpoint, Instant::now() + pause);
+        }
         Box::pin(self.run(
             move |p| p.feedback(endpoint, ask, adaptive, pause, throttled),
             move |l| {

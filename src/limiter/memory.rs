@@ -69,9 +69,9 @@ impl MemoryStore {
 
     /// The fallback for a failed shared store. Its new buckets start empty, and begin to
     /// refill no earlier than the endpoint's horizon, the start of the last reservation
-    /// the shared bucket was seen to grant: the reservations the shared bucket already
-    /// handed out fill the time until then, and the local one must not add a burst or a
-    /// second claim on those slots.
+    /// the shared bucket was seen to grant or the end of its cooldown: the reservations
+    /// the shared bucket already handed out fill the time until then (or the receiver
+    /// cools down), and the local one must not add a burst or a second claim on it.
     pub fn fallback(horizons: Arc<Horizons>) -> MemoryStore {
         MemoryStore {
             horizons: Some(horizons),
