@@ -1194,3 +1194,105 @@ async fn a_cooldown_learned_before_an_outage_holds_during_it() {
     redis.resume();
     s.stop().await;
 }
+
+/// `max_in_flight` across a store stall and its end (`on_error = "local"`): the slots
+/// held when the store fails count in the local store, and the slots taken locally count
+/// in the shared store when it answers again, so the receiver never has more than
+/// `max_in_flight` requests at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_slots_count_across_a_store_stall_and_its_end() {
+    const HOLD: Duration = Duration::from_millis(1500);
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\nmax_in_flight = 2\n",
+        redis.url()
+    ))
+    .await;
+    let up = Upstream::with(Arc::new(|_: &common::Arrival| Reply::ok().delay(HOLD))).await;
+    let c = client(s.proxy_addr);
+    let send = |path: String| {
+        let (c, url) = (c.clone(), up.url(&path));
+        tokio::spawn(async move {
+            let r = c
+                .get(&url)
+                .header("x-endpoint-id", "slots")
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        })
+    };
+    let arrived = |prefix: &'static str, n: usize| {
+        let up = &up;
+        move || {
+            let k = up
+                .arrivals()
+                .iter()
+                .filter(|a| a.path.starts_with(prefix))
+                .count();
+            std::future::ready(k >= n)
+        }
+    };
+    let admin = format!("http://{}/readyz", s.admin_addr);
+    let store_is = |state: &'static str| {
+        let admin = admin.clone();
+        move || {
+            let admin = admin.clone();
+            async move {
+                let r: serde_json::Value =
+                    reqwest::get(&admin).await.unwrap().json().await.unwrap();
+                r["store"] == state
+            }
+        }
+    };
+    let mut all = Vec::new();
+    // Two slots taken in Redis, held for 1.5 s.
+    all.extend((0..2).map(|i| send(format!("/shared/{i}"))));
+    common::wait_for(
+        "both slots taken in Redis",
+        Duration::from_secs(5),
+        arrived("/shared/", 2),
+    )
+    .await;
+    // The store stalls: two more wait for those to end.
+    redis.pause();
+    all.extend((0..2).map(|i| send(format!("/local/{i}"))));
+    common::wait_for(
+        "both slots taken locally",
+        Duration::from_secs(10),
+        arrived("/local/", 2),
+    )
+    .await;
+    assert!(
+        store_is("degraded")().await,
+        "the local slots were not taken locally"
+    );
+    // The store answers again while those are held: two more wait for them to end.
+    redis.resume();
+    common::wait_for(
+        "the store to answer again",
+        Duration::from_secs(5),
+        store_is("ok"),
+    )
+    .await;
+    all.extend((0..2).map(|i| send(format!("/back/{i}"))));
+    for r in all {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    // The receiver held each request for HOLD from its arrival.
+    let at: Vec<Instant> = up.arrivals().iter().map(|a| a.at).collect();
+    assert_eq!(at.len(), 6);
+    for a in &at {
+        let held = at.iter().filter(|b| **b <= *a && *a < **b + HOLD).count();
+        assert!(
+            held <= 2,
+            "{held} requests in flight at once: {:?}",
+            up.arrivals()
+                .iter()
+                .map(|x| (x.path.clone(), x.at - at[0]))
+                .collect::<Vec<_>>()
+        );
+    }
+    s.stop().await;
+}

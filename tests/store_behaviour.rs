@@ -292,6 +292,15 @@ impl BucketStore for Reporting {
         self.inner.renew_lease(endpoint, ask, lease)
     }
 
+    fn adopt_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: sluice::limiter::LeaseAsk,
+    ) -> StoreFuture<'a, ()> {
+        self.inner.adopt_lease(endpoint, ask, lease)
+    }
+
     fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
         self.inner.release_lease(endpoint, ask, id)
     }
@@ -578,6 +587,20 @@ async fn leases_bound_expire_and_release(s: Subject) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(!s.store.renew_lease("lease", ask, lease(2)).await.unwrap());
+    // Adopted: counted whatever the slots held (4 and 5 hold both), where a renewal
+    // brings nothing back.
+    s.store.adopt_lease("lease", ask, lease(2)).await.unwrap();
+    assert!(s.store.renew_lease("lease", ask, lease(2)).await.unwrap());
+    s.store.release_lease("lease", ask, 4).await.unwrap();
+    match s
+        .store
+        .acquire_leased("lease", ask, lease(6))
+        .await
+        .unwrap()
+    {
+        Leased::Busy { .. } => {}
+        o => panic!("the adopted lease was not counted: {o:?}"),
+    }
 }
 
 /// Sixty-four acquires at once on one endpoint (a Redis store sends them in a few

@@ -103,6 +103,14 @@ impl Peers {
         self.seen.load(Ordering::Relaxed).max(self.min)
     }
 
+    /// This replica's share of `lease`'s slots: max / N, at least one.
+    fn share_slots(&self, lease: LeaseAsk) -> LeaseAsk {
+        LeaseAsk {
+            max: (lease.max as usize / self.count()).max(1) as u32,
+            ..lease
+        }
+    }
+
     /// This replica's share of `ask`: rate / N, burst / N (at least one token).
     fn share(&self, ask: Ask) -> Ask {
         let n = self.count() as f64;
@@ -237,6 +245,19 @@ pub struct Resilient {
     /// One rejoin at a time: none declares the replica registered while another is
     /// still handing the shared store what was learned.
     rejoining: tokio::sync::Mutex<()>,
+    /// With `on_error = "local"`: this replica's in-flight slots (leases) by id, so each
+    /// store counts them when it takes over from the other.
+    in_flight: Mutex<HashMap<u64, Flying>>,
+    /// Shared leases released while the store was away, to release there when it is back.
+    unreleased: Mutex<Vec<Flying>>,
+}
+
+/// A lease of a request in flight.
+#[derive(Clone)]
+struct Flying {
+    endpoint: Box<str>,
+    ask: Ask,
+    lease: LeaseAsk,
 }
 
 /// A 429's lesson learned locally: the cooldown's end and whether to decrease.
@@ -292,6 +313,8 @@ impl Resilient {
             last_probe: Mutex::new(Instant::now()),
             learned: Mutex::default(),
             rejoining: tokio::sync::Mutex::new(()),
+            in_flight: Mutex::default(),
+            unreleased: Mutex::default(),
             peers,
         }
     }
@@ -323,11 +346,17 @@ impl Resilient {
         if self.degraded.load(Ordering::Acquire) {
             return;
         }
-        // A fresh, empty fallback for this outage, installed before anyone can use it.
-        self.local.store(Arc::new(Local {
+        // A fresh, empty fallback for this outage, installed before anyone can use it,
+        // counting the slots this replica's requests hold.
+        let local = Local {
             store: MemoryStore::fallback(Arc::clone(&self.horizons)),
             outage: self.outages.fetch_add(1, Ordering::AcqRel) + 1,
-        }));
+        };
+        for f in self.flying() {
+            let share = self.peers.share(f.ask);
+            local.store.adopt_lease_now(&f.endpoint, share, f.lease);
+        }
+        self.local.store(Arc::new(local));
         if !self.degraded.swap(true, Ordering::AcqRel) {
             self.changed_now();
             self.stats.degraded.set(1);
@@ -416,7 +445,42 @@ impl Resilient {
                 return Err(e);
             }
         }
+        // The slots this replica's requests hold, wherever they were taken, count in the
+        // shared store before it decides again; those released meanwhile are freed.
+        for f in self.flying() {
+            self.primary
+                .adopt_lease(&f.endpoint, f.ask, f.lease)
+                .await?;
+        }
+        loop {
+            let next = self
+                .unreleased
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
+            let Some(f) = next else { break };
+            if let Err(e) = self
+                .primary
+                .release_lease(&f.endpoint, f.ask, f.lease.id)
+                .await
+            {
+                self.unreleased
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(f);
+                return Err(e);
+            }
+        }
         Ok(())
+    }
+
+    /// This replica's leases of requests in flight, as they are now.
+    fn flying(&self) -> Vec<Flying> {
+        let in_flight = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        in_flight.values().cloned().collect()
     }
 
     /// Records that the store deciding changed now.
@@ -660,12 +724,12 @@ impl BucketStore for Resilient {
         ask: Ask,
         lease: LeaseAsk,
     ) -> StoreFuture<'a, Leased> {
-        let share = self.peers.share(ask);
+        let (share, slots) = (self.peers.share(ask), self.peers.share_slots(lease));
         Box::pin(async move {
             let leased = self
                 .run(
                     move |p| p.acquire_leased(endpoint, ask, lease),
-                    move |l| match l.store.acquire_leased_now(endpoint, share, lease) {
+                    move |l| match l.store.acquire_leased_now(endpoint, share, slots) {
                         Leased::Took(o) => Leased::Took(l.tag(o)),
                         busy => busy,
                     },
@@ -677,6 +741,18 @@ impl BucketStore for Resilient {
                 .await?;
             if let Leased::Took(o) = &leased {
                 self.saw(endpoint, o);
+                if matches!(o, Outcome::Granted { .. }) && self.on_error == OnError::Local {
+                    let f = Flying {
+                        endpoint: endpoint.into(),
+                        ask,
+                        lease,
+                    };
+                    let mut in_flight = self
+                        .in_flight
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    in_flight.insert(lease.id, f);
+                }
             }
             Ok(leased)
         })
@@ -699,16 +775,48 @@ impl BucketStore for Resilient {
     }
 
     /// Releases wherever the lease may be: the local store (a no-op when it is not
-    /// there) and the shared one.
+    /// there) and the shared one, now or, while it is away, when it is back.
     fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
+            let flying = self
+                .in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&id);
             self.local
                 .load()
                 .store
                 .release_lease_now(endpoint, self.peers.share(ask), id);
-            self.run(move |p| p.release_lease(endpoint, ask, id), |_| (), ())
+            let later = move |_: &Local| {
+                if let Some(f) = flying {
+                    let mut unreleased = self
+                        .unreleased
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    unreleased.push(f);
+                }
+            };
+            self.run(move |p| p.release_lease(endpoint, ask, id), later, ())
                 .await
         })
+    }
+
+    /// Adopts where decisions are made now (the local store while the shared one is
+    /// away).
+    fn adopt_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(self.run(
+            move |p| p.adopt_lease(endpoint, ask, lease),
+            move |l| {
+                l.store
+                    .adopt_lease_now(endpoint, self.peers.share(ask), lease)
+            },
+            (),
+        ))
     }
 
     fn health(&self) -> StoreHealth {
@@ -786,6 +894,9 @@ mod tests {
         }
         fn renew_lease<'a>(&'a self, e: &'a str, ask: Ask, l: LeaseAsk) -> StoreFuture<'a, bool> {
             self.answer(|| self.store.renew_lease_now(e, ask, l))
+        }
+        fn adopt_lease<'a>(&'a self, e: &'a str, ask: Ask, l: LeaseAsk) -> StoreFuture<'a, ()> {
+            self.answer(|| self.store.adopt_lease_now(e, ask, l))
         }
         fn release_lease<'a>(&'a self, e: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
             self.answer(|| self.store.release_lease_now(e, ask, id))
@@ -877,6 +988,21 @@ mod tests {
             last <= Duration::from_millis(4950),
             "the last left at {last:?}"
         );
+    }
+
+    /// During an outage each replica takes its share of an endpoint's slots, as of its
+    /// tokens: max / N, at least one.
+    #[test]
+    fn each_replica_takes_its_share_of_the_slots() {
+        let lease = |max| LeaseAsk {
+            id: 1,
+            max,
+            ttl_us: 1e6,
+        };
+        let peers = Peers::new(3);
+        let shares: Vec<u32> = [9, 8, 3, 2].map(|m| peers.share_slots(lease(m)).max).into();
+        assert_eq!(shares, [3, 2, 1, 1]);
+        assert_eq!(Peers::new(1).share_slots(lease(8)).max, 8);
     }
 
     /// A local reservation belongs to the outage whose store made it: a later outage's

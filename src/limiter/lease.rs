@@ -76,6 +76,14 @@ pub fn renew(leases: &mut Leases, lease: &LeaseAsk, now: f64) -> bool {
     }
 }
 
+/// Counts a lease whose request is already in flight, taken while another store
+/// decided: renewed if present, else added whatever the slots held (the request holds one
+/// either way).
+pub fn adopt(leases: &mut Leases, lease: &LeaseAsk, now: f64) {
+    prune(leases, now);
+    leases.insert(lease.id, now + lease.ttl_us);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -234,6 +234,13 @@ impl MemoryStore {
         })
     }
 
+    /// Lease adoption without the future wrapper (see [`lease::adopt`]).
+    pub fn adopt_lease_now(&self, endpoint: &str, ask: Ask, l: LeaseAsk) {
+        self.with_entry(endpoint, &ask, |e, now| {
+            lease::adopt(&mut e.leases, &l, now)
+        });
+    }
+
     /// Lease release without the future wrapper.
     pub fn release_lease_now(&self, endpoint: &str, ask: Ask, id: u64) {
         self.with_entry(endpoint, &ask, |e, _| e.leases.remove(&id));
@@ -305,6 +312,16 @@ impl BucketStore for MemoryStore {
     ) -> StoreFuture<'a, bool> {
         let out = self.renew_lease_now(endpoint, ask, lease);
         Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn adopt_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, ()> {
+        self.adopt_lease_now(endpoint, ask, lease);
+        Box::pin(std::future::ready(Ok(())))
     }
 
     fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {

@@ -121,6 +121,15 @@ pub trait BucketStore: Send + Sync {
         ask: Ask,
         lease: LeaseAsk,
     ) -> StoreFuture<'a, bool>;
+    /// Counts a lease of a request already in flight that another store granted (the
+    /// fallback's local store during an outage, or the shared store before it): renewed
+    /// when present, else added, whatever the slots held.
+    fn adopt_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, ()>;
     /// Gives a lease back (its request's response ended).
     fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()>;
     /// Current health; only the fallback wrapper ever reports [`StoreHealth::Degraded`].

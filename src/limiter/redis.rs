@@ -933,9 +933,25 @@ impl BucketStore for RedisStore {
             let leases = self.leases_key(endpoint);
             let mut inv =
                 self.calls
-                    .invocation(&self.calls.scripts.renew, endpoint, Some(&leases), &ask, 2);
-            inv.arg(lease.ttl_us).arg(self.member(lease.id));
+                    .invocation(&self.calls.scripts.renew, endpoint, Some(&leases), &ask, 3);
+            inv.arg(lease.ttl_us).arg(self.member(lease.id)).arg(0);
             Ok(num(&self.calls.run::<Value>(inv).await?)? == 1.0)
+        })
+    }
+
+    fn adopt_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let leases = self.leases_key(endpoint);
+            let mut inv =
+                self.calls
+                    .invocation(&self.calls.scripts.renew, endpoint, Some(&leases), &ask, 3);
+            inv.arg(lease.ttl_us).arg(self.member(lease.id)).arg(1);
+            num(&self.calls.run::<Value>(inv).await?).map(drop)
         })
     }
 
