@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice::config::{Backend, Config, OnError, Policy, Prefetch, StoreConfig};
-use sluice::limiter::fallback::{HEARTBEAT_TTL, Peers, Resilient};
+use sluice::limiter::fallback::Resilient;
+use sluice::limiter::peers::{HEARTBEAT_TTL, Peers};
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, Outcome, StoreHealth, StoreStats};
 use tokio::time::Instant;

@@ -17,8 +17,8 @@ use std::time::Duration;
 use sluice::config::{
     Adaptive, Backend, ClientCert, Config, OnError, Policy, Prefetch, StoreConfig, StoreTls,
 };
-use sluice::limiter::fallback::HEARTBEAT_TTL;
 use sluice::limiter::memory::MemoryStore;
+use sluice::limiter::peers::HEARTBEAT_TTL;
 use sluice::limiter::redis::RedisStore;
 use sluice::limiter::{Ask, BucketStore, Limiter, Outcome, StoreFuture, StoreStats, View};
 use tokio::sync::mpsc;

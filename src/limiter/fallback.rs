@@ -11,7 +11,7 @@
 //! earlier outage would have refilled and would add a burst on top of what the shared
 //! bucket already let through. Nor does a local bucket refill before its endpoint's
 //! *horizon*, the start of the last reservation the shared bucket was seen to grant or
-//! the end of a cooldown it was seen to hold ([`Horizons`]): until then the slots belong
+//! the end of a cooldown it was seen to hold ([`super::handover`]): until then the slots belong
 //! to requests already holding shared reservations, which leave uncharged when they wake
 //! (one that wakes later is charged), or to nobody while the receiver cools down.
 //!
@@ -28,23 +28,21 @@
 //! ([`BucketStore::needs_confirm`]).
 //!
 //! The local buckets take this replica's *share* of each limit: while the store answers,
-//! every replica registers a heartbeat there ([`heartbeats`]) and learns how many
-//! replicas are alive ([`Peers`]); during an outage its local bucket runs at
+//! every replica registers a heartbeat there and learns how many replicas are alive
+//! ([`super::peers`]); during an outage its local bucket runs at
 //! `rate / N` (burst `burst / N`, at least 1), N = the last count seen, never below
 //! `store.fallback_min_replicas`.
 //!
 //! The replica registers before the store decides anything for it, at start-up and again
 //! when the store answers after a failure ([`Resilient::rejoin`]): an outage longer than
-//! [`HEARTBEAT_TTL`] lets its heartbeat lapse, and a replica alone in the store meanwhile
+//! [`HEARTBEAT_TTL`](super::peers::HEARTBEAT_TTL) lets its heartbeat lapse, and a replica alone in the store meanwhile
 //! would go on taking tokens ahead out of this one's reach (`store.prefetch = "alone"`)
 //! until its next heartbeat.
 //!
 //! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -52,9 +50,10 @@ use tokio::time::Instant;
 
 use super::bucket::{Ask, Outcome, View};
 use super::credit;
+use super::handover::Handover;
 use super::lease::{LeaseAsk, Leased};
 use super::memory::MemoryStore;
-use super::redis::RedisStore;
+use super::peers::Peers;
 use super::{BucketStore, StoreError, StoreFuture, StoreHealth, StoreStats};
 use crate::config::{Adaptive, OnError};
 
@@ -68,126 +67,6 @@ pub const LOCAL_GENERATION: u64 = 1 << 62;
 const LOCAL_BUCKET_GENERATION: u64 = 0xFFFF_FFFF;
 /// The outage's number in a local reservation's generation (above the bucket's).
 const OUTAGE_NUMBER: u64 = (LOCAL_GENERATION - 1) & !LOCAL_BUCKET_GENERATION;
-
-/// How often a replica registers its heartbeat while the store answers.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
-/// A replica not heard of for this long no longer counts.
-pub const HEARTBEAT_TTL: Duration = Duration::from_secs(6);
-
-/// How many replicas share the limits: the last count seen in the store, never below the
-/// configured floor.
-#[derive(Debug)]
-pub struct Peers {
-    seen: AtomicUsize,
-    min: usize,
-}
-
-impl Peers {
-    /// No count seen yet; `min` (≥ 1) is `store.fallback_min_replicas`.
-    pub fn new(min: usize) -> Peers {
-        Peers {
-            seen: AtomicUsize::new(0),
-            min: min.max(1),
-        }
-    }
-
-    /// Records a count this replica's own registration returned, logging a change.
-    fn heard(&self, n: usize) {
-        if n != self.seen.swap(n, Ordering::Relaxed) {
-            tracing::info!(replicas = n, "replicas sharing the store");
-        }
-    }
-
-    /// The number of replicas this one shares each limit with (≥ 1).
-    pub fn count(&self) -> usize {
-        self.seen.load(Ordering::Relaxed).max(self.min)
-    }
-
-    /// This replica's share of `lease`'s slots: max / N, at least one.
-    fn share_slots(&self, lease: LeaseAsk) -> LeaseAsk {
-        LeaseAsk {
-            max: (lease.max as usize / self.count()).max(1) as u32,
-            ..lease
-        }
-    }
-
-    /// This replica's share of `ask`: rate / N, burst / N (at least one token).
-    fn share(&self, ask: Ask) -> Ask {
-        let n = self.count() as f64;
-        Ask {
-            rate: ask.rate / n,
-            burst: (ask.burst / n).max(1.0),
-            ..ask
-        }
-    }
-}
-
-/// Registers this replica in the store once and records the live count in `peers`.
-/// Failures are left to the request path to report (the fallback logs and meters them).
-pub async fn heartbeat(store: &RedisStore, peers: &Peers) {
-    match store.heartbeat(HEARTBEAT_TTL).await {
-        Ok(n) => peers.heard(n),
-        Err(e) => tracing::debug!(error = %e, "replica heartbeat failed"),
-    }
-}
-
-/// Registers this replica every [`HEARTBEAT_EVERY`] from now on (the first registration
-/// is [`Resilient`]'s, before anything is decided in the store); ends when the store is
-/// dropped.
-pub async fn heartbeats(store: Weak<RedisStore>, peers: Arc<Peers>) {
-    let mut tick = tokio::time::interval_at(
-        tokio::time::Instant::now() + HEARTBEAT_EVERY,
-        HEARTBEAT_EVERY,
-    );
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(store) = store.upgrade() else { return };
-        heartbeat(&store, &peers).await;
-    }
-}
-
-/// Per endpoint, the start of the last reservation the shared store was seen to grant
-/// with a wait, or the end of its last cooldown seen: a local bucket taking over for an
-/// endpoint starts no earlier (see
-/// [`MemoryStore::fallback`]). Times past are swept out as the map grows.
-#[derive(Debug, Default)]
-pub struct Horizons {
-    inner: Mutex<HorizonMap>,
-}
-
-#[derive(Debug, Default)]
-struct HorizonMap {
-    by_endpoint: HashMap<Box<str>, Instant>,
-    /// Past times are swept out when the map reaches this size.
-    sweep_at: usize,
-}
-
-impl Horizons {
-    /// Fewest entries before past ones are swept out.
-    const SWEEP_FROM: usize = 1024;
-
-    /// Records that the shared bucket of `endpoint` is spoken for until `at`.
-    fn saw(&self, endpoint: &str, at: Instant) {
-        let mut m = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(t) = m.by_endpoint.get_mut(endpoint) {
-            *t = (*t).max(at);
-            return;
-        }
-        if m.by_endpoint.len() >= m.sweep_at {
-            let now = Instant::now();
-            m.by_endpoint.retain(|_, t| *t > now);
-            m.sweep_at = (m.by_endpoint.len() * 2).max(Self::SWEEP_FROM);
-        }
-        m.by_endpoint.insert(endpoint.into(), at);
-    }
-
-    /// The start of the last shared reservation of `endpoint` seen, if any.
-    pub fn get(&self, endpoint: &str) -> Option<Instant> {
-        let m = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        m.by_endpoint.get(endpoint).copied()
-    }
-}
 
 /// One outage's local store, with the outage's number for the reservations it makes.
 struct Local {
@@ -227,7 +106,8 @@ pub struct Resilient {
     local: ArcSwap<Local>,
     /// Outages so far: numbers each one's local store.
     outages: AtomicU64,
-    horizons: Arc<Horizons>,
+    /// What the stores tell each other at a change (`on_error = "local"` only).
+    handover: Option<Handover>,
     /// When the store deciding last changed (µs since `born`, plus one; 0: never).
     changed: AtomicU64,
     born: Instant,
@@ -239,51 +119,9 @@ pub struct Resilient {
     registered: AtomicBool,
     last_probe: Mutex<Instant>,
     peers: Arc<Peers>,
-    /// Cooldowns and decreases the local store applied during an outage, for the
-    /// shared store to apply when it answers again.
-    learned: Mutex<HashMap<Box<str>, Learned>>,
     /// One rejoin at a time: none declares the replica registered while another is
-    /// still handing the shared store what was learned.
+    /// still handing the shared store what it must know.
     rejoining: tokio::sync::Mutex<()>,
-    /// With `on_error = "local"`: this replica's in-flight slots (leases) by id, so each
-    /// store counts them when it takes over from the other.
-    in_flight: Mutex<HashMap<u64, Flying>>,
-    /// Shared leases released while the store was away, to release there when it is back.
-    unreleased: Mutex<Vec<Flying>>,
-}
-
-/// A lease of a request in flight.
-#[derive(Clone)]
-struct Flying {
-    endpoint: Box<str>,
-    ask: Ask,
-    lease: LeaseAsk,
-}
-
-/// A 429's lesson learned locally: the cooldown's end and whether to decrease.
-struct Learned {
-    ask: Ask,
-    adaptive: Adaptive,
-    until: Instant,
-    throttled: bool,
-}
-
-impl Learned {
-    /// Adds this lesson to what `endpoint` already taught: the later end, any decrease,
-    /// the newest policy.
-    fn add_to(self, learned: &mut HashMap<Box<str>, Learned>, endpoint: Box<str>) {
-        match learned.entry(endpoint) {
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(self);
-            }
-            std::collections::hash_map::Entry::Occupied(mut o) => {
-                let l = o.get_mut();
-                (l.ask, l.adaptive) = (self.ask, self.adaptive);
-                l.until = l.until.max(self.until);
-                l.throttled |= self.throttled;
-            }
-        }
-    }
 }
 
 impl Resilient {
@@ -295,15 +133,15 @@ impl Resilient {
         peers: Arc<Peers>,
     ) -> Resilient {
         stats.degraded.set(0);
-        let horizons = Arc::new(Horizons::default());
+        let handover = (on_error == OnError::Local).then(Handover::default);
         Resilient {
             primary,
             local: ArcSwap::from_pointee(Local {
-                store: MemoryStore::fallback(Arc::clone(&horizons)),
+                store: MemoryStore::fallback(Arc::default()),
                 outage: 0,
             }),
             outages: AtomicU64::new(0),
-            horizons,
+            handover,
             changed: AtomicU64::new(0),
             born: Instant::now(),
             on_error,
@@ -311,10 +149,7 @@ impl Resilient {
             degraded: AtomicBool::new(false),
             registered: AtomicBool::new(false),
             last_probe: Mutex::new(Instant::now()),
-            learned: Mutex::default(),
             rejoining: tokio::sync::Mutex::new(()),
-            in_flight: Mutex::default(),
-            unreleased: Mutex::default(),
             peers,
         }
     }
@@ -348,11 +183,12 @@ impl Resilient {
         }
         // A fresh, empty fallback for this outage, installed before anyone can use it,
         // counting the slots this replica's requests hold.
+        let horizons = self.handover.as_ref().map(|h| Arc::clone(h.horizons()));
         let local = Local {
-            store: MemoryStore::fallback(Arc::clone(&self.horizons)),
+            store: MemoryStore::fallback(horizons.unwrap_or_default()),
             outage: self.outages.fetch_add(1, Ordering::AcqRel) + 1,
         };
-        for f in self.flying() {
+        for f in self.handover.iter().flat_map(Handover::flying) {
             let share = self.peers.share(f.ask);
             local.store.adopt_lease_now(&f.endpoint, share, f.lease);
         }
@@ -380,8 +216,8 @@ impl Resilient {
     /// still be spent, and the unspent ones are normally back in the bucket.
     ///
     /// Back from an outage, it then hands the shared store the cooldowns and decreases
-    /// the local store learned meanwhile ([`Resilient::teach`]), so guarantee 4 holds
-    /// across the change.
+    /// the local store learned meanwhile, and the slots this replica's requests hold
+    /// ([`Handover::teach`]): guarantee 4 and `max_in_flight` hold across the change.
     pub async fn rejoin(&self) -> Result<(), StoreError> {
         let _one = self.rejoining.lock().await;
         if let Some(n) = self.primary.register().await? {
@@ -391,96 +227,11 @@ impl Resilient {
                 tokio::time::sleep(credit::HELD_FOR).await;
             }
         }
-        self.teach().await?;
+        if let Some(h) = &self.handover {
+            h.teach(self.primary.as_ref()).await?;
+        }
         self.registered.store(true, Ordering::Release);
         Ok(())
-    }
-
-    /// Keeps what a 429 taught the local store during an outage (`pause` from now, and
-    /// a decrease when `throttled`), with the endpoint's full policy.
-    fn learn(
-        &self,
-        endpoint: &str,
-        ask: Ask,
-        adaptive: Adaptive,
-        pause: Duration,
-        throttled: bool,
-    ) {
-        if pause.is_zero() && !throttled {
-            return;
-        }
-        let l = Learned {
-            ask,
-            adaptive,
-            until: Instant::now() + pause,
-            throttled,
-        };
-        let mut learned = self.learned.lock().unwrap_or_else(PoisonError::into_inner);
-        l.add_to(&mut learned, endpoint.into());
-    }
-
-    /// Applies what was learned during the outage in the shared store: the rest of each
-    /// cooldown, and each decrease whose climb back is not over. What fails is kept for
-    /// the next try.
-    async fn teach(&self) -> Result<(), StoreError> {
-        let learned =
-            std::mem::take(&mut *self.learned.lock().unwrap_or_else(PoisonError::into_inner));
-        let mut left = learned.into_iter();
-        while let Some((endpoint, l)) = left.next() {
-            let now = Instant::now();
-            let pause = l.until.saturating_duration_since(now);
-            let climbing = l.throttled && l.until + l.adaptive.recovery > now;
-            if pause.is_zero() && !climbing {
-                continue;
-            }
-            let taught = self
-                .primary
-                .feedback(&endpoint, l.ask, l.adaptive, pause, climbing)
-                .await;
-            if let Err(e) = taught {
-                let mut learned = self.learned.lock().unwrap_or_else(PoisonError::into_inner);
-                for (endpoint, l) in std::iter::once((endpoint, l)).chain(left) {
-                    l.add_to(&mut learned, endpoint);
-                }
-                return Err(e);
-            }
-        }
-        // The slots this replica's requests hold, wherever they were taken, count in the
-        // shared store before it decides again; those released meanwhile are freed.
-        for f in self.flying() {
-            self.primary
-                .adopt_lease(&f.endpoint, f.ask, f.lease)
-                .await?;
-        }
-        loop {
-            let next = self
-                .unreleased
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .pop();
-            let Some(f) = next else { break };
-            if let Err(e) = self
-                .primary
-                .release_lease(&f.endpoint, f.ask, f.lease.id)
-                .await
-            {
-                self.unreleased
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(f);
-                return Err(e);
-            }
-        }
-        Ok(())
-    }
-
-    /// This replica's leases of requests in flight, as they are now.
-    fn flying(&self) -> Vec<Flying> {
-        let in_flight = self
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        in_flight.values().cloned().collect()
     }
 
     /// Records that the store deciding changed now.
@@ -498,7 +249,7 @@ impl Resilient {
     }
 
     /// Records how far ahead the shared bucket of `endpoint` is spoken for, as `o` shows
-    /// it: a reservation's start, or a cooldown's end. Only `on_error = "local"` needs it,
+    /// it: a reservation's start, or a cooldown's end. Only `on_error = "local"` keeps it,
     /// and only for a wait, so a limit that never binds records nothing.
     fn saw(&self, endpoint: &str, o: &Outcome) {
         let ahead = match *o {
@@ -512,9 +263,8 @@ impl Resilient {
             } => retry_us,
             _ => return,
         };
-        if ahead > 0.0 && self.on_error == OnError::Local {
-            let at = Instant::now() + super::from_micros(ahead);
-            self.horizons.saw(endpoint, at);
+        if let Some(h) = self.handover.as_ref().filter(|_| ahead > 0.0) {
+            h.spoken_for(endpoint, Instant::now() + super::from_micros(ahead));
         }
     }
 
@@ -659,16 +409,18 @@ impl BucketStore for Resilient {
                 ..adaptive
             },
         );
-        if !pause.is_zero() && self.on_error == OnError::Local {
+        if let Some(h) = self.handover.as_ref().filter(|_| !pause.is_zero()) {
             // A local bucket taking over keeps the cooldown too.
-            self.horizons.saw(endpoint, Instant::now() + pause);
+            h.spoken_for(endpoint, Instant::now() + pause);
         }
         Box::pin(self.run(
             move |p| p.feedback(endpoint, ask, adaptive, pause, throttled),
             move |l| {
                 l.store
                     .feedback_now(endpoint, share, &local_adaptive, pause, throttled);
-                self.learn(endpoint, ask, adaptive, pause, throttled);
+                if let Some(h) = &self.handover {
+                    h.learn(endpoint, ask, adaptive, pause, throttled);
+                }
             },
             (),
         ))
@@ -741,17 +493,10 @@ impl BucketStore for Resilient {
                 .await?;
             if let Leased::Took(o) = &leased {
                 self.saw(endpoint, o);
-                if matches!(o, Outcome::Granted { .. }) && self.on_error == OnError::Local {
-                    let f = Flying {
-                        endpoint: endpoint.into(),
-                        ask,
-                        lease,
-                    };
-                    let mut in_flight = self
-                        .in_flight
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner);
-                    in_flight.insert(lease.id, f);
+                if let Some(h) = self.handover.as_ref() {
+                    if matches!(o, Outcome::Granted { .. }) {
+                        h.took(endpoint, ask, lease);
+                    }
                 }
             }
             Ok(leased)
@@ -778,22 +523,14 @@ impl BucketStore for Resilient {
     /// there) and the shared one, now or, while it is away, when it is back.
     fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let flying = self
-                .in_flight
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&id);
+            let flying = self.handover.as_ref().and_then(|h| h.ended(id));
             self.local
                 .load()
                 .store
                 .release_lease_now(endpoint, self.peers.share(ask), id);
             let later = move |_: &Local| {
-                if let Some(f) = flying {
-                    let mut unreleased = self
-                        .unreleased
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner);
-                    unreleased.push(f);
+                if let (Some(h), Some(f)) = (&self.handover, flying) {
+                    h.unreleased(f);
                 }
             };
             self.run(move |p| p.release_lease(endpoint, ask, id), later, ())

@@ -19,7 +19,7 @@ use hashbrown::HashTable;
 use tokio::time::Instant;
 
 use super::bucket::{self, Ask, BucketState, Outcome, View};
-use super::fallback::Horizons;
+use super::handover::Horizons;
 use super::lease::{self, LeaseAsk, Leased, Leases};
 use super::{BucketStore, StoreError, StoreFuture};
 use crate::config::Adaptive;
