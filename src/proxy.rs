@@ -601,9 +601,9 @@ async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who,
 }
 
 async fn forward_request(
-    app: &App,
+    app: &Arc<App>,
     mut req: Request<Incoming>,
-    conn: &Conn,
+    conn: &Arc<Conn>,
     trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
     let (rt, uri, _target, admitted) =
@@ -620,7 +620,20 @@ async fn forward_request(
     let sent = tokio::time::Instant::now();
     // Awaited where it is made: a future first bound to a name is kept twice in this
     // one's state (the binding and the awaited copy): 10.3 KB instead of 3.9 KB.
-    let resp = match app.forwarder.send_via(&conn.upstream, req).await {
+    let (sent_to, admitted) = if admitted.slot.is_some() {
+        // The slot is the receiver's: it is held until the receiver answers, also when
+        // the sender gives up meanwhile (and this future is dropped), so the exchange
+        // runs on a task of its own (as the lane keeps it going).
+        let (app, conn) = (Arc::clone(app), Arc::clone(conn));
+        let exchange = tokio::spawn(async move {
+            let sent_to = app.forwarder.send_via(&conn.upstream, req).await;
+            (sent_to, admitted)
+        });
+        exchange.await.map_err(|e| ProxyError::Upstream(e.to_string()))?
+    } else {
+        (app.forwarder.send_via(&conn.upstream, req).await, admitted)
+    };
+    let resp = match sent_to {
         Ok(r) => r,
         Err(e) => {
             let failing = Box::pin(after_admission(app, &admitted, e));

@@ -270,3 +270,74 @@ async fn a_crashed_replicas_slots_return_within_the_lease_ttl() {
     assert!(back <= ttl + Duration::from_millis(400), "{back:?}");
     sluice.stop().await;
 }
+
+/// A sender that gives up while its request is at the receiver (a client timeout, the
+/// common webhook pattern) does not free the request's slot: the receiver is still
+/// working on it. Before, on hyper's path, the slot went with the sender's connection,
+/// and each round of senders timing out put `max_in_flight` more requests on the
+/// receiver at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_that_gives_up_keeps_its_slot_until_the_receiver_answers() {
+    use tokio::io::AsyncWriteExt;
+    const HOLD: Duration = Duration::from_millis(1500);
+    let up = common::Upstream::with(Arc::new(|_: &common::Arrival| {
+        common::Reply::ok().delay(HOLD)
+    }))
+    .await;
+    let s = common::sluice(
+        "[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"10s\"\nmax_in_flight = 2\n",
+    )
+    .await;
+    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
+    for connection in ["keep-alive", "x-hop"] {
+        let mut gone = Vec::new();
+        for i in 0..2 {
+            let mut t = tokio::net::TcpStream::connect(s.proxy_addr).await.unwrap();
+            let head = format!(
+                "GET http://{a}/{connection}/left/{i} HTTP/1.1\r\nHost: {a}\r\nConnection: {connection}\r\n\r\n",
+                a = up.addr
+            );
+            t.write_all(head.as_bytes()).await.unwrap();
+            gone.push(t);
+        }
+        let left = format!("/{connection}/left/");
+        common::wait_for(
+            "both requests at the receiver",
+            Duration::from_secs(5),
+            || {
+                let n = up
+                    .arrivals()
+                    .iter()
+                    .filter(|a| a.path.starts_with(&left))
+                    .count();
+                std::future::ready(n == 2)
+            },
+        )
+        .await;
+        // Their senders give up.
+        drop(gone);
+        let next: Vec<_> = (0..2)
+            .map(|i| {
+                let (c, url) = (
+                    client(s.proxy_addr),
+                    up.url(&format!("/{connection}/next/{i}")),
+                );
+                tokio::spawn(async move { c.get(&url).send().await.unwrap().status().as_u16() })
+            })
+            .collect();
+        for n in next {
+            assert_eq!(n.await.unwrap(), 200);
+        }
+    }
+    // The receiver holds each request HOLD from its arrival.
+    let arrivals = up.arrivals();
+    for a in &arrivals {
+        let at_once: Vec<&str> = arrivals
+            .iter()
+            .filter(|b| b.at <= a.at && a.at < b.at + HOLD)
+            .map(|b| b.path.as_str())
+            .collect();
+        assert!(at_once.len() <= 2, "at the receiver at once: {at_once:?}");
+    }
+    s.stop().await;
+}
