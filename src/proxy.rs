@@ -629,7 +629,9 @@ async fn forward_request(
             let sent_to = app.forwarder.send_via(&conn.upstream, req).await;
             (sent_to, admitted)
         });
-        exchange.await.map_err(|e| ProxyError::Upstream(e.to_string()))?
+        exchange
+            .await
+            .map_err(|e| ProxyError::Upstream(e.to_string()))?
     } else {
         (app.forwarder.send_via(&conn.upstream, req).await, admitted)
     };

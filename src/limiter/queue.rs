@@ -146,15 +146,19 @@ impl Gates {
             gate.waiting.insert(key, tx);
             (key, rx)
         };
-        let waiter = Waiter {
+        // The receiver lives in the waiter: as long as it is there, a head that passes
+        // to this waiter succeeds, so a waiter no longer queued was made head.
+        let mut waiter = Waiter {
             gates: self,
             endpoint,
             key,
+            rx,
+            head: false,
         };
-        match tokio::time::timeout_at(deadline, rx).await {
+        match tokio::time::timeout_at(deadline, &mut waiter.rx).await {
             Ok(Ok(())) => {
                 // Made head: no longer queued, nothing for the waiter to undo.
-                std::mem::forget(waiter);
+                waiter.head = true;
                 Ok(head())
             }
             _ => {
@@ -247,18 +251,75 @@ struct Waiter<'a> {
     gates: &'a Arc<Gates>,
     endpoint: &'a Arc<str>,
     key: Key,
+    /// Told when this waiter is made head.
+    rx: oneshot::Receiver<()>,
+    /// Made head and returned as such: nothing to undo.
+    head: bool,
 }
 
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
+        if self.head {
+            return;
+        }
         let removed = {
             let mut map = self.gates.lock();
             map.get_mut(self.endpoint)
                 .is_some_and(|g| g.waiting.remove(&self.key).is_some())
         };
         if !removed {
-            // Made head just as it gave up: pass the headship on.
+            // Made head just as it gave up (its receiver was still here, so the head that
+            // took it out of the queue passed to it): pass the headship on.
             self.gates.pass(self.endpoint);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    /// One head at a time, also while waiters give up (their budget runs out) at the
+    /// moment the head passes on: a waiter that gave up is never counted as having
+    /// passed the headship on. Before, a waiter whose receiver was gone when the head
+    /// passed, and who then found itself out of the queue, passed again: two heads.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn one_head_at_a_time_while_waiters_give_up() {
+        let gates = Arc::new(Gates::default());
+        let endpoint: Arc<str> = "e".into();
+        let heads = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let (gates, endpoint) = (Arc::clone(&gates), Arc::clone(&endpoint));
+                let (heads, most) = (Arc::clone(&heads), Arc::clone(&most));
+                tokio::spawn(async move {
+                    for n in 0..3000u64 {
+                        let place = Place {
+                            class: 1,
+                            sender: None,
+                        };
+                        // Budgets around how long a head stays: many run out just as
+                        // the head passes on.
+                        let budget = Duration::from_micros((n * 7 + i * 13) % 60);
+                        let deadline = Instant::now() + budget;
+                        if let Ok(head) = gates.enter(&endpoint, place, deadline).await {
+                            let now = heads.fetch_add(1, Ordering::SeqCst) + 1;
+                            most.fetch_max(now, Ordering::SeqCst);
+                            tokio::task::yield_now().await;
+                            heads.fetch_sub(1, Ordering::SeqCst);
+                            drop(head);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(most.load(Ordering::SeqCst), 1, "two heads at once");
+        assert!(gates.is_empty(), "a queue was left behind");
     }
 }
