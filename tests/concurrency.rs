@@ -196,13 +196,14 @@ async fn a_slot_wait_past_max_wait_is_refused_as_concurrency_limited() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_are_renewed_while_a_request_runs() {
-    // Each request takes 0.7 s, far past the 200 ms lease: only renewal keeps it held.
+    // Each request takes 2.2 s, over twice the 1 s lease (the shortest `check` takes):
+    // only renewal keeps it held.
     let sluice = common::sluice(
-        "[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"10s\"\nmax_in_flight = 1\nlease_ttl = \"200ms\"\n",
+        "[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"10s\"\nmax_in_flight = 1\nlease_ttl = \"1s\"\n",
     )
     .await;
-    let up = Counting::start(Duration::from_millis(700)).await;
-    let results = load(&[sluice.proxy_addr], &up, "c5", 3, 1).await;
+    let up = Counting::start(Duration::from_millis(2200)).await;
+    let results = load(&[sluice.proxy_addr], &up, "c5", 2, 1).await;
     assert!(results.iter().all(|(s, _)| *s == 200), "{results:?}");
     assert_eq!(up.peak(), 1, "a renewed lease is never taken over");
     sluice.stop().await;

@@ -214,6 +214,9 @@ impl Shares {
 
 /// Default `lease_ttl`.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
+/// Shortest `lease_ttl`: a slot's lease is renewed every third of it, through a store
+/// call; shorter, a lease can lapse between renewals and let one more request in.
+pub const MIN_LEASE_TTL: Duration = Duration::from_secs(1);
 
 impl Default for Policy {
     fn default() -> Self {
@@ -915,6 +918,24 @@ mod tests {
     fn syntax_errors_have_a_line() {
         let i = issues("[proxy]\nlisten = \n");
         assert_eq!(i[0].line, 2);
+    }
+
+    /// A `lease_ttl` too short to be renewed in time (a typo for seconds) is refused at
+    /// its line, in `[defaults]` and in an endpoint.
+    #[test]
+    fn a_lease_ttl_under_a_second_is_refused_where_it_is() {
+        let i = issues(
+            "[defaults]\nlease_ttl = \"10ms\"\n[[endpoints]]\nid = \"a\"\nrate = 1.0\nlease_ttl = \"0.5s\"\n",
+        );
+        let at: Vec<(usize, &str)> = i.iter().map(|i| (i.line, i.key.as_str())).collect();
+        assert_eq!(
+            at,
+            [(2, "defaults.lease_ttl"), (6, "endpoints[0].lease_ttl")],
+            "{i:?}"
+        );
+        assert!(i[0].message.contains("at least 1s"), "{}", i[0].message);
+        let ok = Config::parse("[defaults]\nlease_ttl = \"1s\"\n").unwrap();
+        assert_eq!(ok.defaults.lease_ttl, MIN_LEASE_TTL);
     }
 
     /// A floor above an inherited rate is reported at the floor's line (before: at

@@ -456,9 +456,24 @@ impl Reader<'_> {
             max_wait,
             adaptive,
             max_in_flight,
-            lease_ttl: self.positive(t, path, "lease_ttl", base.lease_ttl),
+            lease_ttl: self.lease_ttl(t, path, base.lease_ttl),
             shares: self.shares(t, path).or_else(|| base.shares.clone()),
         }
+    }
+
+    /// `lease_ttl`: at least [`MIN_LEASE_TTL`], so a typo (`"10ms"` for `"10s"`) cannot
+    /// quietly let leases lapse and `max_in_flight` with them.
+    fn lease_ttl(&mut self, t: &Table<'_>, path: &str, base: Duration) -> Duration {
+        let d = self.duration(t, path, "lease_ttl", base);
+        if d < MIN_LEASE_TTL {
+            let at = t.get("lease_ttl").map_or(0, |v| v.span().start);
+            let why = "must be at least 1s: a slot's lease is renewed every third of it, and a \
+                       shorter one can lapse between renewals, letting more than \
+                       max_in_flight requests in";
+            self.issue(at, &join(path, "lease_ttl"), why.into());
+            return base;
+        }
+        d
     }
 
     /// `shares = { name = weight, ... }`: positive weights by sender name.
