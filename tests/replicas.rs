@@ -165,7 +165,8 @@ impl Saturation {
     }
 }
 
-/// Nothing lost or doubled: every request was forwarded once (200) or refused by sluice
+/// Nothing lost or doubled: every request was forwarded once (200, or the receiver's
+/// 429) or refused by sluice
 /// (503 with a reason) and never arrived. Returns the number refused.
 fn assert_exactly_once(sent: &[Sent], up: &Upstream) -> usize {
     let mut arrived = std::collections::HashMap::new();
@@ -176,7 +177,8 @@ fn assert_exactly_once(sent: &[Sent], up: &Upstream) -> usize {
     for s in sent {
         let n = arrived.get(&s.path).copied().unwrap_or(0);
         match s.status {
-            200 => assert_eq!(n, 1, "{} forwarded {n} times", s.path),
+            // The receiver's own answer, passed on.
+            200 | 429 => assert_eq!(n, 1, "{} forwarded {n} times", s.path),
             503 => {
                 assert!(!s.reason.is_empty(), "{}: a 503 without a reason", s.path);
                 assert_eq!(n, 0, "{} refused ({}) but arrived", s.path, s.reason);
@@ -1294,5 +1296,85 @@ async fn in_flight_slots_count_across_a_store_stall_and_its_end() {
                 .collect::<Vec<_>>()
         );
     }
+    s.stop().await;
+}
+
+/// Requests waiting on shared reservations when a 429 starts a cooldown, and a store
+/// that stalls before they wake: they do not leave during the cooldown (guarantee 4).
+/// Before, a shared reservation waking during the outage left unasked, although this
+/// replica had started the cooldown itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_when_a_cooldown_starts_hold_it_through_a_stall() {
+    const RETRY_AFTER: Duration = Duration::from_secs(3);
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"5s\"\n",
+        redis.url()
+    ))
+    .await;
+    let throttle = Arc::new(AtomicBool::new(false));
+    let throttled_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let up = {
+        let (throttle, at) = (Arc::clone(&throttle), Arc::clone(&throttled_at));
+        Upstream::with(Arc::new(move |a: &common::Arrival| {
+            if throttle.swap(false, Ordering::SeqCst) {
+                *at.lock().unwrap() = Some(a.at);
+                Reply::status(429).header("retry-after", "3")
+            } else {
+                Reply::ok()
+            }
+        }))
+        .await
+    };
+    let load = Saturation::start(std::slice::from_ref(&s), &up, "held", 30, 300);
+    common::wait_for(
+        "arrivals paced on Redis",
+        Duration::from_secs(10),
+        || async { times_of(&up, "held").len() >= 10 },
+    )
+    .await;
+    throttle.store(true, Ordering::SeqCst);
+    let admin = s.admin_addr;
+    common::wait_for(
+        "the cooldown in Redis",
+        Duration::from_secs(5),
+        || async move {
+            let all: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            all.as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["id"] == "held" && e["cooldown_ms"].as_u64().unwrap_or(0) > 0)
+        },
+    )
+    .await;
+    redis.pause();
+    let at = throttled_at.lock().unwrap().expect("the 429 was answered");
+    common::wait_for(
+        "arrivals after the cooldown",
+        Duration::from_secs(15),
+        || {
+            let after = times_of(&up, "held")
+                .iter()
+                .filter(|t| **t > at + RETRY_AFTER)
+                .count();
+            std::future::ready(after >= 5)
+        },
+    )
+    .await;
+    let sent = load.finish().await;
+    redis.resume();
+    assert_exactly_once(&sent, &up);
+    let early: Vec<Duration> = times_of(&up, "held")
+        .iter()
+        .filter(|t| **t > at && **t < at + RETRY_AFTER)
+        .map(|t| *t - at)
+        .collect();
+    assert!(early.is_empty(), "arrived during the cooldown: {early:?}");
     s.stop().await;
 }

@@ -252,19 +252,18 @@ impl Resilient {
     /// it: a reservation's start, or a cooldown's end. Only `on_error = "local"` keeps it,
     /// and only for a wait, so a limit that never binds records nothing.
     fn saw(&self, endpoint: &str, o: &Outcome) {
-        let ahead = match *o {
+        let Some(h) = &self.handover else { return };
+        let at = |us| Instant::now() + super::from_micros(us);
+        match *o {
             Outcome::Granted {
                 wait_us,
                 generation,
-            } if !is_local(generation) => wait_us,
+            } if wait_us > 0.0 && !is_local(generation) => h.spoken_for(endpoint, at(wait_us)),
             Outcome::Refused {
                 cooldown: true,
                 retry_us,
-            } => retry_us,
-            _ => return,
-        };
-        if let Some(h) = self.handover.as_ref().filter(|_| ahead > 0.0) {
-            h.spoken_for(endpoint, Instant::now() + super::from_micros(ahead));
+            } => h.cooling(endpoint, at(retry_us)),
+            _ => {}
         }
     }
 
@@ -343,14 +342,23 @@ impl BucketStore for Resilient {
                 }
             }
             // A shared reservation that cannot be re-checked survives: the shared bucket
-            // already paced it, and no cooldown could be learned meanwhile. The local
-            // bucket left it its slot (see `Horizons`); if it wakes past that, it is
-            // charged there.
+            // already paced it. The local bucket left it its slot (see `Horizons`); if it
+            // wakes past that, it is charged there. Unless this replica knows of a
+            // cooldown going on: then it is void, as the shared store would have said.
             let survived = ask.held;
             let outcome = self
                 .run(
                     move |p| p.acquire(endpoint, ask),
                     move |l| match survived {
+                        // Void if a cooldown began since it was made (the cooldown's
+                        // end is past it): asked afresh, locally.
+                        Some(_) if self.handover.as_ref().is_some_and(|h| h.cools(endpoint)) => {
+                            let ask = Ask {
+                                held: None,
+                                ..share
+                            };
+                            l.tag(l.store.acquire_now(endpoint, ask))
+                        }
                         Some(generation) => {
                             let ask = Ask {
                                 held: None,
@@ -410,8 +418,9 @@ impl BucketStore for Resilient {
             },
         );
         if let Some(h) = self.handover.as_ref().filter(|_| !pause.is_zero()) {
-            // A local bucket taking over keeps the cooldown too.
-            h.spoken_for(endpoint, Instant::now() + pause);
+            // A local bucket taking over keeps the cooldown too, and shared reservations
+            // made before it are void.
+            h.cooling(endpoint, Instant::now() + pause);
         }
         Box::pin(self.run(
             move |p| p.feedback(endpoint, ask, adaptive, pause, throttled),

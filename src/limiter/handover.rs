@@ -25,6 +25,8 @@ use crate::config::Adaptive;
 #[derive(Default)]
 pub struct Handover {
     horizons: Arc<Horizons>,
+    /// Per endpoint, the end of the last cooldown this replica started or was told of.
+    cooling: Horizons,
     /// Cooldowns and decreases the local store applied during an outage.
     learned: Mutex<HashMap<Box<str>, Learned>>,
     /// This replica's in-flight slots (leases) by id.
@@ -42,6 +44,20 @@ impl Handover {
     /// Records that the shared bucket of `endpoint` is spoken for until `at`.
     pub fn spoken_for(&self, endpoint: &str, at: Instant) {
         self.horizons.saw(endpoint, at);
+    }
+
+    /// Records that `endpoint` cools down until `until` (it is spoken for as long).
+    pub fn cooling(&self, endpoint: &str, until: Instant) {
+        self.horizons.saw(endpoint, until);
+        self.cooling.saw(endpoint, until);
+    }
+
+    /// Whether `endpoint` cools down now, as far as this replica knows: a reservation
+    /// made before its cooldown began is void.
+    pub fn cools(&self, endpoint: &str) -> bool {
+        self.cooling
+            .get(endpoint)
+            .is_some_and(|t| t > Instant::now())
     }
 
     /// Keeps what a 429 taught the local store during an outage (`pause` from now, and
