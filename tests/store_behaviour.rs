@@ -220,6 +220,36 @@ async fn refusal_consumes_nothing(s: Subject) {
     );
 }
 
+/// `cap` lowers a balance (also a fresh bucket's: a Redis that lost its state), never
+/// raises it, and a negative cap pushes the next grant out as reservations would.
+async fn cap_lowers_the_balance_and_never_raises_it(s: Subject) {
+    let (rate, burst) = (10.0, 5.0);
+    let p = policy(rate, burst, 1_000);
+    let ask = Ask::new(&p, 1e6, None);
+    let t0 = Instant::now();
+    s.store.cap("cap", ask, 2.0).await.unwrap();
+    s.store.cap("cap", ask, 4.0).await.unwrap();
+    let tokens = view(&s, "cap", ask, None).await.tokens;
+    let refill = rate * us(t0, Instant::now()) / 1e6;
+    assert!(
+        tokens <= 2.0 + refill + 1e-9,
+        "capped at 2, then not raised: {tokens}"
+    );
+    s.store.cap("cap", ask, -1.0).await.unwrap();
+    let t1 = Instant::now();
+    match s.store.acquire("cap", ask).await.unwrap() {
+        // Two tokens missing at 10/s: 0.2 s, less what refilled meanwhile.
+        Outcome::Granted { wait_us, .. } => {
+            let slack = us(t1, Instant::now()) + 1.0;
+            assert!(
+                wait_us <= 200_000.0 + 1.0 && wait_us >= 200_000.0 - slack - 50_000.0,
+                "{wait_us}"
+            );
+        }
+        o => panic!("{o:?}"),
+    }
+}
+
 tokio::task_local! {
     /// Which waiter a store call is made for.
     static WAITER: usize;
@@ -259,6 +289,10 @@ impl BucketStore for Reporting {
     ) -> StoreFuture<'a, ()> {
         self.inner
             .feedback(endpoint, ask, adaptive, pause, throttled)
+    }
+
+    fn cap<'a>(&'a self, endpoint: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()> {
+        self.inner.cap(endpoint, ask, most)
     }
 
     fn view<'a>(
@@ -674,6 +708,7 @@ every_store!(
     floor_holds,
     leases_bound_expire_and_release,
     concurrent_acquires_decide_as_back_to_back_calls,
+    cap_lowers_the_balance_and_never_raises_it,
 );
 
 /// Acquires that queue while one is in flight for their endpoint go to Redis together:

@@ -171,6 +171,17 @@ pub fn charge(s: &mut BucketState, ask: &Ask, now: f64) {
     s.tokens -= 1.0;
 }
 
+/// Lowers the balance to at most `most` tokens at `now` (negative: reservations are
+/// outstanding until `-most / rate` from now): what this bucket learns of grants another
+/// bucket made meanwhile (a fallback's, during an outage of this one). During a
+/// cooldown the bound is carried to its end at the rate.
+pub fn cap(s: &mut BucketState, ask: &Ask, most: f64, now: f64) {
+    refill(s, ask, now);
+    let rate = effective_rate(s, ask.rate, ask.recovery_us, now);
+    let at_ts = most + (s.ts - now).max(0.0) / MICROS * rate;
+    s.tokens = s.tokens.min(at_ts);
+}
+
 /// Gives back a reservation whose sender went away, if no cooldown voided it.
 pub fn release(s: &mut BucketState, ask: &Ask, generation: u64, now: f64) {
     if s.generation != generation {

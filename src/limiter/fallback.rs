@@ -228,7 +228,10 @@ impl Resilient {
             }
         }
         if let Some(h) = &self.handover {
-            h.teach(self.primary.as_ref()).await?;
+            let (local, peers) = (self.local.load(), &self.peers);
+            let share = |ask| peers.share(ask);
+            h.teach(self.primary.as_ref(), &local.store, peers.count(), share)
+                .await?;
         }
         self.registered.store(true, Ordering::Release);
         Ok(())
@@ -251,18 +254,18 @@ impl Resilient {
     /// Records how far ahead the shared bucket of `endpoint` is spoken for, as `o` shows
     /// it: a reservation's start, or a cooldown's end. Only `on_error = "local"` keeps it,
     /// and only for a wait, so a limit that never binds records nothing.
-    fn saw(&self, endpoint: &str, o: &Outcome) {
+    fn saw(&self, endpoint: &str, ask: Ask, o: &Outcome) {
         let Some(h) = &self.handover else { return };
         let at = |us| Instant::now() + super::from_micros(us);
         match *o {
             Outcome::Granted {
                 wait_us,
                 generation,
-            } if wait_us > 0.0 && !is_local(generation) => h.spoken_for(endpoint, at(wait_us)),
+            } if wait_us > 0.0 && !is_local(generation) => h.spoken_for(endpoint, ask, at(wait_us)),
             Outcome::Refused {
                 cooldown: true,
                 retry_us,
-            } => h.cooling(endpoint, at(retry_us)),
+            } => h.cooling(endpoint, ask, at(retry_us)),
             _ => {}
         }
     }
@@ -349,28 +352,35 @@ impl BucketStore for Resilient {
             let outcome = self
                 .run(
                     move |p| p.acquire(endpoint, ask),
-                    move |l| match survived {
-                        // Void if a cooldown began since it was made (the cooldown's
-                        // end is past it): asked afresh, locally.
-                        Some(_) if self.handover.as_ref().is_some_and(|h| h.cools(endpoint)) => {
-                            let ask = Ask {
-                                held: None,
-                                ..share
-                            };
-                            l.tag(l.store.acquire_now(endpoint, ask))
+                    move |l| {
+                        if let Some(h) = &self.handover {
+                            h.decided_locally(endpoint, ask);
                         }
-                        Some(generation) => {
-                            let ask = Ask {
-                                held: None,
-                                ..share
-                            };
-                            l.store.charge_survivor_now(endpoint, ask);
-                            Outcome::Granted {
-                                wait_us: 0.0,
-                                generation,
+                        match survived {
+                            // Void if a cooldown began since it was made (the cooldown's
+                            // end is past it): asked afresh, locally.
+                            Some(_)
+                                if self.handover.as_ref().is_some_and(|h| h.cools(endpoint)) =>
+                            {
+                                let ask = Ask {
+                                    held: None,
+                                    ..share
+                                };
+                                l.tag(l.store.acquire_now(endpoint, ask))
                             }
+                            Some(generation) => {
+                                let ask = Ask {
+                                    held: None,
+                                    ..share
+                                };
+                                l.store.charge_survivor_now(endpoint, ask);
+                                Outcome::Granted {
+                                    wait_us: 0.0,
+                                    generation,
+                                }
+                            }
+                            None => l.tag(l.store.acquire_now(endpoint, share)),
                         }
-                        None => l.tag(l.store.acquire_now(endpoint, share)),
                     },
                     Outcome::Granted {
                         wait_us: 0.0,
@@ -378,7 +388,7 @@ impl BucketStore for Resilient {
                     },
                 )
                 .await?;
-            self.saw(endpoint, &outcome);
+            self.saw(endpoint, ask, &outcome);
             Ok(outcome)
         })
     }
@@ -420,7 +430,7 @@ impl BucketStore for Resilient {
         if let Some(h) = self.handover.as_ref().filter(|_| !pause.is_zero()) {
             // A local bucket taking over keeps the cooldown too, and shared reservations
             // made before it are void.
-            h.cooling(endpoint, Instant::now() + pause);
+            h.cooling(endpoint, ask, Instant::now() + pause);
         }
         Box::pin(self.run(
             move |p| p.feedback(endpoint, ask, adaptive, pause, throttled),
@@ -431,6 +441,15 @@ impl BucketStore for Resilient {
                     h.learn(endpoint, ask, adaptive, pause, throttled);
                 }
             },
+            (),
+        ))
+    }
+
+    fn cap<'a>(&'a self, endpoint: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()> {
+        let (share, n) = (self.peers.share(ask), self.peers.count() as f64);
+        Box::pin(self.run(
+            move |p| p.cap(endpoint, ask, most),
+            move |l| l.store.cap_now(endpoint, share, most / n),
             (),
         ))
     }
@@ -490,9 +509,14 @@ impl BucketStore for Resilient {
             let leased = self
                 .run(
                     move |p| p.acquire_leased(endpoint, ask, lease),
-                    move |l| match l.store.acquire_leased_now(endpoint, share, slots) {
-                        Leased::Took(o) => Leased::Took(l.tag(o)),
-                        busy => busy,
+                    move |l| {
+                        if let Some(h) = &self.handover {
+                            h.decided_locally(endpoint, ask);
+                        }
+                        match l.store.acquire_leased_now(endpoint, share, slots) {
+                            Leased::Took(o) => Leased::Took(l.tag(o)),
+                            busy => busy,
+                        }
                     },
                     Leased::Took(Outcome::Granted {
                         wait_us: 0.0,
@@ -501,7 +525,7 @@ impl BucketStore for Resilient {
                 )
                 .await?;
             if let Leased::Took(o) = &leased {
-                self.saw(endpoint, o);
+                self.saw(endpoint, ask, o);
                 if let Some(h) = self.handover.as_ref() {
                     if matches!(o, Outcome::Granted { .. }) {
                         h.took(endpoint, ask, lease);
@@ -630,6 +654,9 @@ mod tests {
         fn ping(&self) -> StoreFuture<'_, ()> {
             self.answer(|| ())
         }
+        fn cap<'a>(&'a self, e: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()> {
+            self.answer(|| self.store.cap_now(e, ask, most))
+        }
         fn acquire_leased<'a>(
             &'a self,
             e: &'a str,
@@ -734,6 +761,50 @@ mod tests {
             last <= Duration::from_millis(4950),
             "the last left at {last:?}"
         );
+    }
+
+    /// A long outage lets the local bucket refill, and its burst leaves; meanwhile the
+    /// shared bucket refilled too. When the shared store answers again it must not add
+    /// its own burst on top: it is told how much the local bucket has left.
+    #[tokio::test(start_paused = true)]
+    async fn the_shared_bucket_adds_no_burst_on_top_of_the_local_ones_after_an_outage() {
+        let primary = Arc::new(Switched {
+            store: MemoryStore::new(),
+            down: AtomicBool::new(true),
+        });
+        let store = Resilient::new(
+            Arc::clone(&primary) as Arc<dyn BucketStore>,
+            OnError::Local,
+            StoreStats::default(),
+            Arc::new(Peers::new(1)),
+        );
+        let limiter = Limiter::new(Arc::new(store));
+        let policy = Arc::new(Policy {
+            rate: 10.0,
+            burst: 5.0,
+            max_wait: Duration::from_secs(10),
+            adaptive: None,
+            ..Policy::default()
+        });
+        let t0 = Instant::now();
+        // The store is away from the start; one request finds it so.
+        let mut tasks = admit_from(&limiter, &policy, 1);
+        // Ten idle seconds: the local bucket refills to its burst.
+        tokio::time::sleep_until(t0 + Duration::from_secs(10)).await;
+        tasks.extend(admit_from(&limiter, &policy, 12));
+        tokio::time::sleep_until(t0 + Duration::from_millis(10_050)).await;
+        primary.down.store(false, Ordering::Relaxed);
+        tokio::time::sleep_until(t0 + Duration::from_millis(10_150)).await;
+        tasks.extend(admit_from(&limiter, &policy, 4));
+        // The next probe finds the store back (waking local reservations do not probe).
+        tokio::time::sleep_until(t0 + Duration::from_millis(10_500)).await;
+        tasks.extend(admit_from(&limiter, &policy, 8));
+        let mut left = Vec::new();
+        for t in tasks {
+            left.push(t.await.unwrap());
+        }
+        assert_eq!(limiter.store().health(), StoreHealth::Ok);
+        assert_bound(left, 10.0, 5.0);
     }
 
     /// During an outage each replica takes its share of an endpoint's slots, as of its

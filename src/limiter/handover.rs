@@ -18,6 +18,7 @@ use tokio::time::Instant;
 
 use super::bucket::Ask;
 use super::lease::LeaseAsk;
+use super::memory::MemoryStore;
 use super::{BucketStore, StoreError};
 use crate::config::Adaptive;
 
@@ -33,6 +34,8 @@ pub struct Handover {
     in_flight: Mutex<HashMap<u64, Flying>>,
     /// Shared leases released while the store was away.
     unreleased: Mutex<Vec<Flying>>,
+    /// Endpoints the local store decided for during the outage, with their policies.
+    decided: Mutex<HashMap<Box<str>, Ask>>,
 }
 
 impl Handover {
@@ -41,15 +44,24 @@ impl Handover {
         &self.horizons
     }
 
-    /// Records that the shared bucket of `endpoint` is spoken for until `at`.
-    pub fn spoken_for(&self, endpoint: &str, at: Instant) {
-        self.horizons.saw(endpoint, at);
+    /// Records that the shared bucket of `endpoint` (policy `ask`) is spoken for until
+    /// `at`.
+    pub fn spoken_for(&self, endpoint: &str, ask: Ask, at: Instant) {
+        self.horizons.saw(endpoint, ask, at);
     }
 
     /// Records that `endpoint` cools down until `until` (it is spoken for as long).
-    pub fn cooling(&self, endpoint: &str, until: Instant) {
-        self.horizons.saw(endpoint, until);
-        self.cooling.saw(endpoint, until);
+    pub fn cooling(&self, endpoint: &str, ask: Ask, until: Instant) {
+        self.horizons.saw(endpoint, ask, until);
+        self.cooling.saw(endpoint, ask, until);
+    }
+
+    /// The local store decided for `endpoint` (policy `ask`) during an outage.
+    pub fn decided_locally(&self, endpoint: &str, ask: Ask) {
+        let mut decided = lock(&self.decided);
+        if !decided.contains_key(endpoint) {
+            decided.insert(endpoint.into(), ask);
+        }
     }
 
     /// Whether `endpoint` cools down now, as far as this replica knows: a reservation
@@ -108,10 +120,20 @@ impl Handover {
     }
 
     /// Hands `shared` what it must know before it decides again: the rest of each
-    /// cooldown learned and each decrease whose climb back is not over, the slots this
-    /// replica's requests hold (wherever they were taken), and the shared leases released
-    /// meanwhile. What fails is kept for the next try.
-    pub async fn teach(&self, shared: &dyn BucketStore) -> Result<(), StoreError> {
+    /// cooldown learned and each decrease whose climb back is not over; how much each
+    /// bucket may hold now (no more than the local bucket has left, times the `replicas`
+    /// sharing it, and nothing before the last shared reservation this replica saw,
+    /// which a Redis that lost its state no longer knows of); the slots this replica's
+    /// requests hold (wherever they were taken); and the shared leases released
+    /// meanwhile. `local` is the outage's store, deciding at `share` of each policy.
+    /// What fails is kept for the next try.
+    pub async fn teach(
+        &self,
+        shared: &dyn BucketStore,
+        local: &MemoryStore,
+        replicas: usize,
+        share: impl Fn(Ask) -> Ask,
+    ) -> Result<(), StoreError> {
         let learned = std::mem::take(&mut *lock(&self.learned));
         let mut left = learned.into_iter();
         while let Some((endpoint, l)) = left.next() {
@@ -129,6 +151,29 @@ impl Handover {
                 for (endpoint, l) in std::iter::once((endpoint, l)).chain(left) {
                     l.add_to(&mut learned, endpoint);
                 }
+                return Err(e);
+            }
+        }
+        let now = Instant::now();
+        let mut most: HashMap<Box<str>, (Ask, f64)> = HashMap::new();
+        for (endpoint, at, ask) in self.horizons.ahead() {
+            let reserved = (at - now).as_secs_f64() * ask.rate;
+            most.insert(endpoint, (ask, -reserved));
+        }
+        let decided = std::mem::take(&mut *lock(&self.decided));
+        for (endpoint, ask) in &decided {
+            let Some(view) = local.view_now(endpoint, share(*ask), None) else {
+                continue;
+            };
+            // Reservations the local bucket holds ask the shared store afresh: only
+            // what it has left counts.
+            let left = view.tokens.max(0.0) * replicas as f64;
+            let m = most.entry(endpoint.clone()).or_insert((*ask, left));
+            m.1 = m.1.min(left);
+        }
+        for (endpoint, (ask, m)) in &most {
+            if let Err(e) = shared.cap(endpoint, *ask, *m).await {
+                lock(&self.decided).extend(decided);
                 return Err(e);
             }
         }
@@ -162,7 +207,8 @@ pub struct Horizons {
 
 #[derive(Debug, Default)]
 struct HorizonMap {
-    by_endpoint: HashMap<Box<str>, Instant>,
+    /// The time, and the endpoint's policy as last seen.
+    by_endpoint: HashMap<Box<str>, (Instant, Ask)>,
     /// Past times are swept out when the map reaches this size.
     sweep_at: usize,
 }
@@ -171,25 +217,33 @@ impl Horizons {
     /// Fewest entries before past ones are swept out.
     const SWEEP_FROM: usize = 1024;
 
-    /// Records that the shared bucket of `endpoint` is spoken for until `at`.
-    pub(super) fn saw(&self, endpoint: &str, at: Instant) {
-        let mut m = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(t) = m.by_endpoint.get_mut(endpoint) {
-            *t = (*t).max(at);
+    /// Records that the shared bucket of `endpoint` (policy `ask`) is spoken for until
+    /// `at`.
+    pub(super) fn saw(&self, endpoint: &str, ask: Ask, at: Instant) {
+        let mut m = lock(&self.inner);
+        if let Some((t, a)) = m.by_endpoint.get_mut(endpoint) {
+            (*t, *a) = ((*t).max(at), ask);
             return;
         }
         if m.by_endpoint.len() >= m.sweep_at {
             let now = Instant::now();
-            m.by_endpoint.retain(|_, t| *t > now);
+            m.by_endpoint.retain(|_, (t, _)| *t > now);
             m.sweep_at = (m.by_endpoint.len() * 2).max(Self::SWEEP_FROM);
         }
-        m.by_endpoint.insert(endpoint.into(), at);
+        m.by_endpoint.insert(endpoint.into(), (at, ask));
     }
 
     /// The start of the last shared reservation of `endpoint` seen, if any.
     pub fn get(&self, endpoint: &str) -> Option<Instant> {
-        let m = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        m.by_endpoint.get(endpoint).copied()
+        lock(&self.inner).by_endpoint.get(endpoint).map(|(t, _)| *t)
+    }
+
+    /// Every endpoint spoken for past now, until when, and its policy.
+    fn ahead(&self) -> Vec<(Box<str>, Instant, Ask)> {
+        let now = Instant::now();
+        let m = lock(&self.inner);
+        let ahead = m.by_endpoint.iter().filter(|(_, (t, _))| *t > now);
+        ahead.map(|(e, (t, a))| (e.clone(), *t, *a)).collect()
     }
 }
 

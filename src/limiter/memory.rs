@@ -199,6 +199,11 @@ impl MemoryStore {
         });
     }
 
+    /// Cap without the future wrapper.
+    pub fn cap_now(&self, endpoint: &str, ask: Ask, most: f64) {
+        self.with_bucket(endpoint, &ask, |s, now| bucket::cap(s, &ask, most, now));
+    }
+
     /// View without the future wrapper.
     pub fn view_now(&self, endpoint: &str, ask: Ask, floor: Option<f64>) -> Option<View> {
         let (hash, idx) = self.locate(endpoint);
@@ -278,6 +283,11 @@ impl BucketStore for MemoryStore {
         throttled: bool,
     ) -> StoreFuture<'a, ()> {
         self.feedback_now(endpoint, ask, &adaptive, pause, throttled);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn cap<'a>(&'a self, endpoint: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()> {
+        self.cap_now(endpoint, ask, most);
         Box::pin(std::future::ready(Ok(())))
     }
 

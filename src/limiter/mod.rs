@@ -94,6 +94,8 @@ pub trait BucketStore: Send + Sync {
         pause: Duration,
         throttled: bool,
     ) -> StoreFuture<'a, ()>;
+    /// Lowers `endpoint`'s balance to at most `most` tokens now (see [`bucket::cap`]).
+    fn cap<'a>(&'a self, endpoint: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()>;
     /// The operator's view of an endpoint; `None` when the store holds no state for it.
     fn view<'a>(
         &'a self,

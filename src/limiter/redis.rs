@@ -67,6 +67,8 @@ const REPLICAS_LUA: &str = include_str!("../../lua/replicas.lua");
 const LEASE_LUA: &str = bucket_script!("lease.lua");
 /// `lua/bucket.lua` + `lua/renew.lua`.
 const RENEW_LUA: &str = bucket_script!("renew.lua");
+/// `lua/bucket.lua` + `lua/cap.lua`.
+const CAP_LUA: &str = bucket_script!("cap.lua");
 
 /// Connections are allowed at least this long even with a tighter call timeout: a TCP
 /// handshake plus HELLO must fit, or a reconnect could never succeed.
@@ -193,6 +195,7 @@ struct Scripts {
     replicas: Script,
     lease: Script,
     renew: Script,
+    cap: Script,
 }
 
 /// What every store call needs: the connection, the scripts, the key prefix, the call
@@ -394,6 +397,7 @@ impl RedisStore {
                 replicas: Script::new(REPLICAS_LUA),
                 lease: Script::new(LEASE_LUA),
                 renew: Script::new(RENEW_LUA),
+                cap: Script::new(CAP_LUA),
             },
             prefix: cfg.key_prefix.clone(),
             timeout: cfg.timeout,
@@ -855,6 +859,16 @@ impl BucketStore for RedisStore {
         })
     }
 
+    fn cap<'a>(&'a self, endpoint: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let mut inv = self
+                .calls
+                .invocation(&self.calls.scripts.cap, endpoint, None, &ask, 1);
+            inv.arg(Num(most));
+            self.calls.run::<Value>(inv).await.map(drop)
+        })
+    }
+
     fn view<'a>(
         &'a self,
         endpoint: &'a str,
@@ -1058,6 +1072,7 @@ mod tests {
             ("view", VIEW_LUA),
             ("lease", LEASE_LUA),
             ("renew", RENEW_LUA),
+            ("cap", CAP_LUA),
         ] {
             assert!(lua.starts_with("-- sluice bucket prelude"), "{name}");
             assert!(lua.contains(&format!("-- {name}:")), "{name}");
