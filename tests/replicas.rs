@@ -974,6 +974,53 @@ async fn a_replica_holds_workers_plus_two_redis_connections() {
     assert_eq!(held, 2 + 2, "connections for 2 workers:\n{list}");
 }
 
+/// A `[store]` on `redis` with a 100 ms timeout and `on_error = "local"`, and `policy`.
+fn falling_back_locally(redis: &common::redis::RedisServer, policy: &str) -> String {
+    format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n{policy}",
+        redis.url()
+    )
+}
+
+/// Whether `/readyz` of the replica at `admin` says its store is `state`.
+async fn store_is(admin: std::net::SocketAddr, state: &str) -> bool {
+    let url = format!("http://{admin}/readyz");
+    let r: serde_json::Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+    r["store"] == state
+}
+
+/// Waits until `/readyz` of the replica at `admin` says its store is `state`.
+async fn until_store_is(admin: std::net::SocketAddr, state: &str) {
+    let what = format!("the store to be {state}");
+    common::wait_for(&what, Duration::from_secs(5), || store_is(admin, state)).await;
+}
+
+/// A receiver that answers 429 with `Retry-After: 3` to `/cool/throttle*`, else 200.
+async fn throttling_on_cool() -> Upstream {
+    Upstream::with(Arc::new(|a: &common::Arrival| {
+        if a.path.starts_with("/cool/throttle") {
+            Reply::status(429).header("retry-after", "3")
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await
+}
+
+/// Sends `path` for endpoint `cool` through `c`; the status.
+async fn send_cool(c: reqwest::Client, url: String) -> u16 {
+    let r = c.get(&url).header("x-endpoint-id", "cool").send().await;
+    r.unwrap().status().as_u16()
+}
+
+/// Arrivals at paths starting with `prefix` less than 3 s after `throttled`, as offsets.
+fn during_cooldown(up: &Upstream, prefix: &str, throttled: Instant) -> Vec<Duration> {
+    let arrivals = up.arrivals();
+    let after = arrivals.iter().filter(|a| a.path.starts_with(prefix));
+    let offsets = after.map(|a| a.at - throttled);
+    offsets.filter(|d| *d < Duration::from_secs(3)).collect()
+}
+
 /// A Redis that stalls (SIGSTOP) and answers again (SIGCONT) under saturating load, with
 /// `on_error = "local"`: the reservations the shared bucket handed out before the stall,
 /// the local bucket's during it and the shared bucket's after it together keep the bound
@@ -981,25 +1028,9 @@ async fn a_replica_holds_workers_plus_two_redis_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_stall_and_its_end_under_saturation_keep_the_bound() {
     let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
-         [defaults]\nrate = 20.0\nburst = 10.0\nmax_wait = \"2s\"\n",
-        redis.url()
-    ))
-    .await;
+    let policy = "[defaults]\nrate = 20.0\nburst = 10.0\nmax_wait = \"2s\"\n";
+    let s = common::sluice(&falling_back_locally(&redis, policy)).await;
     let up = Upstream::start().await;
-    let admin = format!("http://{}/readyz", s.admin_addr);
-    let store_is = |state: &'static str| {
-        let admin = admin.clone();
-        move || {
-            let admin = admin.clone();
-            async move {
-                let r: serde_json::Value =
-                    reqwest::get(&admin).await.unwrap().json().await.unwrap();
-                r["store"] == state
-            }
-        }
-    };
     // 60 senders: demand far above 20/s, so the shared bucket holds reservations up to
     // max_wait ahead when it stalls.
     let load = Saturation::start(std::slice::from_ref(&s), &up, "stall", 60, 400);
@@ -1010,12 +1041,7 @@ async fn a_redis_stall_and_its_end_under_saturation_keep_the_bound() {
     )
     .await;
     redis.pause();
-    common::wait_for(
-        "the store to be degraded",
-        Duration::from_secs(5),
-        store_is("degraded"),
-    )
-    .await;
+    until_store_is(s.admin_addr, "degraded").await;
     let stalled = times_of(&up, "stall").len();
     common::wait_for(
         "arrivals paced locally",
@@ -1024,12 +1050,7 @@ async fn a_redis_stall_and_its_end_under_saturation_keep_the_bound() {
     )
     .await;
     redis.resume();
-    common::wait_for(
-        "the store to answer again",
-        Duration::from_secs(5),
-        store_is("ok"),
-    )
-    .await;
+    until_store_is(s.admin_addr, "ok").await;
     let resumed = times_of(&up, "stall").len();
     common::wait_for(
         "arrivals paced on Redis again",
@@ -1050,85 +1071,30 @@ async fn a_redis_stall_and_its_end_under_saturation_keep_the_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cooldown_learned_during_an_outage_holds_after_it() {
     let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
-         [defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n",
-        redis.url()
-    ))
-    .await;
-    let up = Upstream::with(Arc::new(|a: &common::Arrival| {
-        if a.path.starts_with("/cool/throttle") {
-            Reply::status(429).header("retry-after", "3")
-        } else {
-            Reply::ok()
-        }
-    }))
-    .await;
+    let policy = "[defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n";
+    let s = common::sluice(&falling_back_locally(&redis, policy)).await;
+    let up = throttling_on_cool().await;
     let c = client(s.proxy_addr);
-    let send = |path: String| {
-        let c = c.clone();
-        let url = up.url(&path);
-        async move {
-            c.get(&url)
-                .header("x-endpoint-id", "cool")
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }
-    };
-    assert_eq!(send("/cool/warm".into()).await, 200);
-    let admin = format!("http://{}/readyz", s.admin_addr);
-    let store_is = |state: &'static str| {
-        let admin = admin.clone();
-        move || {
-            let admin = admin.clone();
-            async move {
-                let r: serde_json::Value =
-                    reqwest::get(&admin).await.unwrap().json().await.unwrap();
-                r["store"] == state
-            }
-        }
-    };
+    let send = |path: &str| send_cool(c.clone(), up.url(path));
+    assert_eq!(send("/cool/warm").await, 200);
     redis.pause();
-    common::wait_for(
-        "the store to be degraded",
-        Duration::from_secs(5),
-        store_is("degraded"),
-    )
-    .await;
-    assert_eq!(send("/cool/throttle".into()).await, 429);
+    until_store_is(s.admin_addr, "degraded").await;
+    assert_eq!(send("/cool/throttle").await, 429);
     let throttled = times_of(&up, "cool").into_iter().max().unwrap();
     redis.resume();
-    common::wait_for(
-        "the store to answer again",
-        Duration::from_secs(5),
-        store_is("ok"),
-    )
-    .await;
-    let asked = Instant::now();
+    until_store_is(s.admin_addr, "ok").await;
     assert!(
-        asked < throttled + Duration::from_secs(2),
+        Instant::now() < throttled + Duration::from_secs(2),
         "the outage ended too late to test anything"
     );
     let after: Vec<_> = (0..5)
-        .map(|i| tokio::spawn(send(format!("/cool/after/{i}"))))
+        .map(|i| tokio::spawn(send(&format!("/cool/after/{i}"))))
         .collect();
     for a in after {
         assert_eq!(a.await.unwrap(), 200);
     }
-    let early: Vec<Duration> = up
-        .arrivals()
-        .iter()
-        .filter(|a| a.path.starts_with("/cool/after/"))
-        .map(|a| a.at - throttled)
-        .filter(|d| *d < Duration::from_secs(3))
-        .collect();
-    assert!(
-        early.is_empty(),
-        "arrived during the cooldown, after the 429: {early:?}"
-    );
+    let early = during_cooldown(&up, "/cool/after/", throttled);
+    assert!(early.is_empty(), "arrived during the cooldown: {early:?}");
     s.stop().await;
 }
 
@@ -1139,62 +1105,27 @@ async fn a_cooldown_learned_during_an_outage_holds_after_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cooldown_learned_before_an_outage_holds_during_it() {
     let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
-         [defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n",
-        redis.url()
-    ))
-    .await;
-    let up = Upstream::with(Arc::new(|a: &common::Arrival| {
-        if a.path.starts_with("/cool/throttle") {
-            Reply::status(429).header("retry-after", "3")
-        } else {
-            Reply::ok()
-        }
-    }))
-    .await;
+    let policy = "[defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n";
+    let s = common::sluice(&falling_back_locally(&redis, policy)).await;
+    let up = throttling_on_cool().await;
     let c = client(s.proxy_addr);
-    let send = |path: String| {
-        let c = c.clone();
-        let url = up.url(&path);
-        async move {
-            c.get(&url)
-                .header("x-endpoint-id", "cool")
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }
-    };
-    assert_eq!(send("/cool/warm".into()).await, 200);
-    assert_eq!(send("/cool/throttle".into()).await, 429);
+    let send = |path: &str| send_cool(c.clone(), up.url(path));
+    assert_eq!(send("/cool/warm").await, 200);
+    assert_eq!(send("/cool/throttle").await, 429);
     let throttled = times_of(&up, "cool").into_iter().max().unwrap();
     redis.pause();
     let after: Vec<_> = (0..5)
-        .map(|i| tokio::spawn(send(format!("/cool/after/{i}"))))
+        .map(|i| tokio::spawn(send(&format!("/cool/after/{i}"))))
         .collect();
     for a in after {
         assert_eq!(a.await.unwrap(), 200);
     }
-    let degraded: serde_json::Value = reqwest::get(format!("http://{}/readyz", s.admin_addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(degraded["store"], "degraded", "decided in Redis after all");
-    let early: Vec<Duration> = up
-        .arrivals()
-        .iter()
-        .filter(|a| a.path.starts_with("/cool/after/"))
-        .map(|a| a.at - throttled)
-        .filter(|d| *d < Duration::from_secs(3))
-        .collect();
     assert!(
-        early.is_empty(),
-        "arrived during the cooldown, after the 429: {early:?}"
+        store_is(s.admin_addr, "degraded").await,
+        "decided in Redis after all"
     );
+    let early = during_cooldown(&up, "/cool/after/", throttled);
+    assert!(early.is_empty(), "arrived during the cooldown: {early:?}");
     redis.resume();
     s.stop().await;
 }
@@ -1207,12 +1138,8 @@ async fn a_cooldown_learned_before_an_outage_holds_during_it() {
 async fn in_flight_slots_count_across_a_store_stall_and_its_end() {
     const HOLD: Duration = Duration::from_millis(1500);
     let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
-         [defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\nmax_in_flight = 2\n",
-        redis.url()
-    ))
-    .await;
+    let policy = "[defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\nmax_in_flight = 2\n";
+    let s = common::sluice(&falling_back_locally(&redis, policy)).await;
     let up = Upstream::with(Arc::new(|_: &common::Arrival| Reply::ok().delay(HOLD))).await;
     let c = client(s.proxy_addr);
     let send = |path: String| {
@@ -1238,18 +1165,6 @@ async fn in_flight_slots_count_across_a_store_stall_and_its_end() {
             std::future::ready(k >= n)
         }
     };
-    let admin = format!("http://{}/readyz", s.admin_addr);
-    let store_is = |state: &'static str| {
-        let admin = admin.clone();
-        move || {
-            let admin = admin.clone();
-            async move {
-                let r: serde_json::Value =
-                    reqwest::get(&admin).await.unwrap().json().await.unwrap();
-                r["store"] == state
-            }
-        }
-    };
     let mut all = Vec::new();
     // Two slots taken in Redis, held for 1.5 s.
     all.extend((0..2).map(|i| send(format!("/shared/{i}"))));
@@ -1269,17 +1184,12 @@ async fn in_flight_slots_count_across_a_store_stall_and_its_end() {
     )
     .await;
     assert!(
-        store_is("degraded")().await,
+        store_is(s.admin_addr, "degraded").await,
         "the local slots were not taken locally"
     );
     // The store answers again while those are held: two more wait for them to end.
     redis.resume();
-    common::wait_for(
-        "the store to answer again",
-        Duration::from_secs(5),
-        store_is("ok"),
-    )
-    .await;
+    until_store_is(s.admin_addr, "ok").await;
     all.extend((0..2).map(|i| send(format!("/back/{i}"))));
     for r in all {
         assert_eq!(r.await.unwrap(), 200);
@@ -1309,12 +1219,8 @@ async fn in_flight_slots_count_across_a_store_stall_and_its_end() {
 async fn requests_waiting_when_a_cooldown_starts_hold_it_through_a_stall() {
     const RETRY_AFTER: Duration = Duration::from_secs(3);
     let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
-         [defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"5s\"\n",
-        redis.url()
-    ))
-    .await;
+    let policy = "[defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"5s\"\n";
+    let s = common::sluice(&falling_back_locally(&redis, policy)).await;
     let throttle = Arc::new(AtomicBool::new(false));
     let throttled_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let up = {
@@ -1337,23 +1243,10 @@ async fn requests_waiting_when_a_cooldown_starts_hold_it_through_a_stall() {
     )
     .await;
     throttle.store(true, Ordering::SeqCst);
-    let admin = s.admin_addr;
-    common::wait_for(
-        "the cooldown in Redis",
-        Duration::from_secs(5),
-        || async move {
-            let all: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            all.as_array()
-                .unwrap()
-                .iter()
-                .any(|e| e["id"] == "held" && e["cooldown_ms"].as_u64().unwrap_or(0) > 0)
-        },
-    )
+    common::wait_for("the cooldown in Redis", Duration::from_secs(5), || async {
+        let held = common::endpoint(s.admin_addr, "held").await;
+        held.is_some_and(|e| e["cooldown_ms"].as_u64().unwrap_or(0) > 0)
+    })
     .await;
     redis.pause();
     let at = throttled_at.lock().unwrap().expect("the 429 was answered");

@@ -676,6 +676,29 @@ mod tests {
         }
     }
 
+    /// A limiter over the fallback around a switched memory store (`down` at first),
+    /// `on_error = "local"`, one replica; an endpoint policy at 10/s with `burst`.
+    fn switched(down: bool, burst: f64) -> (Arc<Switched>, Limiter, Arc<Policy>) {
+        let primary = Arc::new(Switched {
+            store: MemoryStore::new(),
+            down: AtomicBool::new(down),
+        });
+        let store = Resilient::new(
+            Arc::clone(&primary) as Arc<dyn BucketStore>,
+            OnError::Local,
+            StoreStats::default(),
+            Arc::new(Peers::new(1)),
+        );
+        let policy = Policy {
+            rate: 10.0,
+            burst,
+            max_wait: Duration::from_secs(10),
+            adaptive: None,
+            ..Policy::default()
+        };
+        (primary, Limiter::new(Arc::new(store)), Arc::new(policy))
+    }
+
     /// Requests admitted from `at` on, each recording when it was let go.
     fn admit_from(
         limiter: &Limiter,
@@ -717,24 +740,7 @@ mod tests {
     /// instead of leaving on top of what it grants newcomers.
     #[tokio::test(start_paused = true)]
     async fn an_outage_and_its_end_keep_the_bound_across_both_stores() {
-        let primary = Arc::new(Switched {
-            store: MemoryStore::new(),
-            down: AtomicBool::new(false),
-        });
-        let store = Resilient::new(
-            Arc::clone(&primary) as Arc<dyn BucketStore>,
-            OnError::Local,
-            StoreStats::default(),
-            Arc::new(Peers::new(1)),
-        );
-        let limiter = Limiter::new(Arc::new(store));
-        let policy = Arc::new(Policy {
-            rate: 10.0,
-            burst: 1.0,
-            max_wait: Duration::from_secs(10),
-            adaptive: None,
-            ..Policy::default()
-        });
+        let (primary, limiter, policy) = switched(false, 1.0);
         let t0 = Instant::now();
         // 30 shared reservations: 0, 0.1, ..., 2.9 s.
         let mut tasks = admit_from(&limiter, &policy, 30);
@@ -768,24 +774,7 @@ mod tests {
     /// its own burst on top: it is told how much the local bucket has left.
     #[tokio::test(start_paused = true)]
     async fn the_shared_bucket_adds_no_burst_on_top_of_the_local_ones_after_an_outage() {
-        let primary = Arc::new(Switched {
-            store: MemoryStore::new(),
-            down: AtomicBool::new(true),
-        });
-        let store = Resilient::new(
-            Arc::clone(&primary) as Arc<dyn BucketStore>,
-            OnError::Local,
-            StoreStats::default(),
-            Arc::new(Peers::new(1)),
-        );
-        let limiter = Limiter::new(Arc::new(store));
-        let policy = Arc::new(Policy {
-            rate: 10.0,
-            burst: 5.0,
-            max_wait: Duration::from_secs(10),
-            adaptive: None,
-            ..Policy::default()
-        });
+        let (primary, limiter, policy) = switched(true, 5.0);
         let t0 = Instant::now();
         // The store is away from the start; one request finds it so.
         let mut tasks = admit_from(&limiter, &policy, 1);

@@ -312,8 +312,8 @@ pub fn sustained_rate(times: &[Instant], burst: usize) -> f64 {
     (n - burst) as f64 / span
 }
 
-/// The token balance `/endpoints` reports for `id` (`None` while sluice holds no bucket).
-pub async fn tokens(admin: SocketAddr, id: &str) -> Option<f64> {
+/// What `/endpoints` reports for `id` (`None` while sluice holds no bucket for it).
+pub async fn endpoint(admin: SocketAddr, id: &str) -> Option<serde_json::Value> {
     let all: serde_json::Value = reqwest::get(format!("http://{admin}/endpoints"))
         .await
         .unwrap()
@@ -324,7 +324,12 @@ pub async fn tokens(admin: SocketAddr, id: &str) -> Option<f64> {
         .unwrap()
         .iter()
         .find(|e| e["id"] == id)
-        .and_then(|e| e["tokens"].as_f64())
+        .cloned()
+}
+
+/// The token balance `/endpoints` reports for `id` (`None` while sluice holds no bucket).
+pub async fn tokens(admin: SocketAddr, id: &str) -> Option<f64> {
+    endpoint(admin, id).await.and_then(|e| e["tokens"].as_f64())
 }
 
 /// Waits until `id`'s balance is below `bound`. Refill only ever raises a balance, so a
