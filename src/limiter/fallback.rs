@@ -325,7 +325,11 @@ fn is_local(generation: u64) -> bool {
 impl BucketStore for Resilient {
     fn acquire<'a>(&'a self, endpoint: &'a str, mut ask: Ask) -> StoreFuture<'a, Outcome> {
         Box::pin(async move {
-            let share = self.peers.share(ask);
+            // What the local store is asked: this replica's share, holding nothing of it.
+            let share = Ask {
+                held: None,
+                ..self.peers.share(ask)
+            };
             if let Some(g) = ask.held.filter(|g| is_local(*g)) {
                 // Degraded first, then the store: an outage installs its store before
                 // it sets `degraded`, so a store loaded after is that outage's own.
@@ -362,18 +366,10 @@ impl BucketStore for Resilient {
                             Some(_)
                                 if self.handover.as_ref().is_some_and(|h| h.cools(endpoint)) =>
                             {
-                                let ask = Ask {
-                                    held: None,
-                                    ..share
-                                };
-                                l.tag(l.store.acquire_now(endpoint, ask))
+                                l.tag(l.store.acquire_now(endpoint, share))
                             }
                             Some(generation) => {
-                                let ask = Ask {
-                                    held: None,
-                                    ..share
-                                };
-                                l.store.charge_survivor_now(endpoint, ask);
+                                l.store.charge_survivor_now(endpoint, share);
                                 Outcome::Granted {
                                     wait_us: 0.0,
                                     generation,
