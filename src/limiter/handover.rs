@@ -4,8 +4,10 @@
 //! - shared to local: how far ahead each endpoint's shared bucket is spoken for
 //!   ([`Horizons`]: the last reservation's start or a cooldown's end), so a local bucket
 //!   taking over starts no earlier;
-//! - local to shared: what 429s taught the local store during the outage (cooldowns and
-//!   decreases), applied in the shared store before it decides again;
+//! - local to shared, before the shared store decides again: what 429s taught the local
+//!   store during the outage (cooldowns and decreases), and a cap on each bucket (no
+//!   more than the local bucket has left, nothing before the last shared reservation
+//!   seen: also right when the store lost its state);
 //! - both ways: the slots (leases) this replica's requests hold, adopted by whichever
 //!   store takes over, and the shared leases released while the store was away.
 
@@ -39,6 +41,9 @@ pub struct Handover {
 }
 
 impl Handover {
+    /// Most endpoints kept as decided locally during one outage.
+    pub const MAX_DECIDED: usize = 65_536;
+
     /// The horizons a local store starts its buckets after.
     pub fn horizons(&self) -> &Arc<Horizons> {
         &self.horizons
@@ -56,10 +61,13 @@ impl Handover {
         self.cooling.saw(endpoint, ask, until);
     }
 
-    /// The local store decided for `endpoint` (policy `ask`) during an outage.
+    /// The local store decided for `endpoint` (policy `ask`) during an outage. At most
+    /// [`Handover::MAX_DECIDED`] endpoints are kept: a sender spraying endpoint IDs
+    /// through a long outage cannot grow this without bound (the endpoints past it are
+    /// not capped on return).
     pub fn decided_locally(&self, endpoint: &str, ask: Ask) {
         let mut decided = lock(&self.decided);
-        if !decided.contains_key(endpoint) {
+        if decided.len() < Self::MAX_DECIDED && !decided.contains_key(endpoint) {
             decided.insert(endpoint.into(), ask);
         }
     }
@@ -281,5 +289,28 @@ impl Learned {
                 l.throttled |= self.throttled;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sender spraying endpoint IDs through an outage grows what is kept for the
+    /// return only up to its bound.
+    #[test]
+    fn endpoints_decided_locally_are_bounded() {
+        let h = Handover::default();
+        let ask = Ask {
+            rate: 1.0,
+            burst: 1.0,
+            budget_us: 0.0,
+            recovery_us: 0.0,
+            held: None,
+        };
+        for i in 0..Handover::MAX_DECIDED + 10 {
+            h.decided_locally(&format!("spray-{i}"), ask);
+        }
+        assert_eq!(lock(&h.decided).len(), Handover::MAX_DECIDED);
     }
 }
