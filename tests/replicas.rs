@@ -1013,6 +1013,33 @@ async fn send_cool(c: reqwest::Client, url: String) -> u16 {
     r.unwrap().status().as_u16()
 }
 
+/// One replica falling back locally (100/s, burst 10, `max_wait` 10 s) in front of
+/// [`throttling_on_cool`], one request already decided on its Redis; and a client.
+async fn cool_replica() -> (
+    common::redis::RedisServer,
+    sluice::app::Running,
+    Upstream,
+    reqwest::Client,
+) {
+    let redis = common::redis::RedisServer::start();
+    let policy = "[defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n";
+    let s = common::sluice(&falling_back_locally(&redis, policy)).await;
+    let up = throttling_on_cool().await;
+    let c = client(s.proxy_addr);
+    assert_eq!(send_cool(c.clone(), up.url("/cool/warm")).await, 200);
+    (redis, s, up, c)
+}
+
+/// Five requests to `/cool/after/*` at once: each is forwarded.
+async fn five_after(c: &reqwest::Client, up: &Upstream) {
+    let after: Vec<_> = (0..5)
+        .map(|i| tokio::spawn(send_cool(c.clone(), up.url(&format!("/cool/after/{i}")))))
+        .collect();
+    for a in after {
+        assert_eq!(a.await.unwrap(), 200);
+    }
+}
+
 /// Arrivals at paths starting with `prefix` less than 3 s after `throttled`, as offsets.
 fn during_cooldown(up: &Upstream, prefix: &str, throttled: Instant) -> Vec<Duration> {
     let arrivals = up.arrivals();
@@ -1070,13 +1097,8 @@ async fn a_redis_stall_and_its_end_under_saturation_keep_the_bound() {
 /// never saw the 429 itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cooldown_learned_during_an_outage_holds_after_it() {
-    let redis = common::redis::RedisServer::start();
-    let policy = "[defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n";
-    let s = common::sluice(&falling_back_locally(&redis, policy)).await;
-    let up = throttling_on_cool().await;
-    let c = client(s.proxy_addr);
+    let (redis, s, up, c) = cool_replica().await;
     let send = |path: &str| send_cool(c.clone(), up.url(path));
-    assert_eq!(send("/cool/warm").await, 200);
     redis.pause();
     until_store_is(s.admin_addr, "degraded").await;
     assert_eq!(send("/cool/throttle").await, 429);
@@ -1087,12 +1109,7 @@ async fn a_cooldown_learned_during_an_outage_holds_after_it() {
         Instant::now() < throttled + Duration::from_secs(2),
         "the outage ended too late to test anything"
     );
-    let after: Vec<_> = (0..5)
-        .map(|i| tokio::spawn(send(&format!("/cool/after/{i}"))))
-        .collect();
-    for a in after {
-        assert_eq!(a.await.unwrap(), 200);
-    }
+    five_after(&c, &up).await;
     let early = during_cooldown(&up, "/cool/after/", throttled);
     assert!(early.is_empty(), "arrived during the cooldown: {early:?}");
     s.stop().await;
@@ -1104,22 +1121,12 @@ async fn a_cooldown_learned_during_an_outage_holds_after_it() {
 /// over (guarantee 4), although the local bucket never saw the 429 itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cooldown_learned_before_an_outage_holds_during_it() {
-    let redis = common::redis::RedisServer::start();
-    let policy = "[defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"10s\"\n";
-    let s = common::sluice(&falling_back_locally(&redis, policy)).await;
-    let up = throttling_on_cool().await;
-    let c = client(s.proxy_addr);
+    let (redis, s, up, c) = cool_replica().await;
     let send = |path: &str| send_cool(c.clone(), up.url(path));
-    assert_eq!(send("/cool/warm").await, 200);
     assert_eq!(send("/cool/throttle").await, 429);
     let throttled = times_of(&up, "cool").into_iter().max().unwrap();
     redis.pause();
-    let after: Vec<_> = (0..5)
-        .map(|i| tokio::spawn(send(&format!("/cool/after/{i}"))))
-        .collect();
-    for a in after {
-        assert_eq!(a.await.unwrap(), 200);
-    }
+    five_after(&c, &up).await;
     assert!(
         store_is(s.admin_addr, "degraded").await,
         "decided in Redis after all"
