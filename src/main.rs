@@ -269,8 +269,12 @@ async fn serve(
             // SIGTERM / SIGINT: drain and exit 0.
             _ = term.recv() => break,
             _ = int.recv() => break,
-            // SIGHUP: reload now.
-            _ = hup.recv() => reload(&app, &path),
+            // SIGHUP: reload now. The watch below then takes this version of the file as
+            // seen, so one edit followed by a SIGHUP reloads (and logs) once.
+            _ = hup.recv() => {
+                seen = modified(&path);
+                reload(&app, &path);
+            }
             // The file changed on disk: reload.
             _ = poll.tick() => {
                 let now = modified(&path);

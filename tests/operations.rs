@@ -403,6 +403,30 @@ async fn reload_changes_limits_under_load_and_refuses_bad_files() {
     );
 }
 
+/// An edit followed by a SIGHUP is one reload, logged once: before, the file watch saw
+/// the edit again on its next tick and refused the same file a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_and_a_sighup_reload_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    std::fs::write(&path, Proc::config(proxy, admin, "")).unwrap();
+    let p = Proc::start(&path, admin).await;
+    let bad = "[[endpoints]]\nid = \"live\"\nrate = -1.0\n";
+    std::fs::write(&path, Proc::config(proxy, admin, bad)).unwrap();
+    p.signal("-HUP");
+    p.wait_log("reload refused", Duration::from_secs(5)).await;
+    // The watch looks once a second: two and a half of its ticks pass with no second
+    // refusal (an observation window, not a wait for a condition).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let log = p.stop();
+    assert_eq!(
+        log.matches("reload refused").count(),
+        1,
+        "one edit and one SIGHUP are one refusal:\n{log}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_prints_every_endpoint_and_json_round_trips() {
     let up = Upstream::start().await;
