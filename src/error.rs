@@ -89,6 +89,9 @@ pub enum ProxyError {
     /// The upstream did not answer within `upstream_timeout`.
     #[error("upstream did not answer within {0:?}")]
     UpstreamTimeout(Duration),
+    /// The sender stopped sending its request body for `upstream_timeout` mid-request.
+    #[error("the sender sent none of the rest of its request body for {0:?}")]
+    RequestTimeout(Duration),
 }
 
 impl ProxyError {
@@ -106,6 +109,7 @@ impl ProxyError {
             ProxyError::StoreUnavailable { .. } => "store_unavailable",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",
+            ProxyError::RequestTimeout(_) => "request_timeout",
         }
     }
 
@@ -123,6 +127,7 @@ impl ProxyError {
             | ProxyError::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
         }
     }
 

@@ -38,6 +38,7 @@ use tokio::time::Sleep;
 
 use crate::conn::{Activity, SendIo, Watched};
 use crate::destination::{DestinationPolicy, ResolveError, normalise_host};
+use crate::upload::{self, Stalled, Upload};
 
 /// Why forwarding failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -51,9 +52,14 @@ pub enum ForwardError {
     /// The upstream TLS handshake failed (certificate, name, protocol).
     #[error("upstream TLS failed: {0}")]
     Tls(String),
-    /// No response head within `upstream_timeout`.
+    /// The upstream took none of the request body, or gave no response head, for
+    /// `upstream_timeout` ([`crate::upload`]).
     #[error("upstream did not answer within {0:?}")]
     Timeout(Duration),
+    /// The sender sent none of the rest of its request body for `upstream_timeout`: the
+    /// sender's fault, not the upstream's; no whole request reached the upstream.
+    #[error("the sender sent none of the rest of its request body for {0:?}")]
+    SenderStalled(Duration),
     /// The sender's request body was malformed or cut short (bad chunked framing, fewer
     /// bytes than its `Content-Length`): the sender's fault, not the upstream's.
     #[error("the request body from the sender was malformed or incomplete: {0}")]
@@ -89,7 +95,7 @@ impl tower_service::Service<Name> for GuardedResolver {
 
 type Connector = HttpsConnector<HttpConnector<GuardedResolver>>;
 
-type Pool = Client<Connector, Incoming>;
+type Pool = Client<Connector, Upload>;
 
 /// The pooled upstream client.
 pub struct Forwarder {
@@ -171,7 +177,7 @@ enum Held {
     Idle {
         key: Key,
         generation: u64,
-        sender: SendRequest<Incoming>,
+        sender: SendRequest<Upload>,
         /// The `Host` its requests carry (made once per connection, not per request).
         host: HeaderValue,
         last: Key,
@@ -182,7 +188,7 @@ enum Held {
 enum Plan {
     Pool,
     /// The held connection, its `Host`, and its (owned) key to keep it under again.
-    Reuse(SendRequest<Incoming>, HeaderValue, Key),
+    Reuse(SendRequest<Upload>, HeaderValue, Key),
     Open,
 }
 
@@ -245,7 +251,7 @@ impl Affinity {
     }
 
     /// Holds `sender` for `key`, which must be owned (see [`Key::owned`]).
-    fn keep(&self, key: Key, generation: u64, sender: SendRequest<Incoming>, host: HeaderValue) {
+    fn keep(&self, key: Key, generation: u64, sender: SendRequest<Upload>, host: HeaderValue) {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         *held = Held::Idle {
             last: key.clone(),
@@ -289,26 +295,35 @@ impl Deadline {
 }
 
 pin_project_lite::pin_project! {
-    /// `f`, or `None` when its [`Deadline`] timer fires first.
-    struct Within<'a, F> {
+    /// `f`, or who the request waits on once it stopped moving for `limit`
+    /// ([`upload::within`]'s rule, on a [`Deadline`]'s timer).
+    struct Within<'a, 'p, F> {
         #[pin]
         f: F,
         timer: Lent<'a>,
+        progress: Option<&'p upload::Progress>,
+        limit: Duration,
     }
 }
 
-impl<F: Future> Future for Within<'_, F> {
-    type Output = Option<F::Output>;
+impl<F: Future> Future for Within<'_, '_, F> {
+    type Output = Result<F::Output, Stalled>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let me = self.project();
         if let Poll::Ready(out) = me.f.poll(cx) {
-            return Poll::Ready(Some(out));
+            return Poll::Ready(Ok(out));
         }
-        match me.timer.sleep.as_mut().map(|s| s.as_mut().poll(cx)) {
-            Some(Poll::Pending) => Poll::Pending,
-            _ => Poll::Ready(None),
+        let Some(sleep) = me.timer.sleep.as_mut() else {
+            return Poll::Ready(Err(Stalled::Upstream));
+        };
+        // Set again while the body moves; each setting is polled, so it wakes us.
+        while sleep.as_mut().poll(cx).is_ready() {
+            if let Some(stalled) = upload::fired(sleep.as_mut(), *me.progress, *me.limit) {
+                return Poll::Ready(Err(stalled));
+            }
         }
+        Poll::Pending
     }
 }
 
@@ -401,12 +416,23 @@ impl Forwarder {
     /// Sends a prepared request (absolute URI, hop-by-hop headers and the sender's
     /// `Host` removed: the pool sets it from the URI) and waits for the response head;
     /// the body streams afterwards.
-    pub async fn send(&self, req: Request<Incoming>) -> Result<Response<Incoming>, ForwardError> {
+    pub async fn send(&self, req: Request<Upload>) -> Result<Response<Incoming>, ForwardError> {
         let client = self.client.load();
-        match tokio::time::timeout(self.timeout, client.request(req)).await {
-            Err(_) => Err(ForwardError::Timeout(self.timeout)),
+        let progress = req.body().progress();
+        let timer = std::pin::pin!(tokio::time::sleep(self.timeout));
+        let sending = client.request(req);
+        match upload::within(timer, progress.as_deref(), self.timeout, sending).await {
+            Err(stalled) => Err(self.stalled(stalled)),
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) => Err(classify(&e, e.is_connect())),
+        }
+    }
+
+    /// The error for a request that stopped moving ([`crate::upload`]).
+    fn stalled(&self, stalled: Stalled) -> ForwardError {
+        match stalled {
+            Stalled::Sender => ForwardError::SenderStalled(self.timeout),
+            Stalled::Upstream => ForwardError::Timeout(self.timeout),
         }
     }
 
@@ -416,7 +442,7 @@ impl Forwarder {
     pub async fn send_via(
         &self,
         affinity: &Affinity,
-        mut req: Request<Incoming>,
+        mut req: Request<Upload>,
     ) -> Result<Response<Incoming>, ForwardError> {
         let Some(key) = Key::of(req.uri()) else {
             req.headers_mut().remove(HOST);
@@ -434,24 +460,27 @@ impl Forwarder {
         };
         // Pinned where it is made, and only referred to by the small `Within`: moved
         // into a wrapper instead, this large future is copied twice per request.
+        let progress = req.body().progress();
         let held = std::pin::pin!(self.send_held(&key, sender, req));
         let timed = Within {
             f: held,
             timer: affinity.deadline.lend(self.timeout),
+            progress: progress.as_deref(),
+            limit: self.timeout,
         }
         .await;
         match timed {
-            Some(Ok((resp, sender, host))) => {
+            Ok(Ok((resp, sender, host))) => {
                 affinity.keep(kept, generation, sender, host);
                 Ok(resp)
             }
-            Some(Err(e)) => {
+            Ok(Err(e)) => {
                 affinity.clear();
                 Err(e)
             }
-            None => {
+            Err(stalled) => {
                 affinity.clear();
-                Err(ForwardError::Timeout(self.timeout))
+                Err(self.stalled(stalled))
             }
         }
     }
@@ -461,9 +490,9 @@ impl Forwarder {
     async fn send_held(
         &self,
         key: &Key,
-        held: Option<(SendRequest<Incoming>, HeaderValue)>,
-        req: Request<Incoming>,
-    ) -> Result<(Response<Incoming>, SendRequest<Incoming>, HeaderValue), ForwardError> {
+        held: Option<(SendRequest<Upload>, HeaderValue)>,
+        req: Request<Upload>,
+    ) -> Result<(Response<Incoming>, SendRequest<Upload>, HeaderValue), ForwardError> {
         let (sender, host) = match held {
             Some((sender, host)) => (Some(sender), host),
             None => (None, host_of(key)?),
@@ -493,7 +522,7 @@ impl Forwarder {
     }
 
     /// Opens a connection to `key` through the guarded connector, and runs it.
-    async fn open(&self, key: &Key) -> Result<SendRequest<Incoming>, ForwardError> {
+    async fn open(&self, key: &Key) -> Result<SendRequest<Upload>, ForwardError> {
         use tower_service::Service;
         let uri = Uri::builder()
             .scheme(if key.https {
@@ -896,7 +925,7 @@ mod tests {
 
     /// A real connection to a listener that accepts and does nothing: enough for hyper
     /// to hand out a `SendRequest` that is ready.
-    async fn ready_sender() -> (SendRequest<Incoming>, tokio::net::TcpListener) {
+    async fn ready_sender() -> (SendRequest<Upload>, tokio::net::TcpListener) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let s = TcpStream::connect(listener.local_addr().unwrap())
             .await

@@ -57,6 +57,7 @@ use crate::core::App;
 use crate::decision::{self, Trace};
 use crate::forward::{ForwardError, content_length, content_length_list, hop_by_hop_index};
 use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
+use crate::upload::{self, Progress, Stalled};
 
 /// Most headers a request or response head may have in the lane (hyper's own limit);
 /// a request with more is handed to hyper, which answers 431.
@@ -365,6 +366,8 @@ impl<S: SenderIo> Lane<S> {
         let sent = Instant::now();
         let limit = app.forwarder.timeout();
         self.timer.as_mut().reset(sent + limit);
+        // Watched only while a body is still to come (`upload`'s rule for the timeout).
+        let progress = (body_left > 0).then(Progress::new);
         let sending = send(
             &mut up,
             &mut self.out,
@@ -375,12 +378,19 @@ impl<S: SenderIo> Lane<S> {
                 head_request: head.method == Method::HEAD,
                 close: head.close,
             },
+            progress.as_ref(),
         );
-        let answer = match within(self.timer.as_mut(), sending).await {
-            Some(Ok(a)) => a,
-            Some(Err(e)) => return Err(fail(e, head.body == 0).await),
-            None => return Err(fail(ForwardError::Timeout(limit), head.body == 0).await),
-        };
+        let answer =
+            match upload::within(self.timer.as_mut(), progress.as_ref(), limit, sending).await {
+                Ok(Ok(a)) => a,
+                Ok(Err(e)) => return Err(fail(e, head.body == 0).await),
+                Err(Stalled::Upstream) => {
+                    return Err(fail(ForwardError::Timeout(limit), head.body == 0).await);
+                }
+                Err(Stalled::Sender) => {
+                    return Err(fail(ForwardError::SenderStalled(limit), false).await);
+                }
+            };
         trace.upstream = Some(sent.elapsed());
         let empty = HeaderMap::new();
         let headers = answer.headers.as_ref().unwrap_or(&empty);
@@ -510,6 +520,7 @@ async fn send<S: SenderIo>(
     inb: &mut BytesMut,
     body_left: u64,
     ask: Ask,
+    progress: Option<&Progress>,
 ) -> Result<Answer, ForwardError> {
     let upstream_write = |e: io::Error| ForwardError::Other(format!("upstream write failed: {e}"));
     up.buf.clear();
@@ -521,6 +532,7 @@ async fn send<S: SenderIo>(
             left: body_left,
             pending: 0,
             unflushed: false,
+            progress,
         };
         match std::future::poll_fn(|cx| body.poll_send(up, sender, inb, out, ask, cx)).await {
             Sent::All => {}
@@ -557,13 +569,15 @@ fn early(answer: Answer) -> Answer {
 }
 
 /// A request body on its way from the sender to the upstream.
-struct Body {
+struct Body<'p> {
     /// Bytes of it still to come from the sender.
     left: u64,
     /// Bytes at the front of the sender's buffer read and not yet written upstream.
     pending: usize,
     /// Bytes were written upstream and not yet flushed (a TLS session holds them).
     unflushed: bool,
+    /// Told when bytes move and whom the body waits on ([`upload`]).
+    progress: Option<&'p Progress>,
 }
 
 /// How sending a body ended.
@@ -580,7 +594,7 @@ enum Sent {
     Malformed(ForwardError),
 }
 
-impl Body {
+impl Body<'_> {
     /// Moves the body from the sender to the upstream, watching the upstream for an
     /// answer all the while; bytes after the body stay in `inb`.
     fn poll_send<S: SenderIo>(
@@ -632,20 +646,29 @@ impl Body {
                         inb.advance(n);
                         self.pending -= n;
                         self.unflushed = true;
+                        self.moved();
                         continue;
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Sent::UpstreamFailed(e)),
-                    Poll::Pending => return Poll::Pending,
+                    Poll::Pending => {
+                        self.waits_on_sender(false);
+                        return Poll::Pending;
+                    }
                 }
             }
             if self.unflushed {
                 match Pin::new(&mut up.stream).poll_flush(cx) {
                     Poll::Ready(Ok(())) => self.unflushed = false,
                     Poll::Ready(Err(e)) => return Poll::Ready(Sent::UpstreamFailed(e)),
-                    Poll::Pending => return Poll::Pending,
+                    Poll::Pending => {
+                        self.waits_on_sender(false);
+                        return Poll::Pending;
+                    }
                 }
             }
             if self.left == 0 {
+                // All with the upstream: its answer is due `upstream_timeout` from now.
+                self.moved();
                 return Poll::Ready(Sent::All);
             }
             inb.clear();
@@ -660,10 +683,28 @@ impl Body {
                     let take = (n as u64).min(self.left);
                     self.pending = take as usize;
                     self.left -= take;
+                    self.moved();
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Sent::SenderFailed(e.to_string())),
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    self.waits_on_sender(true);
+                    return Poll::Pending;
+                }
             }
+        }
+    }
+}
+
+impl Body<'_> {
+    fn moved(&self) {
+        if let Some(p) = self.progress {
+            p.moved();
+        }
+    }
+
+    fn waits_on_sender(&self, yes: bool) {
+        if let Some(p) = self.progress {
+            p.waits_on_sender(yes);
         }
     }
 }
@@ -1405,15 +1446,6 @@ async fn write_all<T: AsyncWrite + Unpin>(stream: &mut T, bytes: &[u8]) -> io::R
 /// Reads what is there into `buf`: the number of bytes, 0 at the end of the stream.
 async fn read<T: AsyncRead + Unpin>(stream: &mut T, buf: &mut BytesMut) -> io::Result<usize> {
     std::future::poll_fn(|cx| poll_read(stream, buf, cx)).await
-}
-
-/// `f`, or `None` when `timer` fires first.
-async fn within<F: Future>(timer: Pin<&mut Sleep>, f: F) -> Option<F::Output> {
-    tokio::select! {
-        biased;
-        out = f => Some(out),
-        _ = timer => None,
-    }
 }
 
 #[cfg(test)]

@@ -55,5 +55,6 @@ pub mod observer;
 pub mod proxy;
 pub mod server;
 pub mod tls;
+pub mod upload;
 pub mod version;
 pub mod workers;

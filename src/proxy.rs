@@ -48,6 +48,7 @@ use crate::forward::{
 };
 use crate::limiter::{Ask, Grant, HeldBody, Place, Refusal, Shadow, Slot};
 use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED};
+use crate::upload::Upload;
 
 /// Names the sender for fair shares when proxy authentication does not (removed before
 /// forwarding).
@@ -617,6 +618,8 @@ async fn forward_request(
         join_cookies(req.headers_mut());
     }
     *req.version_mut() = Version::HTTP_11;
+    // Its body watched on the way up (`upstream_timeout` counts a request's silence).
+    let req = req.map(Upload::new);
     let sent = tokio::time::Instant::now();
     // Awaited where it is made: a future first bound to a name is kept twice in this
     // one's state (the binding and the awaited copy): 10.3 KB instead of 3.9 KB.
@@ -758,9 +761,12 @@ pub(crate) async fn answered(
 }
 
 /// A send that failed after admission: when no whole request left (the resolved address
-/// was refused, or the sender's own body was malformed), the token goes back.
+/// was refused, or the sender's own body was malformed or stalled), the token goes back.
 pub(crate) async fn after_admission(app: &App, a: &Admitted, e: ForwardError) -> Refused {
-    let nothing_whole_left = matches!(e, ForwardError::Denied(_) | ForwardError::SenderBody(_));
+    let nothing_whole_left = matches!(
+        e,
+        ForwardError::Denied(_) | ForwardError::SenderBody(_) | ForwardError::SenderStalled(_)
+    );
     if nothing_whole_left && a.grant.generation != NO_TOKEN {
         app.limiter.refund(&a.ep.id, &a.ep.policy, a.grant).await;
     }
@@ -832,6 +838,7 @@ fn upstream_error(e: ForwardError) -> ProxyError {
     match e {
         ForwardError::Denied(d) => d.into(),
         ForwardError::Timeout(t) => ProxyError::UpstreamTimeout(t),
+        ForwardError::SenderStalled(t) => ProxyError::RequestTimeout(t),
         e @ ForwardError::SenderBody(_) => ProxyError::BadRequest(e.to_string()),
         other => ProxyError::Upstream(other.to_string()),
     }

@@ -842,3 +842,103 @@ async fn two_endpoint_headers_are_a_bad_request() {
     assert_eq!(paths, ["/one", "/one"]);
     s.stop().await;
 }
+
+/// `upstream_timeout` counts a request's silence, not its length. An upload that keeps
+/// moving for three times the timeout is forwarded whole, on both engines (the lane for
+/// a `Content-Length` body, hyper for a chunked one), on a fresh upstream connection and
+/// on a held one; a sender that stops mid-body gets a 408 `request_timeout` once a
+/// timeout passed since its last byte, and its token back (no whole request reached the
+/// receiver). Before, both were cut a timeout after the head left, with a 504
+/// `upstream_timeout` that blamed the receiver.
+#[tokio::test]
+async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
+    const LEN: usize = 24;
+    let up = Upstream::start().await;
+    let mut c = common::config("[[endpoints]]\nid = \"ep\"\nrate = 0.001\nburst = 10.0\n");
+    let limit = Duration::from_millis(600);
+    c.proxy.upstream_timeout = limit;
+    let s = sluice::app::start(c).await.unwrap();
+    let head = |path: &str, chunked: bool, len: usize| {
+        let framing = if chunked {
+            "Transfer-Encoding: chunked".to_owned()
+        } else {
+            format!("Content-Length: {len}")
+        };
+        format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nX-Endpoint-Id: ep\r\n{framing}\r\n\r\n",
+            up.url(path),
+            up.addr
+        )
+    };
+    let byte = |chunked: bool| if chunked { &b"1\r\nx\r\n"[..] } else { b"x" };
+    let end = |chunked: bool| if chunked { &b"0\r\n\r\n"[..] } else { b"" };
+    // The upstream's "ok" body may come with its head or be read with the next one.
+    let ok = |answer: &str| answer.trim_start_matches("ok").starts_with("HTTP/1.1 200");
+    for chunked in [false, true] {
+        // Twice on one connection: the second goes out on the upstream connection held
+        // for it.
+        let mut c = TcpStream::connect(s.proxy_addr).await.unwrap();
+        for _ in 0..2 {
+            c.write_all(head("/long", chunked, LEN).as_bytes())
+                .await
+                .unwrap();
+            // 24 bytes, one every 75 ms: 1.8 s of upload, three timeouts.
+            for _ in 0..LEN {
+                tokio::time::sleep(Duration::from_millis(75)).await;
+                c.write_all(byte(chunked)).await.unwrap();
+            }
+            c.write_all(end(chunked)).await.unwrap();
+            let answer = read_head(&mut c).await;
+            assert!(ok(&answer), "chunked {chunked}: {answer}");
+        }
+    }
+    let long: Vec<_> = up
+        .arrivals()
+        .into_iter()
+        .filter(|a| a.path == "/long")
+        .collect();
+    assert_eq!(long.len(), 4);
+    assert!(long.iter().all(|a| a.body == vec![b'x'; LEN]), "{long:?}");
+
+    for chunked in [false, true] {
+        let mut c = TcpStream::connect(s.proxy_addr).await.unwrap();
+        // A whole one first, so the stalled one goes out on a held connection too.
+        c.write_all(head("/quick", chunked, 1).as_bytes())
+            .await
+            .unwrap();
+        c.write_all(byte(chunked)).await.unwrap();
+        c.write_all(end(chunked)).await.unwrap();
+        assert!(ok(&read_head(&mut c).await));
+        c.write_all(head("/stalled", chunked, LEN).as_bytes())
+            .await
+            .unwrap();
+        for _ in 0..5 {
+            c.write_all(byte(chunked)).await.unwrap();
+        }
+        let last = Instant::now();
+        let answer = read_head(&mut c).await;
+        let answer = answer.trim_start_matches("ok");
+        assert!(
+            answer.starts_with("HTTP/1.1 408"),
+            "chunked {chunked}: {answer}"
+        );
+        assert!(
+            answer.contains("x-sluice-reason: request_timeout"),
+            "{answer}"
+        );
+        assert!(
+            last.elapsed() >= limit,
+            "cut {:?} after the last byte",
+            last.elapsed()
+        );
+    }
+    // Six whole requests spent six of ten tokens; the stalled ones gave theirs back.
+    let left = common::tokens(s.admin_addr, "ep")
+        .await
+        .expect("ep has a bucket");
+    assert!(
+        left > 3.99,
+        "{left} tokens left of 10 after six whole requests"
+    );
+    s.stop().await;
+}

@@ -1,0 +1,230 @@
+//! A request body on its way upstream, watched, and the one rule `upstream_timeout`
+//! follows on both HTTP engines (hyper's and the plain lane's).
+//!
+//! `upstream_timeout` is the longest a forwarded request may go without moving: while
+//! its body uploads, the longest neither side moves a byte of it; once the body is all
+//! with the upstream, the longest the upstream may take to start its answer. A long
+//! upload that keeps moving is never cut (before, a body still uploading when
+//! `upstream_timeout` had passed since the head left was cut with a 504). When the
+//! request stops moving, the side it waits on is named: a sender that sends none of the
+//! rest of its body gets a 408 `request_timeout` (its fault, not the receiver's), an
+//! upstream that reads none of it or does not answer, a 504 `upstream_timeout`.
+//!
+//! [`Progress`] is what the body's reader writes (when bytes last moved, whom it waits
+//! on) and [`within`] reads when its timer fires; the timer is set once per request and
+//! moved only when it fires early, so a body's chunks cost a clock read each, no timer
+//! work. [`Upload`] is the hyper engine's request body carrying one.
+
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use tokio::time::{Instant, Sleep};
+
+/// When a request body last moved, and whether it now waits on its sender.
+#[derive(Debug)]
+pub struct Progress {
+    /// The instant the nanoseconds below count from (when the request was sent).
+    base: Instant,
+    /// Nanoseconds after `base` at which a byte of the body last moved (or it ended).
+    moved: AtomicU64,
+    /// The body waits for bytes from its sender (not for the upstream to take them).
+    on_sender: AtomicBool,
+}
+
+impl Progress {
+    /// A body whose request is sent now.
+    pub fn new() -> Progress {
+        Progress {
+            base: Instant::now(),
+            moved: AtomicU64::new(0),
+            on_sender: AtomicBool::new(false),
+        }
+    }
+
+    /// Bytes moved (from the sender, or to the upstream), or the body ended.
+    pub fn moved(&self) {
+        let since = Instant::now().saturating_duration_since(self.base);
+        let nanos = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX);
+        self.moved.store(nanos, Ordering::Relaxed);
+        self.on_sender.store(false, Ordering::Relaxed);
+    }
+
+    /// The body waits for its sender (`true`) or for the upstream (`false`).
+    pub fn waits_on_sender(&self, yes: bool) {
+        self.on_sender.store(yes, Ordering::Relaxed);
+    }
+
+    fn last_moved(&self) -> Instant {
+        self.base + Duration::from_nanos(self.moved.load(Ordering::Relaxed))
+    }
+}
+
+impl Default for Progress {
+    fn default() -> Progress {
+        Progress::new()
+    }
+}
+
+/// Which side a request that stopped moving waits on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stalled {
+    /// The sender sent none of the rest of its body for `upstream_timeout`.
+    Sender,
+    /// The upstream took none of the body, or did not answer, for `upstream_timeout`.
+    Upstream,
+}
+
+/// Decides, when the request's `timer` fires, whether the request stopped moving: if
+/// its body moved since, the timer is set again to `limit` after that, and `None`
+/// (not yet); else who it waits on.
+pub fn fired(
+    timer: Pin<&mut Sleep>,
+    progress: Option<&Progress>,
+    limit: Duration,
+) -> Option<Stalled> {
+    let Some(p) = progress else {
+        return Some(Stalled::Upstream);
+    };
+    let next = p.last_moved() + limit;
+    if next > Instant::now() {
+        timer.reset(next);
+        return None;
+    }
+    Some(if p.on_sender.load(Ordering::Relaxed) {
+        Stalled::Sender
+    } else {
+        Stalled::Upstream
+    })
+}
+
+/// `f`'s output, or who the request waits on once it stopped moving for `limit` (see
+/// the module doc). `timer` is set to `limit` after the request was sent.
+pub async fn within<F: Future>(
+    mut timer: Pin<&mut Sleep>,
+    progress: Option<&Progress>,
+    limit: Duration,
+    f: F,
+) -> Result<F::Output, Stalled> {
+    let mut f = pin!(f);
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut f => return Ok(out),
+            () = timer.as_mut() => {}
+        }
+        if let Some(stalled) = fired(timer.as_mut(), progress, limit) {
+            return Err(stalled);
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request body from a sender on its way upstream through hyper's client, telling
+    /// its [`Progress`] (none for a body that is empty from the start).
+    pub struct Upload {
+        #[pin]
+        inner: Incoming,
+        progress: Option<Arc<Progress>>,
+    }
+}
+
+impl Upload {
+    /// `inner`, watched unless it is empty.
+    pub fn new(inner: Incoming) -> Upload {
+        let progress = (!inner.is_end_stream()).then(|| Arc::new(Progress::new()));
+        Upload { inner, progress }
+    }
+
+    /// Its progress, for [`within`] (none for an empty body).
+    pub fn progress(&self) -> Option<Arc<Progress>> {
+        self.progress.clone()
+    }
+}
+
+impl Body for Upload {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if let Some(p) = this.progress {
+            match &polled {
+                Poll::Pending => p.waits_on_sender(true),
+                Poll::Ready(_) => p.moved(),
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In virtual time: a body that keeps moving is never cut; one that stops is cut
+    /// `limit` after its last move, naming the side it waits on.
+    #[tokio::test(start_paused = true)]
+    async fn only_a_request_that_stops_moving_times_out() {
+        let limit = Duration::from_secs(1);
+        let p = Arc::new(Progress::new());
+        let started = Instant::now();
+        let mover = {
+            let p = Arc::clone(&p);
+            async move {
+                // Three seconds of upload, a byte every half limit.
+                for _ in 0..6 {
+                    p.waits_on_sender(true);
+                    tokio::time::sleep(limit / 2).await;
+                    p.moved();
+                }
+                // Then the sender goes quiet.
+                p.waits_on_sender(true);
+                std::future::pending::<()>().await;
+            }
+        };
+        let timer = pin!(tokio::time::sleep(limit));
+        let out = within(timer, Some(&p), limit, mover).await;
+        assert_eq!(out, Err(Stalled::Sender));
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(4),
+            "3 s moving + 1 s still"
+        );
+
+        // The body all sent, the upstream silent: its fault, `limit` after the end.
+        let p = Progress::new();
+        let started = Instant::now();
+        let timer = pin!(tokio::time::sleep(limit));
+        let quiet = async {
+            tokio::time::sleep(limit / 2).await;
+            p.moved();
+            std::future::pending::<()>().await
+        };
+        let out = within(timer, Some(&p), limit, quiet).await;
+        assert_eq!(out, Err(Stalled::Upstream));
+        assert_eq!(started.elapsed(), limit + limit / 2);
+
+        // No body: the plain timeout.
+        let timer = pin!(tokio::time::sleep(limit));
+        let out = within(timer, None, limit, std::future::pending::<()>()).await;
+        assert_eq!(out, Err(Stalled::Upstream));
+    }
+}
