@@ -143,13 +143,13 @@ pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
     if let Some(inner) = raw.strip_prefix('[') {
         let inner = inner.strip_suffix(']').ok_or(BadHost("unclosed '['"))?;
         let ip: Ipv6Addr = inner.parse().map_err(|_| BadHost("not an IPv6 address"))?;
-        return Ok(ip.to_string());
+        return Ok(ipv6_text(ip));
     }
     // Only an IPv6 address has a colon (a name with one is refused below): names and
     // IPv4 addresses skip the IPv6 parser, on every request.
     if raw.as_bytes().contains(&b':') {
         if let Ok(ip) = raw.parse::<Ipv6Addr>() {
-            return Ok(ip.to_string());
+            return Ok(ipv6_text(ip));
         }
     }
     let name = raw.strip_suffix('.').unwrap_or(raw);
@@ -167,6 +167,8 @@ pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
                 return Err(BadHost("empty label"));
             }
             label = 0;
+        } else if b == b'-' && label == 0 {
+            return Err(BadHost("a label starts with '-'"));
         } else if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
             label += 1;
             if label > MAX_LABEL {
@@ -181,6 +183,10 @@ pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
     if label == 0 {
         return Err(BadHost("empty label"));
     }
+    // A label may not end with '-' either (RFC 1123 §2.1; no certificate can name one).
+    if name.ends_with('-') || name.contains("-.") {
+        return Err(BadHost("a label ends with '-'"));
+    }
     let last = name.rsplit('.').next().unwrap_or(name);
     if last.bytes().all(|b| b.is_ascii_digit()) || ipv4_part(last).is_some() {
         return ipv4_any_form(name)
@@ -188,6 +194,15 @@ pub fn normalise_host(raw: &str) -> Result<String, BadHost> {
             .ok_or(BadHost("ends in a number but is not an IPv4 address"));
     }
     Ok(name.to_ascii_lowercase())
+}
+
+/// An IPv6 address as text; an IPv4-mapped one (`::ffff:a.b.c.d`) is the IPv4 address
+/// it maps, which is where a connection to it goes: one host, one endpoint.
+fn ipv6_text(ip: Ipv6Addr) -> String {
+    match ip.to_ipv4_mapped() {
+        Some(v4) => v4.to_string(),
+        None => ip.to_string(),
+    }
 }
 
 /// One part of an IPv4 address in any form: decimal, octal after a leading `0`, or
@@ -366,6 +381,11 @@ mod tests {
             "0x7f000001",
             "017700000001",
             "0x7f.1",
+            // (2026-12-07) IPv4-mapped IPv6, bracketed as in a URL or bare.
+            "[::ffff:127.0.0.1]",
+            "[::FFFF:7f00:1]",
+            "[0:0:0:0:0:ffff:127.0.0.1]",
+            "::ffff:127.0.0.1",
         ] {
             assert_eq!(normalise_host(spelling).unwrap(), "127.0.0.1", "{spelling}");
         }
@@ -388,7 +408,17 @@ mod tests {
         ] {
             assert!(normalise_host(bad).is_err(), "{bad:?} must be refused");
         }
+        // Other IPv6 forms stay IPv6 (they are other addresses).
+        assert_eq!(normalise_host("[::127.0.0.1]").unwrap(), "::7f00:1");
+        assert_eq!(
+            normalise_host("[64:ff9b::7f00:1]").unwrap(),
+            "64:ff9b::7f00:1"
+        );
         for bad in [
+            "-lead.example.com",
+            "trail-.example.com",
+            "a.-b",
+            "a-",
             "",
             ".",
             "a..b",

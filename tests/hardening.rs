@@ -141,6 +141,52 @@ async fn a_trailing_dot_or_capitals_cannot_escape_a_host_rule() {
     s.stop().await;
 }
 
+/// (2026-12-07 review) An IPv4-mapped IPv6 literal is the IPv4 address it maps: it
+/// shares that address's endpoint (before, each spelling had a bucket of its own, and
+/// passed the limit again), plain and CONNECT alike. A host with a label that starts
+/// or ends with '-' is a 400 before anything else (before, a CONNECT to one got its 200
+/// and then a silent close: no certificate can name it).
+#[tokio::test]
+async fn ipv4_mapped_ipv6_is_its_ipv4_endpoint_and_hyphen_edged_labels_are_refused() {
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[[endpoints]]\nid = \"ip\"\nrate = 0.001\nburst = 2.0\nmax_wait = \"0\"\nhosts = [\"127.0.0.1\"]\n",
+    )
+    .await;
+    let port = up.addr.port();
+    let get = |host: &str| {
+        format!("GET http://{host}:{port}/m HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    };
+    assert!(
+        raw(s.proxy_addr, &get("127.0.0.1"))
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    let mapped = raw(s.proxy_addr, &get("[::ffff:127.0.0.1]")).await;
+    assert!(mapped.starts_with("HTTP/1.1 200"), "{mapped}");
+    for host in ["[::ffff:7f00:1]", "[0:0:0:0:0:ffff:127.0.0.1]"] {
+        let head = raw(s.proxy_addr, &get(host)).await;
+        assert!(head.starts_with("HTTP/1.1 503"), "{host}: {head}");
+        assert!(head.contains("x-sluice-reason: rate_limited"), "{head}");
+    }
+    let connect = raw(
+        s.proxy_addr,
+        &format!("CONNECT [::ffff:127.0.0.1]:{port} HTTP/1.1\r\nHost: x\r\n\r\n"),
+    )
+    .await;
+    assert!(connect.starts_with("HTTP/1.1 503"), "{connect}");
+    assert_eq!(up.count(), 2, "the burst of two, once");
+    for host in ["-lead.example.com", "trail-.example.com"] {
+        let connect = raw(
+            s.proxy_addr,
+            &format!("CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n"),
+        )
+        .await;
+        assert!(connect.starts_with("HTTP/1.1 400"), "{host}: {connect}");
+    }
+    s.stop().await;
+}
+
 /// Finding 2: the upstream's `Host` is the target's authority, never the sender's
 /// header; two `Host` headers are a 400.
 #[tokio::test]
