@@ -710,7 +710,12 @@ pub(crate) async fn admit_plain(
         .authority()
         .ok_or_else(|| ProxyError::BadRequest(format!("no host in {uri}")))?;
     let target = conn.target.of(authority, default_port)?;
-    trace.destination = uri.authority().cloned();
+    // Userinfo in the target (`http://user:secret@host/`) never reaches the log.
+    trace.destination = if authority.as_str().as_bytes().contains(&b'@') {
+        target.authority().ok()
+    } else {
+        Some(authority.clone())
+    };
     // Only a name with several values can be a second Host: counting names against
     // values costs nothing, a lookup hashes the name.
     if headers.len() != headers.keys_len() && headers.get_all(HOST).iter().count() > 1 {

@@ -536,6 +536,25 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
         .await
         .unwrap();
     assert_eq!(wrong.status(), 407);
+    // Nor userinfo in a request target (2026-12-07 review: it was the decision log's
+    // `destination`), forwarded or refused.
+    for auth in [
+        "Proxy-Authorization: Basic dXNlcjpzM2NyM3QtcGFzcw==\r\n",
+        "",
+    ] {
+        let target = format!("http://user:url-s3cr3t@{}/ui", up.addr);
+        let answer = common::raw_exchange(
+            proxy,
+            format!(
+                "GET {target} HTTP/1.1\r\nHost: x\r\n{auth}X-Endpoint-Id: authed\r\n\
+                 Connection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await;
+        let want = if auth.is_empty() { "407" } else { "200" };
+        assert!(answer.starts_with(&format!("HTTP/1.1 {want}")), "{answer}");
+    }
     redis.kill();
     // Errors while Redis is gone get logged; none may carry the password.
     for _ in 0..3 {
@@ -554,8 +573,15 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
         !log.contains("dXNlcjpzM2NyM3QtcGFzcw")
             && !log.contains("s3cr3t-pass")
             && !log.contains("wrong-s3cr3t")
-            && !log.contains("dXNlcjp3cm9uZy1zM2NyM3Q"),
+            && !log.contains("dXNlcjp3cm9uZy1zM2NyM3Q")
+            && !log.contains("url-s3cr3t"),
         "credentials in logs:\n{log}"
+    );
+    // The two requests with userinfo were logged, with their destination alone.
+    let logged = log.matches(&format!("destination=\"{}\"", up.addr)).count();
+    assert!(
+        logged >= 4,
+        "{logged} decision lines name the upstream:\n{log}"
     );
 }
 
