@@ -15,8 +15,8 @@
 //! no password is kept in memory after verification; bcrypt's own comparison is
 //! constant-time, and a cache hit compares digests of the secret, which tell an
 //! attacker nothing about it. A user name that is not listed costs the same bcrypt as
-//! one that is (against a decoy hash of the file's highest cost), so the time of a
-//! refusal does not tell which names exist. Refused and in-progress values are kept
+//! one that is (against a decoy hash of a listed user's cost, picked by the name), so the
+//! time of a refusal does not tell which names exist. Refused and in-progress values are kept
 //! apart from verified ones: a flood of wrong values can fill and flush only its own
 //! part, never evict the verified credentials of the senders at work. One sender address
 //! has one new value under bcrypt at a time; its others wait their turn, so a flood of
@@ -54,6 +54,10 @@ pub struct Identity {
     pub user: Arc<str>,
     /// The endpoint named after `+`, if any.
     pub endpoint: Option<Arc<str>>,
+    /// The user's hash the password was verified against: a tunnel's requests are
+    /// refused once the users file no longer has it (the user removed, or the password
+    /// changed), see [`Users::still_valid`].
+    verified_against: Arc<str>,
 }
 
 /// Why a request is not authenticated (both answer 407).
@@ -93,11 +97,11 @@ pub struct Users {
     hashes: HashMap<String, String>,
     grants: HashMap<String, GlobSet>,
     cache: Mutex<Cache>,
-    /// The highest bcrypt cost in the file (`None` without users): the decoy's.
-    decoy_cost: Option<u32>,
-    /// A hash of no password at `decoy_cost`: what a name that is not listed is checked
-    /// against (made on first need).
-    decoy: OnceCell<Option<String>>,
+    /// Each listed user's bcrypt cost, sorted: a name that is not listed is checked
+    /// against a decoy of one of these, picked by the name ([`Users::decoy_cost`]).
+    costs: Vec<u32>,
+    /// A hash of no password at each cost in `costs` (each made on first need).
+    decoys: HashMap<u32, OnceCell<Option<String>>>,
     /// bcrypt is CPU-bound: at most this many run at once, off the async workers.
     verifying: Arc<Semaphore>,
     /// bcrypt runs so far (each verifies one header value).
@@ -217,17 +221,19 @@ impl Users {
             .map(|g| (g.user.clone(), g.endpoints.clone()))
             .collect();
         let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let decoy_cost = hashes
+        let mut costs: Vec<u32> = hashes
             .values()
             .filter_map(|h| bcrypt::HashParts::from_str(h).ok())
             .map(|p| p.get_cost())
-            .max();
+            .collect();
+        costs.sort_unstable();
+        let decoys = costs.iter().map(|&c| (c, OnceCell::new())).collect();
         Ok(Users {
             hashes,
-            decoy_cost,
+            costs,
+            decoys,
             grants,
             cache: Mutex::new(Cache::default()),
-            decoy: OnceCell::new(),
             verifying: Arc::new(Semaphore::new(workers)),
             bcrypt_runs: AtomicU64::new(0),
             turns: Mutex::new(HashMap::new()),
@@ -247,6 +253,15 @@ impl Users {
     /// Whether `user` is (still) listed.
     pub fn contains(&self, user: &str) -> bool {
         self.hashes.contains_key(user)
+    }
+
+    /// Whether `id` would still be verified: its user is listed with the hash its
+    /// password was checked against (a reload that removed the user or changed the
+    /// password ends it, also for a tunnel opened before).
+    pub fn still_valid(&self, id: &Identity) -> bool {
+        self.hashes
+            .get(&*id.user)
+            .is_some_and(|h| *h == *id.verified_against)
     }
 
     /// Whether `user` may spend `endpoint`'s budget: users without grants may spend any.
@@ -352,11 +367,28 @@ impl Users {
         verified.insert(digest, Cached { identity, until });
     }
 
-    /// The hash a name that is not listed is checked against: of no password, at the
-    /// highest cost in the file, made once (on a blocking thread). `None` without users.
-    async fn decoy(&self) -> Option<String> {
-        let cost = self.decoy_cost?;
-        let made = self.decoy.get_or_init(|| async move {
+    /// The bcrypt cost a name that is not listed is checked at: a listed user's, picked
+    /// by a digest of the name. So a name always costs the same, and names not listed
+    /// cost what listed names cost, in the same proportions: with costs mixed in the file
+    /// (`htpasswd -B` makes cost 5, `sluice passwd` cost 10), the time of a refusal still
+    /// does not tell whether a name is listed. (Before, every such name cost the file's
+    /// highest, and a listed user of a lower cost was refused visibly faster.) `None`
+    /// without users.
+    fn decoy_cost(&self, name: &str) -> Option<u32> {
+        if self.costs.is_empty() {
+            return None;
+        }
+        let d = digest(name.as_bytes());
+        let pick = u64::from_le_bytes(d[..8].try_into().unwrap_or_default());
+        let i = usize::try_from(pick % self.costs.len() as u64).unwrap_or(0);
+        self.costs.get(i).copied()
+    }
+
+    /// The hash a name that is not listed is checked against: of no password, at
+    /// [`Users::decoy_cost`], made once per cost (on a blocking thread).
+    async fn decoy(&self, name: &str) -> Option<String> {
+        let cost = self.decoy_cost(name)?;
+        let made = self.decoys.get(&cost)?.get_or_init(|| async move {
             let hashing = move || bcrypt::hash("sluice: no such user", cost).ok();
             tokio::task::spawn_blocking(hashing).await.ok().flatten()
         });
@@ -395,7 +427,7 @@ impl Users {
         let listed = self.hashes.get(&user).cloned();
         let hash = match &listed {
             Some(h) => h.clone(),
-            None => self.decoy().await?,
+            None => self.decoy(&user).await?,
         };
         let _permit = self.verifying.acquire().await.ok()?;
         self.bcrypt_runs.fetch_add(1, Ordering::Relaxed);
@@ -403,9 +435,11 @@ impl Users {
             tokio::task::spawn_blocking(move || bcrypt::verify(password, &hash).unwrap_or(false))
                 .await
                 .unwrap_or(false);
-        (ok && listed.is_some()).then(|| Identity {
+        let verified_against = Arc::from(listed?);
+        ok.then(|| Identity {
             user: user.into(),
             endpoint,
+            verified_against,
         })
     }
 }
@@ -580,6 +614,28 @@ mod tests {
             u.authenticate(&header(&decoy), PEER).await,
             Err(AuthError::Refused)
         );
+    }
+
+    /// (2026-12-07 review) With costs mixed in the file, a name that is not listed costs
+    /// what listed names cost, in the same proportions, and always the same for one
+    /// name. Before, it always cost the file's highest: a listed user of a lower cost was
+    /// refused in 1 ms, an unknown name in 90 ms.
+    #[test]
+    fn names_not_listed_cost_what_listed_ones_cost() {
+        let (low, high) = (bcrypt::hash("a", 4).unwrap(), bcrypt::hash("b", 5).unwrap());
+        let file = format!("alice:{low}\nbob:{high}\ncarol:{high}\n");
+        let u = Users::parse(&file, &[]).unwrap();
+        let names: Vec<String> = (0..3000).map(|i| format!("nobody-{i}")).collect();
+        let low_ones = names.iter().filter(|n| u.decoy_cost(n) == Some(4)).count();
+        // One listed user in three is at cost 4: so about a third of unknown names.
+        let share = low_ones as f64 / names.len() as f64;
+        assert!(
+            (0.28..0.39).contains(&share),
+            "{share} of unknown names at cost 4"
+        );
+        assert!(names.iter().all(|n| u.decoy_cost(n) == u.decoy_cost(n)));
+        assert!(names.iter().all(|n| matches!(u.decoy_cost(n), Some(4 | 5))));
+        assert_eq!(Users::parse("", &[]).unwrap().decoy_cost("x"), None);
     }
 
     /// A flood of refused values (each a new one) never evicts a verified value: the

@@ -564,12 +564,13 @@ async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
     }
 }
 
-/// Step 2: who sends. Inside a tunnel, the CONNECT's identity (still listed in the
-/// users file as it is now); otherwise this request's `Proxy-Authorization`.
+/// Step 2: who sends. Inside a tunnel, the CONNECT's identity (its user still listed
+/// in the users file as it is now, with the same password); otherwise this request's
+/// `Proxy-Authorization`.
 async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who, ProxyError> {
     if let Some(t) = &conn.tunnel {
         let gone = match (&rt.users, &t.who.identity) {
-            (Some(users), Some(id)) => !users.contains(&id.user),
+            (Some(users), Some(id)) => !users.still_valid(id),
             (Some(_), None) => true,
             (None, _) => false,
         };

@@ -405,6 +405,29 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
     // Wrong credentials on the CONNECT: no tunnel at all.
     let wrong = client("team_b", "nope").get(up.url("/x")).send().await;
     assert!(wrong.is_err(), "a tunnel opened with a wrong password");
+    // (2026-12-07 review) alice's password changed: her open tunnel refuses the next
+    // request, and team_b's, whose line is unchanged, goes on. Before, only a removed
+    // user's tunnel was refused: a leaked password stayed good in an open tunnel.
+    let a = client("alice", "wonder");
+    let get = |c: &reqwest::Client, path: &str, endpoint: &str| {
+        c.get(up.url(path)).header("x-endpoint-id", endpoint).send()
+    };
+    assert_eq!(get(&a, "/alice", "a_tls").await.unwrap().status(), 200);
+    let text = std::fs::read_to_string(&users).unwrap();
+    let team_b = text.lines().find(|l| l.starts_with("team_b:")).unwrap();
+    let rotated = dir.path().join("rotated.htpasswd");
+    let alice = bcrypt::hash("new-pw", 4).unwrap();
+    std::fs::write(&rotated, format!("{team_b}\nalice:{alice}\n")).unwrap();
+    write(&rotated);
+    sluice::app::reload(&s.app, &path).unwrap();
+    let r = get(&a, "/alice-after", "a_tls").await.unwrap();
+    assert_eq!(r.status(), 407, "a tunnel outlived its password");
+    assert_eq!(get(&b, "/b-after", "b_tls").await.unwrap().status(), 200);
+    let new = client("alice", "new-pw");
+    assert_eq!(
+        get(&new, "/alice-new", "a_tls").await.unwrap().status(),
+        200
+    );
     // team_b removed: its open tunnel refuses the next request.
     write(&htpasswd(dir.path(), &[("alice", "wonder")]));
     sluice::app::reload(&s.app, &path).unwrap();
@@ -415,7 +438,7 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
         .await
         .unwrap();
     assert_eq!(r.status(), 407);
-    assert_eq!(up.arrivals().len(), 20);
+    assert_eq!(up.arrivals().len(), 23);
     s.stop().await;
 }
 
