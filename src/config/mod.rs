@@ -867,6 +867,24 @@ mod tests {
                 "[proxy]\nendpoint_header = \"bad header\"",
                 "proxy.endpoint_header",
             ),
+            // (2026-12-07 review) Removed before forwarding, these would unframe the
+            // request (its body forwarded as a request of its own) or unroute it.
+            (
+                "[proxy]\nendpoint_header = \"Content-Length\"",
+                "proxy.endpoint_header",
+            ),
+            (
+                "[proxy]\nendpoint_header = \"transfer-encoding\"",
+                "proxy.endpoint_header",
+            ),
+            (
+                "[proxy]\nendpoint_header = \"Host\"",
+                "proxy.endpoint_header",
+            ),
+            (
+                "[proxy]\nendpoint_header = \"X-Sluice-Sender\"",
+                "proxy.endpoint_header",
+            ),
             ("[proxy]\nmax_connections = 0", "proxy.max_connections"),
             ("[[endpoints]]\nrate = 5.0", "endpoints[0].id"),
             (
@@ -936,6 +954,19 @@ mod tests {
         assert!(i[0].message.contains("at least 1s"), "{}", i[0].message);
         let ok = Config::parse("[defaults]\nlease_ttl = \"1s\"\n").unwrap();
         assert_eq!(ok.defaults.lease_ttl, MIN_LEASE_TTL);
+    }
+
+    /// (2026-12-07 review) A zero `upstream_timeout` is reported at its own line (it
+    /// was at 1:1), and a reserved endpoint header at its.
+    #[test]
+    fn proxy_value_errors_are_reported_where_they_are() {
+        let i = issues("[proxy]\n\nupstream_timeout = \"0s\"\nendpoint_header = \"Connection\"\n");
+        let at: Vec<(usize, &str)> = i.iter().map(|i| (i.line, i.key.as_str())).collect();
+        assert_eq!(
+            at,
+            [(3, "proxy.upstream_timeout"), (4, "proxy.endpoint_header")],
+            "{i:?}"
+        );
     }
 
     /// A floor above an inherited rate is reported at the floor's line (before: at

@@ -74,6 +74,25 @@ impl Reader<'_> {
     }
 
     pub(super) fn proxy(&mut self, t: &Table<'_>) -> ProxyConfig {
+        /// Headers that cannot be the endpoint header (it is removed before forwarding):
+        /// the request's framing and routing (removing `Content-Length` would send the
+        /// body as the next request), hop-by-hop and proxy headers, and sluice's own.
+        const RESERVED_HEADERS: [&str; 14] = [
+            "content-length",
+            "transfer-encoding",
+            "host",
+            "connection",
+            "keep-alive",
+            "te",
+            "trailer",
+            "upgrade",
+            "expect",
+            "proxy-authorization",
+            "proxy-authenticate",
+            "proxy-connection",
+            "x-sluice-sender",
+            "x-sluice-priority",
+        ];
         let p = "proxy";
         self.known_keys(
             t,
@@ -97,18 +116,38 @@ impl Reader<'_> {
         );
         let endpoint_header = match self.string(t, p, "endpoint_header") {
             None => HeaderName::from_static("x-endpoint-id"),
-            Some((s, at)) => HeaderName::from_bytes(s.as_bytes()).unwrap_or_else(|_| {
-                self.issue(
-                    at,
-                    "proxy.endpoint_header",
-                    format!("\"{s}\" is not a valid header name"),
-                );
-                HeaderName::from_static("x-endpoint-id")
-            }),
+            Some((s, at)) => match HeaderName::from_bytes(s.as_bytes()) {
+                Ok(h) if RESERVED_HEADERS.contains(&h.as_str()) => {
+                    self.issue(
+                        at,
+                        "proxy.endpoint_header",
+                        format!(
+                            "\"{s}\" cannot name endpoints: sluice removes the endpoint header \
+                             before forwarding, and this one frames the request, routes it or \
+                             is sluice's own; choose another name such as X-Endpoint-Id"
+                        ),
+                    );
+                    HeaderName::from_static("x-endpoint-id")
+                }
+                Ok(h) => h,
+                Err(_) => {
+                    self.issue(
+                        at,
+                        "proxy.endpoint_header",
+                        format!("\"{s}\" is not a valid header name"),
+                    );
+                    HeaderName::from_static("x-endpoint-id")
+                }
+            },
         };
         let upstream_timeout = self.duration(t, p, "upstream_timeout", Duration::from_secs(30));
         if upstream_timeout.is_zero() {
-            self.issue(0, "proxy.upstream_timeout", "must be greater than 0".into());
+            let at = t.get("upstream_timeout").map_or(0, |v| v.span().start);
+            self.issue(
+                at,
+                "proxy.upstream_timeout",
+                "must be greater than 0".into(),
+            );
         }
         ProxyConfig {
             listen: self.addr(t, p, "listen", "127.0.0.1:8080"),
