@@ -316,6 +316,16 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "tls.ca_key" => tls.ca_key;
         "tls.upstream_roots" => tls.upstream_roots;
         "tls.leaf_cache_size" => tls.leaf_cache_size;
+        "proxy.shutdown_grace" => proxy.shutdown_grace;
+    }
+    // Proxy authentication is not turned off by a reload (a file cut short while it is
+    // written, or emptied, would open the proxy): that takes a restart. A reload may
+    // turn it on, or name another users file.
+    if running.security.auth_users_file.is_some() && new.security.auth_users_file.is_none() {
+        changed.push("security.auth_users_file (turning proxy authentication off)");
+        new.security
+            .auth_users_file
+            .clone_from(&running.security.auth_users_file);
     }
     changed
 }

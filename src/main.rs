@@ -251,6 +251,10 @@ async fn serve(
     workers: std::sync::Arc<sluice::workers::Workers>,
 ) -> anyhow::Result<ExitCode> {
     use tokio::signal::unix::{SignalKind, signal};
+    // Taken before start-up, which may wait for the store while the listeners are
+    // already bound: a SIGHUP then (a hook that fires on "port open") is a reload once
+    // started, not the end of the process.
+    let mut hup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
     let mut running = match sluice::app::start_on(config, Some(workers)).await {
         Ok(r) => r,
         Err(e) => {
@@ -260,7 +264,6 @@ async fn serve(
     };
     let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
-    let mut hup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
     let app = std::sync::Arc::clone(&running.app);
     let mut seen = modified(&path);
     let mut poll = tokio::time::interval(Duration::from_secs(1));

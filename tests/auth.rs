@@ -249,6 +249,58 @@ async fn a_user_removed_and_reloaded_is_refused_from_the_next_request() {
     s.stop().await;
 }
 
+/// (2026-12-07 review) A reload cannot turn proxy authentication off: a config file cut
+/// short while it is written (or emptied) used to open the proxy to every sender. The
+/// running users file stays, and the restart-only warning names it; a restart with the
+/// new file turns authentication off. `shutdown_grace` is kept the same way (a reload
+/// said nothing, and SIGTERM used the old value).
+#[tokio::test]
+async fn a_reload_never_turns_authentication_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(dir.path(), &[("alice", "wonder")]);
+    let path = dir.path().join("sluice.toml");
+    let head = "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
+    let full = format!(
+        "{head}shutdown_grace = \"1s\"\n[security]\nallow_private_destinations = true\n\
+         auth_users_file = \"{}\"\n",
+        users.display()
+    );
+    std::fs::write(&path, &full).unwrap();
+    let running = sluice::config::Config::load(&path).unwrap();
+    let up = Upstream::start().await;
+    let s = sluice::app::start(running.clone()).await.unwrap();
+    let c = common::client(s.proxy_addr);
+    let anonymous = || async { c.get(up.url("/")).send().await.unwrap().status() };
+    assert_eq!(anonymous().await, 407);
+    // The file cut short before its [security] table, as a writer may leave it.
+    let cut =
+        format!("{head}shutdown_grace = \"20s\"\n[security]\nallow_private_destinations = true\n");
+    std::fs::write(&path, &cut).unwrap();
+    let mut new = sluice::config::Config::load(&path).unwrap();
+    let named = sluice::app::keep_restart_only(&mut new, &running);
+    assert_eq!(
+        named,
+        [
+            "proxy.shutdown_grace",
+            "security.auth_users_file (turning proxy authentication off)"
+        ]
+    );
+    sluice::app::reload(&s.app, &path).unwrap();
+    assert_eq!(anonymous().await, 407, "a reload opened the proxy");
+    assert_eq!(up.count(), 0);
+    // Naming another users file is a reload like any other.
+    let other = dir.path().join("other.htpasswd");
+    std::fs::copy(&users, &other).unwrap();
+    std::fs::write(&path, full.replace("users.htpasswd", "other.htpasswd")).unwrap();
+    sluice::app::reload(&s.app, &path).unwrap();
+    let rt = s.app.runtime.load_full();
+    assert_eq!(
+        rt.config.security.auth_users_file.as_deref(),
+        Some(other.as_path())
+    );
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn admin_token_guards_metrics_and_endpoints_but_not_probes() {
     let dir = tempfile::tempdir().unwrap();

@@ -236,6 +236,19 @@ impl Proc {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Proc {
+        let p = Proc::spawn(path, admin, args, env);
+        p.wait_log("sluice listening", Duration::from_secs(10))
+            .await;
+        p
+    }
+
+    /// Starts the process without waiting for it to listen.
+    fn spawn(
+        path: &Path,
+        admin: std::net::SocketAddr,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Proc {
         let mut child = ChildGuard::spawn(
             Command::new(env!("CARGO_BIN_EXE_sluice"))
                 .args(args)
@@ -261,15 +274,12 @@ impl Proc {
                     .push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         });
-        let p = Proc {
+        Proc {
             child,
             log,
             reader,
             admin,
-        };
-        p.wait_log("sluice listening", Duration::from_secs(10))
-            .await;
-        p
+        }
     }
 
     /// Waits for `needle` in the process's log; on timeout, fails showing the log (a
@@ -425,6 +435,44 @@ async fn an_edit_and_a_sighup_reload_once() {
         1,
         "one edit and one SIGHUP are one refusal:\n{log}"
     );
+}
+
+/// (2026-12-07 review) A SIGHUP while sluice starts (its listeners bound, the store not
+/// answering yet) is a reload once it has started. Before, it ended the process (status
+/// 129, no log line): a hook that reloads on "port open" killed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_during_start_up_does_not_end_the_process() {
+    // A Redis that accepts connections and never answers: start-up waits on it.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let redis = silent.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((c, _)) = silent.accept().await {
+            conns.push(c);
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let store =
+        format!("[store]\nbackend = \"redis\"\nurls = [\"redis://{redis}/\"]\ntimeout = \"2s\"\n");
+    std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
+    let p = Proc::spawn(&path, admin, &[], &[]);
+    common::wait_for("the proxy port open", Duration::from_secs(10), || async {
+        tokio::net::TcpStream::connect(proxy).await.is_ok()
+    })
+    .await;
+    assert!(
+        !p.log.lock().unwrap().contains("sluice listening"),
+        "start-up did not wait for the store: the signal would come too late"
+    );
+    p.signal("-HUP");
+    p.wait_log("sluice listening", Duration::from_secs(15))
+        .await;
+    p.wait_log("config reloaded", Duration::from_secs(5)).await;
+    let log = p.stop();
+    held.abort();
+    assert!(log.contains("sluice listening"), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
