@@ -4,7 +4,11 @@
 //! `endpoint_from_proxy_user` is on; the first `[[endpoints]]` rule whose hosts (and
 //! path prefix) match the target; the destination host itself under `[defaults]` (or a
 //! 403 when `unknown = "reject"`).
+//!
+//! A path prefix is matched against the path as a receiver reads it ([`path_as_read`]):
+//! `/%61pi`, `//api` and `/./api` are `/api` to most servers, so they are to the rule.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -48,7 +52,17 @@ impl Resolver {
                 .iter()
                 .map(|r| (Arc::clone(&r.id), (Arc::clone(&r.policy), r.mode)))
                 .collect(),
-            rules: cfg.endpoints.clone(),
+            rules: cfg
+                .endpoints
+                .iter()
+                .map(|r| EndpointRule {
+                    path_prefix: r
+                        .path_prefix
+                        .as_deref()
+                        .map(|p| path_as_read(p).into_owned()),
+                    ..r.clone()
+                })
+                .collect(),
             defaults: Arc::clone(&cfg.defaults),
             default_mode: cfg.default_mode,
             unknown: cfg.unknown,
@@ -113,6 +127,7 @@ impl Resolver {
             }
         }
         let host = host.to_ascii_lowercase();
+        let path = path_as_read(path);
         if let Some(rule) = self.rules.iter().find(|r| {
             r.hosts.contains(&host) && r.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
         }) {
@@ -144,6 +159,60 @@ impl Resolver {
     }
 }
 
+/// `path` as receivers commonly read it, for matching path prefixes: percent-encodings
+/// decoded (once), `.` and `..` segments resolved, repeated `/` collapsed (RFC 3986
+/// §6.2.2 and what common servers add to it). A path with nothing to normalise (no `%`,
+/// `//` or `/.`) is returned as it is, without a copy. Matching only: the request goes
+/// upstream as it came. Reading more into a path than a receiver does can only put a
+/// request under a stricter rule, never let it escape one.
+pub fn path_as_read(path: &str) -> Cow<'_, str> {
+    let b = path.as_bytes();
+    let plain = !b.contains(&b'%') && !b.windows(2).any(|w| w == b"//" || w == b"/.");
+    if plain {
+        return Cow::Borrowed(path);
+    }
+    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut decoded = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match (
+            b[i],
+            b.get(i + 1).and_then(|&c| hex(c)),
+            b.get(i + 2).and_then(|&c| hex(c)),
+        ) {
+            (b'%', Some(hi), Some(lo)) => {
+                decoded.push(hi << 4 | lo);
+                i += 3;
+            }
+            (c, _, _) => {
+                decoded.push(c);
+                i += 1;
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&decoded);
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in text.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut out = String::with_capacity(text.len());
+    for s in &segments {
+        out.push('/');
+        out.push_str(s);
+    }
+    let directory = text.ends_with('/') || text.ends_with("/.") || text.ends_with("/..");
+    if out.is_empty() || directory {
+        out.push('/');
+    }
+    Cow::Owned(out)
+}
+
 /// The user name of a `Proxy-Authorization: Basic ...` header, if any.
 pub fn proxy_user(headers: &HeaderMap) -> Option<String> {
     let v = headers
@@ -165,6 +234,36 @@ pub fn proxy_user(headers: &HeaderMap) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// (2026-12-07 review) Spellings of a path a receiver reads as `/v1/...` match the
+    /// `/v1` rule; before, `/%761/x`, `//v1/x` and `/./v1/x` escaped it to the host's
+    /// default bucket.
+    #[test]
+    fn a_path_prefix_matches_every_spelling_a_receiver_reads_alike() {
+        let r = resolver(RULES);
+        let h = HeaderMap::new();
+        for path in [
+            "/v1/x",
+            "/%761/x",
+            "//v1/x",
+            "/./v1/x",
+            "/x/../v1/x",
+            "/%2E/v1",
+            "///v1",
+        ] {
+            let id = r.resolve(&h, None, "hooks.example.com", path).unwrap().id;
+            assert_eq!(&*id, "hooks", "{path}");
+        }
+        for path in ["/v2", "/v1/../v2", "/%76%32"] {
+            let id = r.resolve(&h, None, "hooks.example.com", path).unwrap().id;
+            assert_eq!(&*id, "all", "{path}");
+        }
+        assert!(matches!(path_as_read("/plain/path"), Cow::Borrowed(_)));
+        assert_eq!(path_as_read("/a/b/"), "/a/b/");
+        assert_eq!(path_as_read("/a/./b/.."), "/a/");
+        assert_eq!(path_as_read("/.."), "/");
+        assert_eq!(path_as_read("/%zz%4"), "/%zz%4");
+    }
 
     fn resolver(text: &str) -> Resolver {
         Resolver::new(&Config::parse(text).unwrap())
