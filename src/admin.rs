@@ -178,16 +178,24 @@ fn text(status: StatusCode, body: impl Into<Bytes>, content_type: &'static str) 
     r
 }
 
-/// Fetches `/endpoints` from a running sluice's admin listener (`http://host:port`).
-pub async fn fetch_endpoints(admin: &str) -> Result<String, String> {
+/// Fetches `/endpoints` from a running sluice's admin listener (`http://host:port`), with
+/// `Authorization: Bearer token` when given (`proxy.admin_token_file`).
+pub async fn fetch_endpoints(admin: &str, token: Option<&str>) -> Result<String, String> {
     let base = admin.trim_end_matches('/');
     let uri: http::Uri = format!("{base}/endpoints")
         .parse()
         .map_err(|e| format!("bad admin URL {admin:?}: {e}"))?;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<http_body_util::Empty<Bytes>>();
+    let mut req = http::Request::get(uri);
+    if let Some(token) = token {
+        req = req.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let req = req
+        .body(http_body_util::Empty::<Bytes>::new())
+        .map_err(|e| format!("bad admin token: {e}"))?;
     let fetch = async {
-        let resp = client.get(uri).await.map_err(|e| {
+        let resp = client.request(req).await.map_err(|e| {
             format!("cannot reach sluice admin at {admin}: {e} (is sluice running? see --admin)")
         })?;
         let status = resp.status();
@@ -195,6 +203,15 @@ pub async fn fetch_endpoints(admin: &str) -> Result<String, String> {
             .await
             .map_err(|e| format!("reading {admin}/endpoints: {e}"))?
             .to_bytes();
+        if status == http::StatusCode::UNAUTHORIZED {
+            let hint = if token.is_some() {
+                "the admin token was refused (is it the file proxy.admin_token_file names?)"
+            } else {
+                "the admin listener wants a token: pass --admin-token-file (or \
+                 SLUICE_ADMIN_TOKEN_FILE) with the file proxy.admin_token_file names"
+            };
+            return Err(format!("{admin}/endpoints answered {status}: {hint}"));
+        }
         if !status.is_success() {
             return Err(format!("{admin}/endpoints answered {status}"));
         }

@@ -57,6 +57,10 @@ enum Command {
         /// Print the raw JSON.
         #[arg(long)]
         json: bool,
+        /// The file holding the admin token, when the admin listener asks for one
+        /// (`proxy.admin_token_file` of the running sluice).
+        #[arg(long, env = "SLUICE_ADMIN_TOKEN_FILE")]
+        admin_token_file: Option<PathBuf>,
     },
     /// Print the version, git commit and build date (same as --version).
     Version,
@@ -97,7 +101,11 @@ fn main() -> ExitCode {
         Command::Ca {
             command: CaCommand::Init { dir },
         } => ca_init(&dir),
-        Command::Status { admin, json } => status(&admin, json),
+        Command::Status {
+            admin,
+            json,
+            admin_token_file,
+        } => status(&admin, json, admin_token_file.as_deref()),
         Command::DemoReceiver { listen } => demo_receiver(listen),
         Command::Version => {
             println!("sluice {}", sluice::version::LONG);
@@ -259,7 +267,10 @@ async fn serve(
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
-            return Ok(ExitCode::from(2));
+            // A file the config names that `check` would refuse is bad config (1), as
+            // `check` says; the rest are failures at run time (2).
+            let bad_config = matches!(e, sluice::app::StartError::Files(_));
+            return Ok(ExitCode::from(if bad_config { 1 } else { 2 }));
         }
     };
     let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
@@ -335,6 +346,9 @@ fn demo_receiver(listen: std::net::SocketAddr) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The longest password bcrypt checks whole, in bytes.
+const MAX_BCRYPT_PASSWORD: usize = 72;
+
 fn passwd(user: &str, cost: u32) -> anyhow::Result<ExitCode> {
     if user.is_empty() || user.contains(['+', ':']) || !user.bytes().all(|b| b.is_ascii_graphic()) {
         eprintln!("user name must be visible ASCII without '+' or ':'");
@@ -349,18 +363,36 @@ fn passwd(user: &str, cost: u32) -> anyhow::Result<ExitCode> {
         eprintln!("no password on standard input (e.g. `echo \"$PW\" | sluice passwd {user}`)");
         return Ok(ExitCode::from(1));
     }
+    // bcrypt reads a password's first 72 bytes only: a longer one would let in any
+    // password that shares them.
+    if password.len() > MAX_BCRYPT_PASSWORD {
+        eprintln!(
+            "the password is {} bytes long: bcrypt checks only the first {MAX_BCRYPT_PASSWORD}, so \
+             any password sharing them would be accepted; use at most {MAX_BCRYPT_PASSWORD} bytes",
+            password.len()
+        );
+        return Ok(ExitCode::from(1));
+    }
     let hash = bcrypt::hash(password, cost).context("hashing the password")?;
     println!("{user}:{hash}");
     Ok(ExitCode::SUCCESS)
 }
 
-fn status(admin: &str, json: bool) -> anyhow::Result<ExitCode> {
+fn status(admin: &str, json: bool, token_file: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let token = match token_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the admin token file {}", path.display()))?;
+            Some(text.trim().to_owned())
+        }
+        None => None,
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     let body = rt
-        .block_on(sluice::admin::fetch_endpoints(admin))
+        .block_on(sluice::admin::fetch_endpoints(admin, token.as_deref()))
         .map_err(anyhow::Error::msg)?;
     if json {
         println!("{body}");

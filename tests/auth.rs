@@ -494,6 +494,63 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
     s.stop().await;
 }
 
+/// (2026-12-07 review) bcrypt checks a password's first 72 bytes only: `passwd` refuses
+/// a longer one (it accepted it, and then any password sharing its first 72 bytes
+/// logged in). 72 bytes is still accepted.
+#[test]
+fn passwd_refuses_a_password_bcrypt_would_cut() {
+    let run = |password: &str| {
+        common::process::output_with_stdin(
+            std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+                .args(["passwd", "dave", "--cost", "4"]),
+            Some(format!("{password}\n").as_bytes()),
+            CHILD_DEADLINE,
+        )
+    };
+    let long = run(&format!("{}REAL", "x".repeat(72)));
+    assert_eq!(long.status.code(), Some(1));
+    assert!(long.stdout.is_empty());
+    let said = String::from_utf8_lossy(&long.stderr);
+    assert!(said.contains("at most 72 bytes"), "{said}");
+    let whole = run(&"x".repeat(72));
+    assert!(whole.status.success());
+}
+
+/// (2026-12-07 review) `sluice status` reaches an admin listener that wants a token
+/// (`--admin-token-file`), and says what is missing when it has none; before, it had no
+/// way to send one and failed with a bare 401.
+#[tokio::test]
+async fn status_sends_the_admin_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("admin.token");
+    std::fs::write(&token, "t0ken-123\n").unwrap();
+    let s = common::sluice(&format!(
+        "[proxy]\nadmin_token_file = \"{}\"\n[[endpoints]]\nid = \"alpha\"\n",
+        token.display()
+    ))
+    .await;
+    let admin = format!("http://{}", s.admin_addr);
+    let run = move |token: Option<std::path::PathBuf>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+        cmd.args(["status", "--admin", &admin]);
+        cmd.env_remove("SLUICE_ADMIN_TOKEN_FILE");
+        if let Some(t) = token {
+            cmd.arg("--admin-token-file").arg(t);
+        }
+        common::process::output_within(&mut cmd, CHILD_DEADLINE)
+    };
+    let (without, with) = tokio::task::spawn_blocking(move || (run(None), run(Some(token))))
+        .await
+        .unwrap();
+    assert!(!without.status.success());
+    let said = String::from_utf8_lossy(&without.stderr);
+    assert!(said.contains("--admin-token-file"), "{said}");
+    let table = String::from_utf8_lossy(&with.stdout);
+    assert!(with.status.success(), "{table}");
+    assert!(table.lines().any(|l| l.starts_with("alpha")), "{table}");
+    s.stop().await;
+}
+
 #[test]
 fn passwd_prints_a_line_the_users_file_accepts() {
     let out = common::process::output_with_stdin(

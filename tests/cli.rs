@@ -121,6 +121,41 @@ fn run_exits_2_naming_a_taken_port() {
     assert!(err.contains(&addr.to_string()), "{err}");
 }
 
+/// (2026-12-07 review) A file the config names that `check` refuses (a users file with
+/// a hash that is not bcrypt, an empty admin token file) makes `run` exit 1 as `check`
+/// does: bad config, not a failure at run time (it exited 2).
+#[test]
+fn run_exits_1_on_a_named_file_check_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users");
+    std::fs::write(&users, "alice:{SHA}W6ph5Mm5Pz8GgiULbPgzG37mj9g=\n").unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "\n").unwrap();
+    for extra in [
+        format!("[security]\nauth_users_file = \"{}\"\n", users.display()),
+        format!("[proxy]\nadmin_token_file = \"{}\"\n", token.display()),
+    ] {
+        let path = dir.path().join("c.toml");
+        let text = format!(
+            "{extra}{}",
+            if extra.starts_with("[proxy]") {
+                "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n".to_owned()
+            } else {
+                "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n".to_owned()
+            }
+        );
+        std::fs::write(&path, text).unwrap();
+        for cmd in ["check", "run"] {
+            let out = sluice()
+                .args([cmd, "--config"])
+                .arg(&path)
+                .run_within(CHILD_DEADLINE);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{cmd} with {extra}: {err}");
+        }
+    }
+}
+
 #[test]
 fn check_opens_the_store_tls_files() {
     let dir = tempfile::tempdir().unwrap();
