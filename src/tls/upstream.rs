@@ -200,7 +200,25 @@ fn describe_rustls(err: &rustls::Error) -> String {
 
 fn describe_certificate(err: &CertificateError) -> String {
     match err {
-        CertificateError::UnknownIssuer => "unknown issuer".to_owned(),
+        CertificateError::UnknownIssuer => "unknown issuer: the certificate does not chain to the \
+             system roots or tls.upstream_roots (a receiver with a private CA or a self-signed \
+             certificate: list it in tls.upstream_roots)"
+            .to_owned(),
+        CertificateError::UnsupportedSignatureAlgorithm
+        | CertificateError::UnsupportedSignatureAlgorithmContext { .. }
+        | CertificateError::UnsupportedSignatureAlgorithmForPublicKeyContext { .. } => {
+            "certificate signed with an algorithm its issuer's key does not allow (a \
+             self-signed certificate not listed in tls.upstream_roots is read this way)"
+                .to_owned()
+        }
+        // webpki's `CaUsedAsEndEntity`, which rustls passes on as an opaque error.
+        CertificateError::Other(other) if format!("{other:?}").contains("CaUsedAsEndEntity") => {
+            "the receiver's certificate is a CA certificate (basicConstraints CA:TRUE, as \
+             `openssl req -x509` makes by default), which TLS does not accept as a server's \
+             own even when listed in tls.upstream_roots: re-issue it with CA:FALSE, or sign it \
+             with a CA and list that CA"
+                .to_owned()
+        }
         CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
             "certificate expired".to_owned()
         }
@@ -254,8 +272,17 @@ mod tests {
         sni: &str,
         config: ClientConfig,
     ) -> Result<(), io::Error> {
+        connect_to(icpt.server_config(leaf_host).unwrap(), sni, config).await
+    }
+
+    /// Serves `server_cfg` on one side of a duplex, connects a client asking for `sni`
+    /// with `config`, and returns the client's result.
+    async fn connect_to(
+        server_cfg: Arc<rustls::ServerConfig>,
+        sni: &str,
+        config: ClientConfig,
+    ) -> Result<(), io::Error> {
         let (client_io, server_io) = tokio::io::duplex(64 * 1024);
-        let server_cfg = icpt.server_config(leaf_host).unwrap();
         let acceptor = tokio_rustls::TlsAcceptor::from(server_cfg);
         let server = async move {
             if let Ok(mut s) = acceptor.accept(server_io).await {
@@ -327,7 +354,37 @@ mod tests {
         let err = connect(&icpt, "a.example.com", "a.example.com", config)
             .await
             .unwrap_err();
-        assert_eq!(describe_failure(&err), "unknown issuer");
+        let reason = describe_failure(&err);
+        assert!(reason.starts_with("unknown issuer"), "{reason}");
+        assert!(reason.contains("tls.upstream_roots"), "{reason}");
+    }
+
+    /// (2026-12-07 review) A receiver serving a self-signed CA:TRUE certificate (what
+    /// `openssl req -x509` makes) is refused even when it is listed; the reason says why
+    /// and what to do, not `Other(OtherError(CaUsedAsEndEntity))`.
+    #[tokio::test]
+    async fn a_ca_certificate_served_as_the_receivers_own_is_explained() {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+        let dir = tempfile::tempdir().unwrap();
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let cert = params.self_signed(&key).unwrap();
+        let pem = dir.path().join("self.pem");
+        std::fs::write(&pem, cert.pem()).unwrap();
+        let server = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .unwrap();
+        let config = client_config(&[pem]).unwrap();
+        let err = connect_to(Arc::new(server), "localhost", config)
+            .await
+            .unwrap_err();
+        let reason = describe_failure(&err);
+        assert!(reason.contains("CA:FALSE"), "{reason}");
     }
 
     #[test]
