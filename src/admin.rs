@@ -91,7 +91,11 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
 /// Serves one admin request.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n", "text/plain");
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n", "text/plain");
+        // RFC 9110 §15.5.6: a 405 says which methods are allowed.
+        r.headers_mut()
+            .insert(http::header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
     }
     let path = req.uri().path();
     if matches!(path, "/metrics" | "/endpoints") && !authorised(&app, req.headers()) {

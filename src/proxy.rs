@@ -798,6 +798,11 @@ fn target_uri(uri: &Uri, tunnel: Option<&Tunnel>) -> Result<Uri, ProxyError> {
         (Some(_), Some(_)) if uri.scheme().is_none() => Err(ProxyError::BadRequest(format!(
             "request target {uri} inside a tunnel is neither a path nor a URL"
         ))),
+        // `GET *` (asterisk-form, OPTIONS' alone) went to the receiver as it came; it is
+        // refused inside a tunnel as it is outside one.
+        (None, Some(_)) if uri.path() == "*" => Err(ProxyError::BadRequest(
+            "request target * (asterisk-form) is not forwarded".into(),
+        )),
         (_, Some(t)) => {
             let pq = uri
                 .path_and_query()

@@ -357,6 +357,10 @@ async fn admin_token_guards_metrics_and_endpoints_but_not_probes() {
             200
         );
     }
+    // (2026-12-07 review) A 405 names the methods allowed (RFC 9110 §15.5.6).
+    let r = c.post(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.headers()["allow"], "GET, HEAD");
     s.stop().await;
 }
 

@@ -1171,8 +1171,9 @@ async fn tls_response(tls: &mut tokio_rustls::client::TlsStream<TcpStream>) -> S
     String::from_utf8_lossy(&got).into_owned()
 }
 
-/// Inside an intercepted tunnel, a CONNECT (a tunnel in the tunnel) and a request whose
-/// target is `host:port` or a bare word (authority-form, CONNECT's alone) are 400s:
+/// Inside an intercepted tunnel, a CONNECT (a tunnel in the tunnel), a request whose
+/// target is `host:port` or a bare word (authority-form, CONNECT's alone) and one whose
+/// target is `*` (asterisk-form, refused outside tunnels too) are 400s:
 /// nothing reaches the receiver. Before, the CONNECT went upstream as one (a token
 /// spent, no answer), and `DELETE users` went out as `DELETE /`.
 #[tokio::test]
@@ -1188,6 +1189,9 @@ async fn inside_a_tunnel_a_connect_or_a_target_that_is_no_path_is_refused() {
         format!("DELETE users HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
         format!("GET evil.example:443 HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
         format!("GET a@b HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+        // (2026-12-07 review) asterisk-form went to the receiver as `GET *`.
+        format!("GET * HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+        format!("OPTIONS * HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
     ] {
         let mut tls = open_tunnel(s.proxy_addr, &ca, &authority, "localhost").await;
         tls.write_all(head.as_bytes()).await.unwrap();

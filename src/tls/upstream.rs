@@ -204,8 +204,7 @@ fn describe_certificate(err: &CertificateError) -> String {
              system roots or tls.upstream_roots (a receiver with a private CA or a self-signed \
              certificate: list it in tls.upstream_roots)"
             .to_owned(),
-        CertificateError::UnsupportedSignatureAlgorithm
-        | CertificateError::UnsupportedSignatureAlgorithmContext { .. }
+        CertificateError::UnsupportedSignatureAlgorithmContext { .. }
         | CertificateError::UnsupportedSignatureAlgorithmForPublicKeyContext { .. } => {
             "certificate signed with an algorithm its issuer's key does not allow (a \
              self-signed certificate not listed in tls.upstream_roots is read this way)"
