@@ -264,6 +264,19 @@ impl Users {
             .is_some_and(|h| *h == *id.verified_against)
     }
 
+    /// Users `[security.user_endpoints]` grants endpoints to that the file does not list
+    /// (sorted): a misspelt name there leaves the real user free to spend any endpoint.
+    pub fn unlisted_grants(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self
+            .grants
+            .keys()
+            .filter(|u| !self.hashes.contains_key(*u))
+            .map(String::as_str)
+            .collect();
+        names.sort_unstable();
+        names
+    }
+
     /// Whether `user` may spend `endpoint`'s budget: users without grants may spend any.
     pub fn may_spend(&self, user: &str, endpoint: &str) -> bool {
         self.grants

@@ -57,6 +57,13 @@ impl Runtime {
             Some(path) => Some(Users::load(path, &config.security.user_endpoints)?),
             None => None,
         };
+        for user in users.iter().flat_map(|u| u.unlisted_grants()) {
+            tracing::warn!(
+                user,
+                "security.user_endpoints grants endpoints to {user:?}, whom the users file does \
+                 not list: a misspelt name leaves the real user free to spend any endpoint"
+            );
+        }
         let admin_token = match &config.proxy.admin_token_file {
             Some(path) => Some(read_token(path)?),
             None => None,

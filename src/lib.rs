@@ -47,6 +47,7 @@ pub mod destination;
 pub mod endpoint;
 pub mod error;
 pub mod forward;
+pub mod host;
 pub mod idle;
 pub mod lane;
 pub mod limiter;

@@ -323,6 +323,38 @@ fn check_resolves_relative_paths_against_the_config_folder() {
     );
 }
 
+/// (2026-12-07 review) A grant to a user the users file does not list (a misspelt
+/// name) is warned about by `check` (and at start and reload): the real user is left
+/// free to spend any endpoint. It stays a warning: the user may be added later.
+#[test]
+fn check_warns_of_a_grant_to_a_user_not_in_the_users_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users");
+    let hash = bcrypt::hash("pw", 4).unwrap();
+    std::fs::write(&users, format!("alice:{hash}\n")).unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[security]\nauth_users_file = \"{}\"\n[security.user_endpoints]\n\
+             alcie = [\"a_*\"]\nalice = [\"a_*\"]\n",
+            users.display()
+        ),
+    )
+    .unwrap();
+    let out = sluice()
+        .args(["check", "--config"])
+        .arg(&path)
+        .run_within(CHILD_DEADLINE);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("alcie") && err.contains("does not list"),
+        "{err}"
+    );
+    assert!(!err.contains("\"alice\""), "{err}");
+}
+
 #[test]
 fn check_names_the_key_of_every_missing_or_unreadable_file() {
     let dir = tempfile::tempdir().unwrap();

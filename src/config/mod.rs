@@ -885,6 +885,24 @@ mod tests {
                 "[proxy]\nendpoint_header = \"X-Sluice-Sender\"",
                 "proxy.endpoint_header",
             ),
+            // (2026-12-07 review) Settings that passed `check` and could never work.
+            (
+                "[proxy]\nlisten = \"127.0.0.1:8080\"\nadmin_listen = \"127.0.0.1:8080\"",
+                "proxy.admin_listen",
+            ),
+            (
+                "[[endpoints]]\nid = \"a\"\nhosts = [\"127.0.0.1:8080\"]",
+                "endpoints[0].hosts",
+            ),
+            (
+                "[[endpoints]]\nid = \"a\"\nhosts = [\"*.example.com\"]",
+                "endpoints[0].hosts",
+            ),
+            (
+                "[[endpoints]]\nid = \"a\"\nhosts = [\"x.example\"]\n\
+                 [[endpoints]]\nid = \"b\"\nhosts = [\"X.example.\"]\npath_prefix = \"/v1\"",
+                "endpoints[1].hosts",
+            ),
             ("[proxy]\nmax_connections = 0", "proxy.max_connections"),
             ("[[endpoints]]\nrate = 5.0", "endpoints[0].id"),
             (

@@ -149,9 +149,22 @@ impl Reader<'_> {
                 "must be greater than 0".into(),
             );
         }
+        let listen = self.addr(t, p, "listen", "127.0.0.1:8080");
+        let admin_listen = self.addr(t, p, "admin_listen", "127.0.0.1:9090");
+        // Port 0 picks a free port for each: only a fixed address can be taken twice.
+        if listen == admin_listen && listen.port() != 0 {
+            let at = t.get("admin_listen").map_or(0, |v| v.span().start);
+            self.issue(
+                at,
+                "proxy.admin_listen",
+                format!(
+                    "{admin_listen} is proxy.listen too: the two listeners need their own addresses"
+                ),
+            );
+        }
         ProxyConfig {
-            listen: self.addr(t, p, "listen", "127.0.0.1:8080"),
-            admin_listen: self.addr(t, p, "admin_listen", "127.0.0.1:9090"),
+            listen,
+            admin_listen,
             endpoint_header,
             endpoint_from_proxy_user: self.boolean(t, p, "endpoint_from_proxy_user", false),
             upstream_timeout,
@@ -702,20 +715,50 @@ impl Reader<'_> {
             }
         };
         let policy = self.policy(t, &path, defaults);
-        let hosts = self
-            .strings(t, &path, "hosts")
-            .into_iter()
-            .map(|(h, _)| {
-                let h = h.to_ascii_lowercase();
-                h.strip_suffix('.').map(str::to_owned).unwrap_or(h)
-            })
-            .collect();
         let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
             if !p.starts_with('/') {
                 self.issue(at, &join(&path, "path_prefix"), "must start with /".into());
             }
             p
         });
+        // Each host as a request's host is read (`API.example.com.` is
+        // `api.example.com`, `127.1` is `127.0.0.1`), so a rule matches every spelling;
+        // one that can never match a request is an error where it is written.
+        let mut hosts = Vec::new();
+        for (h, at) in self.strings(t, &path, "hosts") {
+            let key = join(&path, "hosts");
+            let host = match crate::host::normalise_host(&h) {
+                Ok(host) => host,
+                Err(e) => {
+                    self.issue(
+                        at,
+                        &key,
+                        format!(
+                            "\"{h}\" is not a host name or IP address ({}): hosts are matched \
+                             exactly, without a port or wildcards",
+                            e.0
+                        ),
+                    );
+                    continue;
+                }
+            };
+            let prefix = path_prefix.as_deref().unwrap_or("");
+            let earlier = seen.iter().position(|r| {
+                r.hosts.contains(&host)
+                    && prefix.starts_with(r.path_prefix.as_deref().unwrap_or(""))
+            });
+            if let Some(j) = earlier {
+                self.issue(
+                    at,
+                    &key,
+                    format!(
+                        "\"{h}\" never resolves here: endpoints[{j}], listed first, takes every \
+                         request to it this rule's path_prefix would"
+                    ),
+                );
+            }
+            hosts.push(host);
+        }
         let mode = self.mode(t, &path, default_mode);
         Some(EndpointRule {
             id: id.into(),
