@@ -639,6 +639,15 @@ async fn forward_request(
     } else {
         (app.forwarder.send_via(&conn.upstream, req).await, admitted)
     };
+    // Requests go upstream without `Upgrade`: a 101 answers nothing asked, and is no
+    // response a sender could use (an HTTP/1.0 one may get no 1xx at all), as the lane
+    // says too.
+    let sent_to = sent_to.and_then(|r| match r.status() {
+        StatusCode::SWITCHING_PROTOCOLS => Err(ForwardError::Other(
+            "101 Switching Protocols to a request that asked for no upgrade".into(),
+        )),
+        _ => Ok(r),
+    });
     let resp = match sent_to {
         Ok(r) => r,
         Err(e) => {

@@ -200,6 +200,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             }
             "/framed-twice" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 100\r\n\r\n3\r\nabc\r\n0\r\n\r\n".to_vec(),
             "/early" => b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+            "/switch" => b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n".to_vec(),
             "/big" => {
                 let mut a = format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG}\r\n\r\n").into_bytes();
                 a.extend(std::iter::repeat_n(b'x', BIG));
@@ -217,7 +218,7 @@ async fn raw_serve(mut s: TcpStream, conn: usize, seen: Arc<Mutex<Vec<Seen>>>) {
             return;
         }
         // Close-delimited, or a receiver that closes after each answer without saying so.
-        if path == "/close" || path == "/bye" {
+        if path == "/close" || path == "/bye" || path == "/switch" {
             return;
         }
     }
@@ -1104,6 +1105,28 @@ async fn a_large_response_head_reaches_the_sender_on_both_paths() {
             90,
             "{connection}"
         );
+    }
+    s.stop().await;
+}
+
+/// (2026-12-07 review) A 101 to a request that asked for no upgrade (sluice sends none)
+/// is a 502 on both paths. Before, hyper's path relayed a bare 101 and closed, also to
+/// an HTTP/1.0 sender, which may get no 1xx at all.
+#[tokio::test]
+async fn an_unasked_101_is_a_502_on_both_paths() {
+    let up = RawUpstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    for connection in BOTH_PATHS {
+        let mut t = send_on(
+            s.proxy_addr,
+            connection,
+            "GET",
+            &format!("http://{host}/switch"),
+        )
+        .await;
+        let (r, _) = read_until(&mut t, |got| got.windows(4).any(|w| w == b"\r\n\r\n")).await;
+        assert!(r.starts_with("HTTP/1.1 502"), "{connection}: {r}");
     }
     s.stop().await;
 }
