@@ -11,7 +11,7 @@ use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::config::{Backend, Config, ConfigError, OnError};
+use crate::config::{Backend, Config, ConfigError, OnError, UnknownEndpoints};
 use crate::conn::Lifecycle;
 use crate::core::{App, Runtime, RuntimeError};
 use crate::destination::DestinationPolicy;
@@ -318,14 +318,46 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "tls.leaf_cache_size" => tls.leaf_cache_size;
         "proxy.shutdown_grace" => proxy.shutdown_grace;
     }
-    // Proxy authentication is not turned off by a reload (a file cut short while it is
-    // written, or emptied, would open the proxy): that takes a restart. A reload may
-    // turn it on, or name another users file.
-    if running.security.auth_users_file.is_some() && new.security.auth_users_file.is_none() {
-        changed.push("security.auth_users_file (turning proxy authentication off)");
-        new.security
-            .auth_users_file
-            .clone_from(&running.security.auth_users_file);
-    }
+    changed.extend(keep_safeguards(new, running));
     changed
+}
+
+/// A reload never switches a safeguard off by leaving its key out (a file cut short
+/// while it is written, or emptied, would otherwise open the proxy): proxy
+/// authentication, the admin token, `unknown = "reject"`, a non-empty `allowed_hosts`,
+/// and each user's grants stay as they run, and are named like the restart-only
+/// settings. A reload may still tighten any of them or change them to other values
+/// (another users file, other hosts, `user = ["*"]` to lift one user's grants).
+fn keep_safeguards(new: &mut Config, running: &Config) -> Vec<&'static str> {
+    let mut kept = Vec::new();
+    let (sec, was) = (&mut new.security, &running.security);
+    if was.auth_users_file.is_some() && sec.auth_users_file.is_none() {
+        kept.push("security.auth_users_file (turning proxy authentication off)");
+        sec.auth_users_file.clone_from(&was.auth_users_file);
+    }
+    if !was.allowed_hosts.is_empty() && sec.allowed_hosts.is_empty() {
+        kept.push("security.allowed_hosts (emptying it allows every host)");
+        sec.allowed_hosts.clone_from(&was.allowed_hosts);
+    }
+    let dropped: Vec<_> = was
+        .user_endpoints
+        .iter()
+        .filter(|g| !sec.user_endpoints.iter().any(|n| n.user == g.user))
+        .cloned()
+        .collect();
+    if !dropped.is_empty() {
+        kept.push("security.user_endpoints (a user's grants left out; lift them with [\"*\"])");
+        sec.user_endpoints.extend(dropped);
+    }
+    if running.proxy.admin_token_file.is_some() && new.proxy.admin_token_file.is_none() {
+        kept.push("proxy.admin_token_file (opening /metrics and /endpoints)");
+        new.proxy
+            .admin_token_file
+            .clone_from(&running.proxy.admin_token_file);
+    }
+    if running.unknown == UnknownEndpoints::Reject && new.unknown != UnknownEndpoints::Reject {
+        kept.push("defaults.unknown (from \"reject\")");
+        new.unknown = running.unknown;
+    }
+    kept
 }

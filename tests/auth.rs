@@ -249,20 +249,26 @@ async fn a_user_removed_and_reloaded_is_refused_from_the_next_request() {
     s.stop().await;
 }
 
-/// (2026-12-07 review) A reload cannot turn proxy authentication off: a config file cut
-/// short while it is written (or emptied) used to open the proxy to every sender. The
-/// running users file stays, and the restart-only warning names it; a restart with the
-/// new file turns authentication off. `shutdown_grace` is kept the same way (a reload
-/// said nothing, and SIGTERM used the old value).
+/// (2026-12-07 reviews) A reload never switches a safeguard off by leaving its key out:
+/// a config file cut short while it is written (or emptied) used to open the proxy to
+/// every sender, `/metrics` to anyone, and every endpoint and host to every user. The
+/// running values stay, and the restart-only warning names them; a reload may still
+/// change them to other values. `shutdown_grace` is kept the same way (a reload said
+/// nothing, and SIGTERM used the old value).
 #[tokio::test]
-async fn a_reload_never_turns_authentication_off() {
+async fn a_reload_never_switches_a_safeguard_off() {
     let dir = tempfile::tempdir().unwrap();
     let users = htpasswd(dir.path(), &[("alice", "wonder")]);
+    let token = dir.path().join("admin.token");
+    std::fs::write(&token, "t0ken\n").unwrap();
     let path = dir.path().join("sluice.toml");
     let head = "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
     let full = format!(
-        "{head}shutdown_grace = \"1s\"\n[security]\nallow_private_destinations = true\n\
-         auth_users_file = \"{}\"\n",
+        "{head}shutdown_grace = \"1s\"\nadmin_token_file = \"{}\"\n\
+         [defaults]\nunknown = \"reject\"\n[[endpoints]]\nid = \"a_1\"\n[[endpoints]]\nid = \"b_1\"\n\
+         [security]\nallow_private_destinations = true\nallowed_hosts = [\"127.0.0.1\"]\n\
+         auth_users_file = \"{}\"\n[security.user_endpoints]\nalice = [\"a_*\"]\n",
+        token.display(),
         users.display()
     );
     std::fs::write(&path, &full).unwrap();
@@ -270,11 +276,47 @@ async fn a_reload_never_turns_authentication_off() {
     let up = Upstream::start().await;
     let s = sluice::app::start(running.clone()).await.unwrap();
     let c = common::client(s.proxy_addr);
-    let anonymous = || async { c.get(up.url("/")).send().await.unwrap().status() };
-    assert_eq!(anonymous().await, 407);
-    // The file cut short before its [security] table, as a writer may leave it.
-    let cut =
-        format!("{head}shutdown_grace = \"20s\"\n[security]\nallow_private_destinations = true\n");
+    let alice = basic("alice", "wonder");
+    let send = |auth: Option<&str>, id: &str, url: String| {
+        let mut r = c.get(url).header("x-endpoint-id", id);
+        if let Some(a) = auth {
+            r = r.header("proxy-authorization", a);
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            r.status()
+        }
+    };
+    let metrics = || async {
+        reqwest::get(format!("http://{}/metrics", s.admin_addr))
+            .await
+            .unwrap()
+            .status()
+    };
+    let localhost = format!("http://localhost:{}/", up.addr.port());
+    let check = || async {
+        assert_eq!(send(None, "a_1", up.url("/")).await, 407, "authentication");
+        assert_eq!(
+            send(Some(&alice), "b_1", up.url("/")).await,
+            403,
+            "alice's grant"
+        );
+        assert_eq!(
+            send(Some(&alice), "a_zz", up.url("/")).await,
+            403,
+            "unknown = reject"
+        );
+        assert_eq!(
+            send(Some(&alice), "a_1", localhost.clone()).await,
+            403,
+            "allowed_hosts"
+        );
+        assert_eq!(metrics().await, 401, "the admin token");
+    };
+    check().await;
+    assert_eq!(send(Some(&alice), "a_1", up.url("/")).await, 200);
+    // The file cut short before its [defaults] table, as a writer may leave it.
+    let cut = format!("{head}shutdown_grace = \"20s\"\n");
     std::fs::write(&path, &cut).unwrap();
     let mut new = sluice::config::Config::load(&path).unwrap();
     let named = sluice::app::keep_restart_only(&mut new, &running);
@@ -282,21 +324,36 @@ async fn a_reload_never_turns_authentication_off() {
         named,
         [
             "proxy.shutdown_grace",
-            "security.auth_users_file (turning proxy authentication off)"
+            "security.auth_users_file (turning proxy authentication off)",
+            "security.allowed_hosts (emptying it allows every host)",
+            "security.user_endpoints (a user's grants left out; lift them with [\"*\"])",
+            "proxy.admin_token_file (opening /metrics and /endpoints)",
+            "defaults.unknown (from \"reject\")",
         ]
     );
     sluice::app::reload(&s.app, &path).unwrap();
-    assert_eq!(anonymous().await, 407, "a reload opened the proxy");
-    assert_eq!(up.count(), 0);
-    // Naming another users file is a reload like any other.
+    check().await;
+    // The endpoints went with the cut file, and `unknown = "reject"` stayed: closed.
+    assert_eq!(send(Some(&alice), "a_1", up.url("/")).await, 403);
+    assert_eq!(up.count(), 1, "only alice's one granted request arrived");
+    // Changing them to other values is a reload like any other: another users file,
+    // alice's grants lifted with ["*"].
     let other = dir.path().join("other.htpasswd");
     std::fs::copy(&users, &other).unwrap();
-    std::fs::write(&path, full.replace("users.htpasswd", "other.htpasswd")).unwrap();
+    let changed = full
+        .replace("users.htpasswd", "other.htpasswd")
+        .replace("alice = [\"a_*\"]", "alice = [\"*\"]");
+    std::fs::write(&path, changed).unwrap();
     sluice::app::reload(&s.app, &path).unwrap();
     let rt = s.app.runtime.load_full();
     assert_eq!(
         rt.config.security.auth_users_file.as_deref(),
         Some(other.as_path())
+    );
+    assert_eq!(
+        send(Some(&alice), "b_1", up.url("/")).await,
+        200,
+        "grants lifted"
     );
     s.stop().await;
 }
