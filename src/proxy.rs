@@ -775,14 +775,15 @@ pub(crate) async fn answered(
     slot
 }
 
-/// A send that failed after admission: when no whole request left (the resolved address
-/// was refused, or the sender's own body was malformed or stalled), the token goes back.
+/// A send that failed after admission: when nothing left for the receiver (the resolved
+/// address was refused), the token goes back. A request whose head left keeps it spent,
+/// whatever then became of its body (malformed, cut short, stalled): a receiver that
+/// counts requests as their heads arrive (its own limiter, a WAF) has counted it, and
+/// refunding would let a sender that breaks its bodies send heads without limit (before,
+/// 30 abandoned uploads reached a receiver in 1 s against a bound of 8).
 pub(crate) async fn after_admission(app: &App, a: &Admitted, e: ForwardError) -> Refused {
-    let nothing_whole_left = matches!(
-        e,
-        ForwardError::Denied(_) | ForwardError::SenderBody(_) | ForwardError::SenderStalled(_)
-    );
-    if nothing_whole_left && a.grant.generation != NO_TOKEN {
+    let nothing_left = matches!(e, ForwardError::Denied(_));
+    if nothing_left && a.grant.generation != NO_TOKEN {
         app.limiter.refund(&a.ep.id, &a.ep.policy, a.grant).await;
     }
     Refused {

@@ -536,9 +536,12 @@ async fn reload_drops_pooled_connections_to_refused_addresses() {
 }
 
 /// Finding 10: a sender's malformed body (bad chunked framing, or fewer bytes than its
-/// `Content-Length`) is the sender's 400, not the upstream's 502, and gives its token back.
+/// `Content-Length`) is the sender's 400, not the upstream's 502. (Changed 2026-12-07.)
+/// Its head reached the receiver, so its token stays spent: the receiver sees no more
+/// heads than the bound. Before, the token went back, and senders that broke their
+/// bodies put 30 heads in 1 s before a receiver whose bound was 8.
 #[tokio::test]
-async fn a_malformed_request_body_is_a_400_and_spends_nothing() {
+async fn a_malformed_request_body_is_a_400_and_its_head_is_paid_for() {
     let up = Upstream::start().await;
     let s = sluice::app::start(common::config(
         "[[endpoints]]\nid = \"ep\"\nrate = 0.001\nburst = 3.0\nmax_wait = \"0\"\n",
@@ -547,6 +550,7 @@ async fn a_malformed_request_body_is_a_400_and_spends_nothing() {
     .unwrap();
     let target = up.url("/body");
     let host = up.addr;
+    let mut answers = Vec::new();
     for _ in 0..5 {
         let chunked = raw(
             s.proxy_addr,
@@ -556,11 +560,7 @@ async fn a_malformed_request_body_is_a_400_and_spends_nothing() {
             ),
         )
         .await;
-        assert!(chunked.starts_with("HTTP/1.1 400"), "{chunked}");
-        assert!(
-            chunked.contains("x-sluice-reason: bad_request"),
-            "{chunked}"
-        );
+        answers.push(chunked);
 
         let mut short = TcpStream::connect(s.proxy_addr).await.unwrap();
         let head = format!(
@@ -569,16 +569,22 @@ async fn a_malformed_request_body_is_a_400_and_spends_nothing() {
         );
         short.write_all(head.as_bytes()).await.unwrap();
         short.shutdown().await.unwrap();
-        let answer = read_head(&mut short).await;
-        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        answers.push(read_head(&mut short).await);
     }
-    // Ten requests against a burst of three: without the refund the bucket is empty.
-    let left = common::tokens(s.admin_addr, "ep")
-        .await
-        .expect("ep has a bucket");
+    // Each is the sender's 400 while tokens last, then a refusal before anything left.
+    let bad = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 400") && a.contains("x-sluice-reason: bad_request"))
+        .count();
+    let refused = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 503") && a.contains("x-sluice-reason: rate_limited"))
+        .count();
+    assert_eq!((bad, refused), (3, 7), "{answers:#?}");
     assert!(
-        left > 2.99,
-        "tokens spent on malformed bodies: {left} left of 3"
+        up.count() <= 3,
+        "{} heads reached the receiver, burst 3",
+        up.count()
     );
     s.stop().await;
 }
@@ -893,7 +899,7 @@ async fn two_endpoint_headers_are_a_bad_request() {
 /// moving for three times the timeout is forwarded whole, on both engines (the lane for
 /// a `Content-Length` body, hyper for a chunked one), on a fresh upstream connection and
 /// on a held one; a sender that stops mid-body gets a 408 `request_timeout` once a
-/// timeout passed since its last byte, and its token back (no whole request reached the
+/// timeout passed since its last byte (its token stays spent: its head reached the
 /// receiver). Before, both were cut a timeout after the head left, with a 504
 /// `upstream_timeout` that blamed the receiver.
 #[tokio::test]
@@ -978,13 +984,14 @@ async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
             last.elapsed()
         );
     }
-    // Six whole requests spent six of ten tokens; the stalled ones gave theirs back.
+    // Six whole requests and two stalled ones (their heads reached the receiver) spent
+    // eight of ten tokens.
     let left = common::tokens(s.admin_addr, "ep")
         .await
         .expect("ep has a bucket");
     assert!(
-        left > 3.99,
-        "{left} tokens left of 10 after six whole requests"
+        (1.99..2.1).contains(&left),
+        "{left} tokens left of 10 after eight heads"
     );
     s.stop().await;
 }
