@@ -42,6 +42,12 @@ pub struct Feedback {
 /// Longest pause any header may ask for before clamping (guards float conversions).
 const MAX_SECS: f64 = 365.0 * 86_400.0;
 
+/// The shortest pause a throttling answer makes: `Retry-After: 0`, or a date already
+/// past (a receiver whose clock is behind), still empties the bucket, so no burst goes
+/// into a receiver that just said stop (guarantee 4). Before, a zero pause left the
+/// bucket as it was: 200 requests reached a receiver within 36 ms of its 429.
+const MIN_THROTTLED_PAUSE: Duration = Duration::from_millis(1);
+
 /// Whether a response can carry anything for the limiter: a 429, a 503, or a header
 /// whose name holds `ratelimit` (every quota header read here does). One pass over the
 /// names, no hashing: this runs on every forwarded response.
@@ -64,7 +70,12 @@ pub fn feedback(
     if !worth_reading(status, headers) {
         return None;
     }
-    let clamp = |d: Duration| d.min(policy.max_cooldown);
+    let clamp = |d: Duration| {
+        d.clamp(
+            MIN_THROTTLED_PAUSE,
+            policy.max_cooldown.max(MIN_THROTTLED_PAUSE),
+        )
+    };
     if status == StatusCode::TOO_MANY_REQUESTS {
         let pause = retry_after(headers, now)
             .or_else(|| reset_hint(headers, now))

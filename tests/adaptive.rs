@@ -322,6 +322,10 @@ fn http_date_in(secs: u64) -> String {
     httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(secs))
 }
 
+fn http_date_ago(secs: u64) -> String {
+    httpdate::fmt_http_date(SystemTime::now() - Duration::from_secs(secs))
+}
+
 const FIFTY: &str = "[defaults]\nrate = 64.0\nburst = 64.0\nmax_wait = \"5s\"\n";
 const FLOOR: &str = "[defaults]\nrate = 8.0\nburst = 1.0\nmax_wait = \"10s\"\n\
                      [defaults.adaptive]\nfloor = 2.0\ndefault_cooldown = \"200ms\"\n";
@@ -358,6 +362,10 @@ macro_rules! both_stores {
 both_stores! {
     cooldown_from_delta_seconds => |f| cooldown_holds_everywhere(f, "2".into(), Duration::from_millis(1990)), with POLICY;
     cooldown_from_http_date => |f| cooldown_holds_everywhere(f, http_date_in(3), Duration::from_millis(1900)), with POLICY;
+    // (2026-12-07 review) "Retry now", or a date a receiver's slow clock already left
+    // behind: no pause, but the bucket still restarts empty at the decreased rate.
+    no_burst_after_retry_after_zero => |f| cooldown_holds_everywhere(f, "0".into(), Duration::ZERO), with POLICY;
+    no_burst_after_a_past_date => |f| cooldown_holds_everywhere(f, http_date_ago(3600), Duration::ZERO), with POLICY;
     fifty_429s_decrease_once => |f| fifty_concurrent_429s_decrease_once(f), with FIFTY;
     floor_holds => |f| endless_429s_stop_at_the_floor(f), with FLOOR;
     recovery => |f| recovery_reaches_the_configured_rate(f), with RECOVER;
