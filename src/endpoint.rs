@@ -5,10 +5,10 @@
 //! path prefix) match the target; the destination host itself under `[defaults]` (or a
 //! 403 when `unknown = "reject"`).
 //!
-//! A path prefix is matched against the path as a receiver reads it ([`path_as_read`]):
-//! `/%61pi`, `//api` and `/./api` are `/api` to most servers, so they are to the rule.
+//! A path prefix takes a request when it starts the path as sent or as receivers commonly
+//! read it ([`path_as_read`]): `/%61pi`, `//api` and `/./api` are `/api` to most
+//! servers, and `/api/../x` is still under `/api` to one that routes the raw path.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -17,6 +17,7 @@ use http::{HeaderMap, HeaderName};
 
 use crate::config::{Config, EndpointRule, Mode, Policy, UnknownEndpoints, check_endpoint_id};
 use crate::error::ProxyError;
+use crate::host::path_as_read;
 
 /// The endpoint a request belongs to.
 #[derive(Debug, Clone)]
@@ -52,17 +53,7 @@ impl Resolver {
                 .iter()
                 .map(|r| (Arc::clone(&r.id), (Arc::clone(&r.policy), r.mode)))
                 .collect(),
-            rules: cfg
-                .endpoints
-                .iter()
-                .map(|r| EndpointRule {
-                    path_prefix: r
-                        .path_prefix
-                        .as_deref()
-                        .map(|p| path_as_read(p).into_owned()),
-                    ..r.clone()
-                })
-                .collect(),
+            rules: cfg.endpoints.clone(),
             defaults: Arc::clone(&cfg.defaults),
             default_mode: cfg.default_mode,
             unknown: cfg.unknown,
@@ -127,10 +118,15 @@ impl Resolver {
             }
         }
         let host = host.to_ascii_lowercase();
-        let path = path_as_read(path);
-        if let Some(rule) = self.rules.iter().find(|r| {
-            r.hosts.contains(&host) && r.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
-        }) {
+        // A rule takes a request when its prefix starts the path as sent or as receivers
+        // read it: a receiver may route either.
+        let read = path_as_read(path);
+        let under = |p: &str| path.starts_with(p) || read.starts_with(p);
+        if let Some(rule) = self
+            .rules
+            .iter()
+            .find(|r| r.hosts.contains(&host) && r.path_prefix.as_deref().is_none_or(under))
+        {
             return Ok(Resolved {
                 id: Arc::clone(&rule.id),
                 policy: Arc::clone(&rule.policy),
@@ -159,60 +155,6 @@ impl Resolver {
     }
 }
 
-/// `path` as receivers commonly read it, for matching path prefixes: percent-encodings
-/// decoded (once), `.` and `..` segments resolved, repeated `/` collapsed (RFC 3986
-/// §6.2.2 and what common servers add to it). A path with nothing to normalise (no `%`,
-/// `//` or `/.`) is returned as it is, without a copy. Matching only: the request goes
-/// upstream as it came. Reading more into a path than a receiver does can only put a
-/// request under a stricter rule, never let it escape one.
-pub fn path_as_read(path: &str) -> Cow<'_, str> {
-    let b = path.as_bytes();
-    let plain = !b.contains(&b'%') && !b.windows(2).any(|w| w == b"//" || w == b"/.");
-    if plain {
-        return Cow::Borrowed(path);
-    }
-    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
-    let mut decoded = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match (
-            b[i],
-            b.get(i + 1).and_then(|&c| hex(c)),
-            b.get(i + 2).and_then(|&c| hex(c)),
-        ) {
-            (b'%', Some(hi), Some(lo)) => {
-                decoded.push(hi << 4 | lo);
-                i += 3;
-            }
-            (c, _, _) => {
-                decoded.push(c);
-                i += 1;
-            }
-        }
-    }
-    let text = String::from_utf8_lossy(&decoded);
-    let mut segments: Vec<&str> = Vec::new();
-    for segment in text.split('/') {
-        match segment {
-            "" | "." => {}
-            ".." => {
-                segments.pop();
-            }
-            s => segments.push(s),
-        }
-    }
-    let mut out = String::with_capacity(text.len());
-    for s in &segments {
-        out.push('/');
-        out.push_str(s);
-    }
-    let directory = text.ends_with('/') || text.ends_with("/.") || text.ends_with("/..");
-    if out.is_empty() || directory {
-        out.push('/');
-    }
-    Cow::Owned(out)
-}
-
 /// The user name of a `Proxy-Authorization: Basic ...` header, if any.
 pub fn proxy_user(headers: &HeaderMap) -> Option<String> {
     let v = headers
@@ -235,11 +177,13 @@ pub fn proxy_user(headers: &HeaderMap) -> Option<String> {
 mod tests {
     use super::*;
 
-    /// (2026-12-07 review) Spellings of a path a receiver reads as `/v1/...` match the
+    /// (2026-12-07 reviews) Spellings of a path a receiver reads as `/v1/...` match the
     /// `/v1` rule; before, `/%761/x`, `//v1/x` and `/./v1/x` escaped it to the host's
-    /// default bucket.
+    /// default bucket. A path that starts with `/v1` as sent stays under it too (the
+    /// first version of the fix let `/v1/../x` out).
     #[test]
     fn a_path_prefix_matches_every_spelling_a_receiver_reads_alike() {
+        use std::borrow::Cow;
         let r = resolver(RULES);
         let h = HeaderMap::new();
         for path in [
@@ -250,11 +194,15 @@ mod tests {
             "/x/../v1/x",
             "/%2E/v1",
             "///v1",
+            // As sent, too: a receiver that routes the raw path reads these under /v1.
+            "/v1/../x",
+            "/v1/%2e%2e/x",
+            "/v1/..%2Fx",
         ] {
             let id = r.resolve(&h, None, "hooks.example.com", path).unwrap().id;
             assert_eq!(&*id, "hooks", "{path}");
         }
-        for path in ["/v2", "/v1/../v2", "/%76%32"] {
+        for path in ["/v2", "/x/../v2", "/%76%32"] {
             let id = r.resolve(&h, None, "hooks.example.com", path).unwrap().id;
             assert_eq!(&*id, "all", "{path}");
         }

@@ -1,8 +1,64 @@
-//! Host names as sluice reads them: the one grammar and canonical form every request
-//! target's host, every `hosts` rule and every endpoint ID taken from a host go through
-//! (so one host is one endpoint, however it is spelled).
+//! Hosts and paths as sluice reads them: the one grammar and canonical form every
+//! request target's host, every `hosts` rule and every endpoint ID taken from a host go
+//! through (so one host is one endpoint, however it is spelled), and the path a
+//! `path_prefix` rule is matched against.
 
+use std::borrow::Cow;
 use std::net::{Ipv4Addr, Ipv6Addr};
+
+/// `path` as receivers commonly read it, for matching path prefixes: percent-encodings
+/// decoded (once), `.` and `..` segments resolved, repeated `/` collapsed (RFC 3986
+/// §6.2.2 and what common servers add to it). A path with nothing to normalise (no `%`,
+/// `//` or `/.`) is returned as it is, without a copy. Matching only: the request goes
+/// upstream as it came, and a rule matches the raw path too (`/api/../x` leaves `/api`
+/// only for a receiver that resolves dots).
+pub fn path_as_read(path: &str) -> Cow<'_, str> {
+    let b = path.as_bytes();
+    let plain = !b.contains(&b'%') && !b.windows(2).any(|w| w == b"//" || w == b"/.");
+    if plain {
+        return Cow::Borrowed(path);
+    }
+    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut decoded = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match (
+            b[i],
+            b.get(i + 1).and_then(|&c| hex(c)),
+            b.get(i + 2).and_then(|&c| hex(c)),
+        ) {
+            (b'%', Some(hi), Some(lo)) => {
+                decoded.push(hi << 4 | lo);
+                i += 3;
+            }
+            (c, _, _) => {
+                decoded.push(c);
+                i += 1;
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&decoded);
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in text.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut out = String::with_capacity(text.len());
+    for s in &segments {
+        out.push('/');
+        out.push_str(s);
+    }
+    let directory = text.ends_with('/') || text.ends_with("/.") || text.ends_with("/..");
+    if out.is_empty() || directory {
+        out.push('/');
+    }
+    Cow::Owned(out)
+}
 
 /// Why a request target's host is not a host name or address.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

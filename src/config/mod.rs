@@ -903,6 +903,16 @@ mod tests {
                  [[endpoints]]\nid = \"b\"\nhosts = [\"X.example.\"]\npath_prefix = \"/v1\"",
                 "endpoints[1].hosts",
             ),
+            // Shadowed as receivers read the prefixes: /%61pi is /api.
+            (
+                "[[endpoints]]\nid = \"a\"\nhosts = [\"x\"]\npath_prefix = \"/%61pi\"\n\
+                 [[endpoints]]\nid = \"b\"\nhosts = [\"x\"]\npath_prefix = \"/api/v1\"",
+                "endpoints[1].hosts",
+            ),
+            (
+                "[[endpoints]]\nid = \"a\"\npath_prefix = \"/api?x=1\"",
+                "endpoints[0].path_prefix",
+            ),
             ("[proxy]\nmax_connections = 0", "proxy.max_connections"),
             ("[[endpoints]]\nrate = 5.0", "endpoints[0].id"),
             (

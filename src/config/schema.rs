@@ -715,11 +715,21 @@ impl Reader<'_> {
             }
         };
         let policy = self.policy(t, &path, defaults);
+        // Kept as receivers read it (`/%61pi` is `/api`), the form requests are matched
+        // in; a query or fragment can never start a path.
         let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
             if !p.starts_with('/') {
                 self.issue(at, &join(&path, "path_prefix"), "must start with /".into());
+            } else if p.contains(['?', '#']) {
+                self.issue(
+                    at,
+                    &join(&path, "path_prefix"),
+                    format!(
+                        "\"{p}\" has a query or fragment: a path prefix matches the path alone"
+                    ),
+                );
             }
-            p
+            crate::host::path_as_read(&p).into_owned()
         });
         // Each host as a request's host is read (`API.example.com.` is
         // `api.example.com`, `127.1` is `127.0.0.1`), so a rule matches every spelling;
