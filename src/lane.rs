@@ -668,7 +668,9 @@ impl Body<'_> {
             }
             if self.left == 0 {
                 // All with the upstream: its answer is due `upstream_timeout` from now.
-                self.moved();
+                if let Some(p) = self.progress {
+                    p.done();
+                }
                 return Poll::Ready(Sent::All);
             }
             inb.clear();
@@ -683,7 +685,9 @@ impl Body<'_> {
                     let take = (n as u64).min(self.left);
                     self.pending = take as usize;
                     self.left -= take;
-                    self.moved();
+                    if let Some(p) = self.progress {
+                        p.received(take);
+                    }
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Sent::SenderFailed(e.to_string())),
                 Poll::Pending => {

@@ -5,10 +5,14 @@
 //! its body uploads, the longest neither side moves a byte of it; once the body is all
 //! with the upstream, the longest the upstream may take to start its answer. A long
 //! upload that keeps moving is never cut (before, a body still uploading when
-//! `upstream_timeout` had passed since the head left was cut with a 504). When the
-//! request stops moving, the side it waits on is named: a sender that sends none of the
-//! rest of its body gets a 408 `request_timeout` (its fault, not the receiver's), an
-//! upstream that reads none of it or does not answer, a 504 `upstream_timeout`.
+//! `upstream_timeout` had passed since the head left was cut with a 504). It must keep
+//! moving on average, too: an upload gets `upstream_timeout` plus one second for every
+//! [`MIN_UPLOAD_RATE`] bytes it has sent (Apache's `mod_reqtimeout` rule), so a sender
+//! trickling a byte just inside the timeout cannot hold a connection and a
+//! `max_in_flight` slot for ever. When the request stops moving, the side it waits on
+//! is named: a sender that sends none of the rest of its body gets a 408
+//! `request_timeout` (its fault, not the receiver's), an upstream that reads none of it
+//! or does not answer, a 504 `upstream_timeout`.
 //!
 //! [`Progress`] is what the body's reader writes (when bytes last moved, whom it waits
 //! on) and [`within`] reads when its timer fires; the timer is set once per request and
@@ -26,13 +30,22 @@ use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::{Instant, Sleep};
 
-/// When a request body last moved, and whether it now waits on its sender.
+/// The average an upload must keep, in bytes per second, past its first
+/// `upstream_timeout` (Apache's `mod_reqtimeout` default `MinRate`).
+pub const MIN_UPLOAD_RATE: u64 = 500;
+
+/// When a request body last moved, how much of it came, and whether it now waits on its
+/// sender.
 #[derive(Debug)]
 pub struct Progress {
     /// The instant the nanoseconds below count from (when the request was sent).
     base: Instant,
     /// Nanoseconds after `base` at which a byte of the body last moved (or it ended).
     moved: AtomicU64,
+    /// Body bytes read from the sender so far.
+    received: AtomicU64,
+    /// The body is all with the upstream: only the wait for its answer is left.
+    done: AtomicBool,
     /// The body waits for bytes from its sender (not for the upstream to take them).
     on_sender: AtomicBool,
 }
@@ -43,8 +56,22 @@ impl Progress {
         Progress {
             base: Instant::now(),
             moved: AtomicU64::new(0),
+            received: AtomicU64::new(0),
+            done: AtomicBool::new(false),
             on_sender: AtomicBool::new(false),
         }
+    }
+
+    /// `n` body bytes came from the sender.
+    pub fn received(&self, n: u64) {
+        self.received.fetch_add(n, Ordering::Relaxed);
+        self.moved();
+    }
+
+    /// The body is all with the upstream.
+    pub fn done(&self) {
+        self.done.store(true, Ordering::Relaxed);
+        self.moved();
     }
 
     /// Bytes moved (from the sender, or to the upstream), or the body ended.
@@ -91,7 +118,13 @@ pub fn fired(
     let Some(p) = progress else {
         return Some(Stalled::Upstream);
     };
-    let next = p.last_moved() + limit;
+    let mut next = p.last_moved() + limit;
+    if !p.done.load(Ordering::Relaxed) {
+        // While it uploads: no later than its average allows.
+        let earned = p.received.load(Ordering::Relaxed) as f64 / MIN_UPLOAD_RATE as f64;
+        let allowed = p.base + limit + Duration::from_secs_f64(earned.min(1e9));
+        next = next.min(allowed);
+    }
     if next > Instant::now() {
         timer.reset(next);
         return None;
@@ -160,7 +193,10 @@ impl Body for Upload {
         if let Some(p) = this.progress {
             match &polled {
                 Poll::Pending => p.waits_on_sender(true),
-                Poll::Ready(_) => p.moved(),
+                Poll::Ready(Some(Ok(frame))) => {
+                    p.received(frame.data_ref().map_or(0, |d| d.len() as u64));
+                }
+                Poll::Ready(_) => p.done(),
             }
         }
         polled
@@ -189,11 +225,11 @@ mod tests {
         let mover = {
             let p = Arc::clone(&p);
             async move {
-                // Three seconds of upload, a byte every half limit.
+                // Three seconds of upload, 1000 bytes every half limit (2000 B/s).
                 for _ in 0..6 {
                     p.waits_on_sender(true);
                     tokio::time::sleep(limit / 2).await;
-                    p.moved();
+                    p.received(1000);
                 }
                 // Then the sender goes quiet.
                 p.waits_on_sender(true);
@@ -215,12 +251,32 @@ mod tests {
         let timer = pin!(tokio::time::sleep(limit));
         let quiet = async {
             tokio::time::sleep(limit / 2).await;
-            p.moved();
+            p.done();
             std::future::pending::<()>().await
         };
         let out = within(timer, Some(&p), limit, quiet).await;
         assert_eq!(out, Err(Stalled::Upstream));
         assert_eq!(started.elapsed(), limit + limit / 2);
+
+        // A trickle that keeps inside the silence limit but under the average: cut once
+        // `limit` plus a second per 500 bytes received has passed (here 6 bytes: 1.012 s).
+        let p = Progress::new();
+        let started = Instant::now();
+        let timer = pin!(tokio::time::sleep(limit));
+        let trickle = async {
+            loop {
+                p.waits_on_sender(true);
+                tokio::time::sleep(limit / 4).await;
+                p.received(1);
+            }
+        };
+        let out = within(timer, Some(&p), limit, trickle).await;
+        assert_eq!(out, Err(Stalled::Sender));
+        let cut = started.elapsed();
+        assert!(
+            cut >= limit && cut <= limit + limit / 4 + Duration::from_millis(20),
+            "cut after {cut:?}"
+        );
 
         // No body: the plain timeout.
         let timer = pin!(tokio::time::sleep(limit));

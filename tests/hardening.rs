@@ -904,7 +904,10 @@ async fn two_endpoint_headers_are_a_bad_request() {
 /// `upstream_timeout` that blamed the receiver.
 #[tokio::test]
 async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
-    const LEN: usize = 24;
+    // 24 pieces of 100 bytes: one every 75 ms keeps above the average an upload must
+    // keep (500 B/s past its first timeout).
+    const PIECES: usize = 24;
+    const LEN: usize = PIECES * 100;
     let up = Upstream::start().await;
     let mut c = common::config("[[endpoints]]\nid = \"ep\"\nrate = 0.001\nburst = 10.0\n");
     let limit = Duration::from_millis(600);
@@ -923,6 +926,15 @@ async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
         )
     };
     let byte = |chunked: bool| if chunked { &b"1\r\nx\r\n"[..] } else { b"x" };
+    let hundred = [b'x'; 100];
+    let chunk = [&b"64\r\n"[..], &hundred, b"\r\n"].concat();
+    let piece = |chunked: bool| {
+        if chunked {
+            chunk.clone()
+        } else {
+            hundred.to_vec()
+        }
+    };
     let end = |chunked: bool| if chunked { &b"0\r\n\r\n"[..] } else { b"" };
     // The upstream's "ok" body may come with its head or be read with the next one.
     let ok = |answer: &str| answer.trim_start_matches("ok").starts_with("HTTP/1.1 200");
@@ -934,10 +946,10 @@ async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
             c.write_all(head("/long", chunked, LEN).as_bytes())
                 .await
                 .unwrap();
-            // 24 bytes, one every 75 ms: 1.8 s of upload, three timeouts.
-            for _ in 0..LEN {
+            // One piece every 75 ms: 1.8 s of upload, three timeouts.
+            for _ in 0..PIECES {
                 tokio::time::sleep(Duration::from_millis(75)).await;
-                c.write_all(byte(chunked)).await.unwrap();
+                c.write_all(&piece(chunked)).await.unwrap();
             }
             c.write_all(end(chunked)).await.unwrap();
             let answer = read_head(&mut c).await;
@@ -965,7 +977,7 @@ async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
             .await
             .unwrap();
         for _ in 0..5 {
-            c.write_all(byte(chunked)).await.unwrap();
+            c.write_all(&piece(chunked)).await.unwrap();
         }
         let last = Instant::now();
         let answer = read_head(&mut c).await;
@@ -993,5 +1005,72 @@ async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
         (1.99..2.1).contains(&left),
         "{left} tokens left of 10 after eight heads"
     );
+    s.stop().await;
+}
+
+/// (2026-12-07 review) An upload must keep moving on average too: a byte every half
+/// timeout never trips the silence rule, and held a connection and a `max_in_flight`
+/// slot for as long as the sender liked (14 s, seven timeouts, in the review). It is
+/// cut with the sender's 408 once `upstream_timeout` plus a second per 500 bytes has
+/// passed, on both engines, and its slot goes to the next sender.
+#[tokio::test]
+async fn a_trickled_upload_is_cut_at_its_average_and_frees_its_slot() {
+    let up = Upstream::start().await;
+    let mut c = common::config(
+        "[[endpoints]]\nid = \"ep\"\nrate = 1000.0\nburst = 10.0\nmax_in_flight = 1\nmax_wait = \"10s\"\n",
+    );
+    let limit = Duration::from_millis(600);
+    c.proxy.upstream_timeout = limit;
+    let s = sluice::app::start(c).await.unwrap();
+    for chunked in [false, true] {
+        let framing = if chunked {
+            "Transfer-Encoding: chunked"
+        } else {
+            "Content-Length: 1000"
+        };
+        let head = format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nX-Endpoint-Id: ep\r\n{framing}\r\n\r\n",
+            up.url("/trickle"),
+            up.addr
+        );
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        t.write_all(head.as_bytes()).await.unwrap();
+        let started = Instant::now();
+        // A byte every 300 ms (half the timeout), for at most 5 s, until answered.
+        let mut answer = String::new();
+        let mut buf = [0u8; 1024];
+        while started.elapsed() < Duration::from_secs(5) {
+            let byte: &[u8] = if chunked { b"1\r\nx\r\n" } else { b"x" };
+            if t.write_all(byte).await.is_err() {
+                break;
+            }
+            match tokio::time::timeout(Duration::from_millis(300), t.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => {
+                    answer = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    break;
+                }
+                Ok(_) => break,
+                Err(_) => {}
+            }
+        }
+        let cut = started.elapsed();
+        assert!(
+            answer.starts_with("HTTP/1.1 408"),
+            "chunked {chunked}: {answer:?} after {cut:?}"
+        );
+        assert!(
+            cut < Duration::from_secs(2),
+            "chunked {chunked}: cut after {cut:?}"
+        );
+        // The slot is free: the next sender is served at once.
+        let c = common::client(s.proxy_addr);
+        let r = c
+            .get(up.url("/next"))
+            .header("x-endpoint-id", "ep")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
     s.stop().await;
 }
