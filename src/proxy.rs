@@ -666,7 +666,8 @@ async fn forward_request(
     one_content_length(resp.headers_mut());
     strip_hop_by_hop(resp.headers_mut());
     strip_sluice_headers(resp.headers_mut());
-    Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot))))
+    let drain = app.forwarder.timeout();
+    Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot, drain))))
 }
 
 /// Says the upstream's `Content-Length` once: a repeated or listed equal value is one

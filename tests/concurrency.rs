@@ -342,3 +342,113 @@ async fn a_sender_that_gives_up_keeps_its_slot_until_the_receiver_answers() {
     }
     s.stop().await;
 }
+
+/// (2026-12-07 review) A sender that leaves after the response head (an HTTP/2 stream
+/// reset, a client that reads the status and hangs up) does not free the slot while
+/// the receiver is still sending the body: sluice reads the rest and throws it away,
+/// holding the slot. Before, on hyper's path, the slot went with the sender, and a
+/// sender resetting each stream after its head had 12 requests at a receiver whose
+/// `max_in_flight` was 2. Each request occupies this receiver from its arrival until
+/// its body's last byte is written, `HOLD` later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_that_leaves_after_the_head_keeps_its_slot_until_the_body_ends() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const HOLD: Duration = Duration::from_millis(1200);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen: Arc<std::sync::Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let log = Arc::clone(&seen);
+    let server = tokio::spawn(async move {
+        while let Ok((mut c, _)) = listener.accept().await {
+            let log = Arc::clone(&log);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match c.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let text = String::from_utf8_lossy(&head).into_owned();
+                let path = text.split(' ').nth(1).unwrap_or("").to_owned();
+                log.lock().unwrap().push((path, Instant::now()));
+                let start = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\nok";
+                if c.write_all(start).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(HOLD).await;
+                let _ = c.write_all(b"ok").await;
+            });
+        }
+    });
+    let s = common::sluice(
+        "[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"10s\"\nmax_in_flight = 2\n",
+    )
+    .await;
+    // `keep-alive` is the lane's; a `Connection` naming a header is hyper's.
+    for connection in ["keep-alive", "x-hop"] {
+        let send = |path: String| {
+            let proxy = s.proxy_addr;
+            async move {
+                let mut t = tokio::net::TcpStream::connect(proxy).await.unwrap();
+                let head = format!(
+                    "GET http://{addr}{path} HTTP/1.1\r\nHost: {addr}\r\nConnection: {connection}\r\n\r\n"
+                );
+                t.write_all(head.as_bytes()).await.unwrap();
+                t
+            }
+        };
+        // Two senders read the head, then leave.
+        let mut left = Vec::new();
+        for i in 0..2 {
+            let mut t = send(format!("/{connection}/left/{i}")).await;
+            let mut buf = [0u8; 256];
+            let n = tokio::time::timeout(Duration::from_secs(5), t.read(&mut buf))
+                .await
+                .expect("a head")
+                .unwrap();
+            assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+            left.push(t);
+        }
+        drop(left);
+        // Two more, read whole.
+        let mut next = Vec::new();
+        for i in 0..2 {
+            let mut t = send(format!("/{connection}/next/{i}")).await;
+            next.push(tokio::spawn(async move {
+                let mut all = Vec::new();
+                let mut buf = [0u8; 256];
+                let reading = async {
+                    while !all.ends_with(b"okok") {
+                        match t.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => all.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(10), reading).await;
+                String::from_utf8_lossy(&all).into_owned()
+            }));
+        }
+        for n in next {
+            let r = n.await.unwrap();
+            assert!(r.starts_with("HTTP/1.1 200") && r.ends_with("okok"), "{r}");
+        }
+    }
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 8);
+    for (path, at) in &seen {
+        let at_once: Vec<&str> = seen
+            .iter()
+            .filter(|(_, b)| *b <= *at && *at < *b + HOLD)
+            .map(|(p, _)| p.as_str())
+            .collect();
+        assert!(
+            at_once.len() <= 2,
+            "with {path}, at the receiver at once: {at_once:?}"
+        );
+    }
+    server.abort();
+    s.stop().await;
+}
