@@ -31,6 +31,8 @@ pub struct Trace {
     pub upstream: Option<Duration>,
     /// `forwarded`, a `shadow_*` outcome, or the refusal reason.
     pub outcome: &'static str,
+    /// The request left for the receiver (its outcome is set then).
+    pub sent: bool,
 }
 
 /// Deterministic sampling: of every run of requests, exactly `sample` of them are
@@ -71,6 +73,25 @@ pub fn forwarded(cfg: &LogConfig, sampler: &Sampler, peer: SocketAddr, method: &
         status = t.status.unwrap_or(0),
         upstream_ms = t.upstream.map_or(0, |d| d.as_millis() as u64),
         "request"
+    );
+}
+
+/// Logs a request that left for the receiver and whose sender left before the answer
+/// (an HTTP/2 stream reset, a closed connection): it reached the receiver, so it is in
+/// the log like any forwarded request, with no status (always logged: it is rare, and
+/// an operator counting arrivals needs it).
+pub fn sender_left(peer: SocketAddr, method: &str, t: &Trace) {
+    tracing::info!(
+        target: "sluice::decision",
+        endpoint = t.endpoint.as_deref().unwrap_or("-"),
+        user = t.user.as_deref().unwrap_or("-"),
+        %peer,
+        method,
+        destination = t.destination.as_ref().map_or("-", |a| a.as_str()),
+        outcome = t.outcome,
+        waited_ms = t.waited.as_millis() as u64,
+        status = 0,
+        "request; the sender left before the answer"
     );
 }
 

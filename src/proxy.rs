@@ -318,7 +318,13 @@ fn join_cookies(headers: &mut HeaderMap) {
 /// Serves one request from a sender (or from inside an intercepted tunnel).
 pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> Response<Body> {
     let method = req.method().clone();
-    let mut trace = Trace::default();
+    let mut pending = Unanswered {
+        peer: conn.peer,
+        method: &method,
+        trace: Trace::default(),
+        answered: false,
+    };
+    let trace = &mut pending.trace;
     let result = if method == Method::CONNECT && conn.tunnel.is_some() {
         // A tunnel inside a tunnel: nothing to forward it to (its receiver is no proxy).
         let e = ProxyError::BadRequest("CONNECT inside a CONNECT tunnel".into());
@@ -326,18 +332,39 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
     } else if method == Method::CONNECT {
         // Boxed: a tunnel's set-up is rare and its future large; every plain request
         // would otherwise carry (and copy) its size.
-        let connecting = Box::pin(connect(&app, req, &conn, &mut trace));
+        let connecting = Box::pin(connect(&app, req, &conn, trace));
         connecting.await
     } else {
-        forward_request(&app, req, &conn, &mut trace).await
+        forward_request(&app, req, &conn, trace).await
     };
+    pending.answered = true;
+    let trace = &pending.trace;
     match result {
         Ok(resp) => {
             let log = app.runtime.load().config.log;
-            decision::forwarded(&log, &app.sampler, conn.peer, method.as_str(), &trace);
+            decision::forwarded(&log, &app.sampler, conn.peer, method.as_str(), trace);
             resp
         }
-        Err(r) => refuse(&app, r, conn.peer, method.as_str(), &trace),
+        Err(r) => refuse(&app, r, conn.peer, method.as_str(), trace),
+    }
+}
+
+/// A request being served: when its future is dropped after the request left for the
+/// receiver and before an answer (the sender reset its HTTP/2 stream or closed its
+/// connection), it still leaves its decision line. Before, such requests reached the
+/// receiver and left no trace.
+struct Unanswered<'a> {
+    peer: SocketAddr,
+    method: &'a Method,
+    trace: Trace,
+    answered: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.answered && self.trace.sent {
+            decision::sender_left(self.peer, self.method.as_str(), &self.trace);
+        }
     }
 }
 
@@ -621,6 +648,8 @@ async fn forward_request(
     *req.version_mut() = Version::HTTP_11;
     // Its body watched on the way up (`upstream_timeout` counts a request's silence).
     let req = req.map(Upload::new);
+    trace.outcome = admitted.outcome;
+    trace.sent = true;
     let sent = tokio::time::Instant::now();
     // Awaited where it is made: a future first bound to a name is kept twice in this
     // one's state (the binding and the awaited copy): 10.3 KB instead of 3.9 KB.

@@ -780,6 +780,46 @@ async fn every_request_leaves_one_decision_line() {
     assert!(lines[0]["upstream_ms"].is_u64());
 }
 
+/// (2026-12-07 review) A request whose sender leaves while it is at the receiver (an
+/// HTTP/2 stream reset, a closed connection on hyper's path) still leaves its decision
+/// line: it reached the receiver. Before, it left no trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_sender_leaves_at_the_receiver_is_logged() {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::with(Arc::new(|_: &common::Arrival| {
+        Reply::ok().delay(Duration::from_millis(800))
+    }))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    std::fs::write(&path, Proc::config(proxy, admin, "")).unwrap();
+    let p = Proc::start(&path, admin).await;
+    // `Connection: x-hop` is hyper's path (the lane keeps such a request going).
+    let mut t = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    let head = format!(
+        "GET http://{a}/gone HTTP/1.1\r\nHost: {a}\r\nX-Endpoint-Id: left\r\nConnection: x-hop\r\n\r\n",
+        a = up.addr
+    );
+    t.write_all(head.as_bytes()).await.unwrap();
+    common::wait_for(
+        "the request at the receiver",
+        Duration::from_secs(5),
+        || std::future::ready(up.count() == 1),
+    )
+    .await;
+    drop(t);
+    p.wait_log("the sender left before the answer", Duration::from_secs(5))
+        .await;
+    let log = p.stop();
+    let line = log
+        .lines()
+        .find(|l| l.contains("the sender left before the answer"))
+        .unwrap();
+    assert!(line.contains("endpoint=\"left\""), "{line}");
+    assert!(line.contains("outcome=\"forwarded\""), "{line}");
+}
+
 /// SIGTERM to the real process (sender connections on its worker threads): a request
 /// already at the receiver gets its answer, and one waiting for its token is served
 /// or refused, within `shutdown_grace`; none is dropped without an answer. Before, the
