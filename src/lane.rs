@@ -403,9 +403,10 @@ impl<S: SenderIo> Lane<S> {
         self.out.extend_from_slice(&up.buf[..keep]);
         self.out.extend_from_slice(relay.end());
         up.buf.advance(now);
-        write_all(&mut self.stream, &self.out)
-            .await
-            .map_err(Failure::Io)?;
+        if let Err(e) = write_all(&mut self.stream, &self.out).await {
+            drain_for_the_receiver(up, relay, slot, limit);
+            return Err(Failure::Io(e));
+        }
         self.activity.touch();
         // From here the connection is idle when no byte moves (a sender that stops
         // reading the body is closed at `idle_timeout`).
@@ -429,10 +430,12 @@ impl<S: SenderIo> Lane<S> {
                 self.out.extend_from_slice(end);
                 &self.out[..]
             };
-            write_all(&mut self.stream, bytes)
-                .await
-                .map_err(Failure::Io)?;
+            let written = write_all(&mut self.stream, bytes).await;
             up.buf.advance(n);
+            if let Err(e) = written {
+                drain_for_the_receiver(up, relay, slot, limit);
+                return Err(Failure::Io(e));
+            }
             self.activity.touch();
         }
         drop(slot);
@@ -1445,6 +1448,36 @@ async fn while_sender_stays<S: AsyncRead + Unpin, F: Future>(
 async fn write_all<T: AsyncWrite + Unpin>(stream: &mut T, bytes: &[u8]) -> io::Result<()> {
     stream.write_all(bytes).await?;
     stream.flush().await
+}
+
+/// A response body whose sender left before its end (closed, reset) while the request
+/// holds a `max_in_flight` slot: the receiver is still sending, so the slot is not
+/// free. The rest is read and thrown away on a task of its own, which holds the slot
+/// until the body ends, the receiver closes, or no byte came for `limit`. Before, the
+/// upstream connection was closed and the slot freed at once, and a receiver had 5
+/// requests in flight where `max_in_flight` was 2.
+fn drain_for_the_receiver(
+    mut up: Upstream,
+    mut relay: Framing,
+    slot: Option<crate::limiter::Slot>,
+    limit: Duration,
+) {
+    let Some(slot) = slot else {
+        return;
+    };
+    if relay.done() {
+        return;
+    }
+    tokio::spawn(async move {
+        while !relay.done() {
+            up.buf.clear();
+            match tokio::time::timeout(limit, read(&mut up.stream, &mut up.buf)).await {
+                Ok(Ok(n)) if n > 0 && relay.take(&up.buf).is_ok() => {}
+                _ => break,
+            }
+        }
+        drop(slot);
+    });
 }
 
 /// Reads what is there into `buf`: the number of bytes, 0 at the end of the stream.

@@ -348,8 +348,10 @@ async fn a_sender_that_gives_up_keeps_its_slot_until_the_receiver_answers() {
 /// the receiver is still sending the body: sluice reads the rest and throws it away,
 /// holding the slot. Before, on hyper's path, the slot went with the sender, and a
 /// sender resetting each stream after its head had 12 requests at a receiver whose
-/// `max_in_flight` was 2. Each request occupies this receiver from its arrival until
-/// its body's last byte is written, `HOLD` later.
+/// `max_in_flight` was 2; on the lane, the sender's first failed write closed the
+/// upstream connection and freed the slot (5 at once against 2). Each request occupies
+/// this receiver from its arrival until its body's last byte is written, `HOLD` later,
+/// a byte every tenth of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_that_leaves_after_the_head_keeps_its_slot_until_the_body_ends() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -373,11 +375,17 @@ async fn a_sender_that_leaves_after_the_head_keeps_its_slot_until_the_body_ends(
                 let text = String::from_utf8_lossy(&head).into_owned();
                 let path = text.split(' ').nth(1).unwrap_or("").to_owned();
                 log.lock().unwrap().push((path, Instant::now()));
-                let start = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\nok";
+                // The head and "ok" at once, then a byte every 100 ms, then "ok".
+                let start = b"HTTP/1.1 200 OK\r\nContent-Length: 16\r\nConnection: close\r\n\r\nok";
                 if c.write_all(start).await.is_err() {
                     return;
                 }
-                tokio::time::sleep(HOLD).await;
+                for _ in 0..12 {
+                    tokio::time::sleep(HOLD / 12).await;
+                    if c.write_all(b"x").await.is_err() {
+                        return;
+                    }
+                }
                 let _ = c.write_all(b"ok").await;
             });
         }
@@ -420,7 +428,7 @@ async fn a_sender_that_leaves_after_the_head_keeps_its_slot_until_the_body_ends(
                 let mut all = Vec::new();
                 let mut buf = [0u8; 256];
                 let reading = async {
-                    while !all.ends_with(b"okok") {
+                    while !all.ends_with(b"xok") {
                         match t.read(&mut buf).await {
                             Ok(0) | Err(_) => break,
                             Ok(n) => all.extend_from_slice(&buf[..n]),
@@ -433,7 +441,10 @@ async fn a_sender_that_leaves_after_the_head_keeps_its_slot_until_the_body_ends(
         }
         for n in next {
             let r = n.await.unwrap();
-            assert!(r.starts_with("HTTP/1.1 200") && r.ends_with("okok"), "{r}");
+            assert!(
+                r.starts_with("HTTP/1.1 200") && r.ends_with("okxxxxxxxxxxxxok"),
+                "{r}"
+            );
         }
     }
     let seen = seen.lock().unwrap().clone();
