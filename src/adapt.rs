@@ -86,8 +86,13 @@ pub fn feedback(
         });
     }
     if status == StatusCode::SERVICE_UNAVAILABLE {
-        return retry_after(headers, now).map(|pause| Feedback {
-            pause: clamp(pause),
+        // A 503 that says when to come back throttles; one whose `Retry-After` cannot be
+        // read (`soon`, `-1`) still asked for a pause: the default one, as a 429's
+        // (before, it was ignored, and the whole burst followed it).
+        let asked =
+            headers.contains_key(http::header::RETRY_AFTER) || headers.contains_key(RETRY_AFTER_MS);
+        return asked.then(|| Feedback {
+            pause: clamp(retry_after(headers, now).unwrap_or(policy.default_cooldown)),
             throttled: true,
         });
     }
@@ -287,6 +292,29 @@ mod tests {
             pause: Duration::from_secs_f64(secs),
             throttled,
         })
+    }
+
+    /// (2026-12-07 reviews) A throttling answer always pauses: a 429 or 503 whose
+    /// `Retry-After` is `0`, a past date or unreadable gets at least the 1 ms pause that
+    /// empties the bucket (a 503's unreadable one, the default cooldown); a 503 that
+    /// says nothing of coming back is no throttle.
+    #[test]
+    fn a_throttling_answer_always_pauses() {
+        let ms = |n: u64| {
+            Some(Feedback {
+                pause: Duration::from_millis(n),
+                throttled: true,
+            })
+        };
+        assert_eq!(fb(429, &[("retry-after", "0")]), ms(1));
+        assert_eq!(
+            fb(429, &[("retry-after", "Thu, 01 Jan 2015 00:00:00 GMT")]),
+            ms(1)
+        );
+        assert_eq!(fb(503, &[("retry-after", "0")]), ms(1));
+        assert_eq!(fb(503, &[("retry-after", "soon")]), pause(1.0, true));
+        assert_eq!(fb(503, &[("retry-after", "-1")]), pause(1.0, true));
+        assert_eq!(fb(503, &[]), None);
     }
 
     #[test]
