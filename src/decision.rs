@@ -31,8 +31,10 @@ pub struct Trace {
     pub upstream: Option<Duration>,
     /// `forwarded`, a `shadow_*` outcome, or the refusal reason.
     pub outcome: &'static str,
-    /// The request left for the receiver (its outcome is set then).
-    pub sent: bool,
+    /// The request left for the receiver (its outcome is set then), and the label its
+    /// outcome is counted under (hyper's path: the count of a request whose sender
+    /// leaves before the answer).
+    pub sent: Option<crate::metrics::EndpointLabel>,
 }
 
 /// Deterministic sampling: of every run of requests, exactly `sample` of them are

@@ -319,6 +319,7 @@ fn join_cookies(headers: &mut HeaderMap) {
 pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> Response<Body> {
     let method = req.method().clone();
     let mut pending = Unanswered {
+        app: &app,
         peer: conn.peer,
         method: &method,
         trace: Trace::default(),
@@ -351,9 +352,10 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
 
 /// A request being served: when its future is dropped after the request left for the
 /// receiver and before an answer (the sender reset its HTTP/2 stream or closed its
-/// connection), it still leaves its decision line. Before, such requests reached the
-/// receiver and left no trace.
+/// connection), it is still counted under its outcome and leaves its decision line.
+/// Before, such requests reached the receiver and left no trace.
 struct Unanswered<'a> {
+    app: &'a App,
     peer: SocketAddr,
     method: &'a Method,
     trace: Trace,
@@ -362,7 +364,11 @@ struct Unanswered<'a> {
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
-        if !self.answered && self.trace.sent {
+        if self.answered {
+            return;
+        }
+        if let Some(label) = &self.trace.sent {
+            self.app.metrics.outcome(label, self.trace.outcome);
             decision::sender_left(self.peer, self.method.as_str(), &self.trace);
         }
     }
@@ -649,7 +655,7 @@ async fn forward_request(
     // Its body watched on the way up (`upstream_timeout` counts a request's silence).
     let req = req.map(Upload::new);
     trace.outcome = admitted.outcome;
-    trace.sent = true;
+    trace.sent = Some(admitted.label.clone());
     let sent = tokio::time::Instant::now();
     // Awaited where it is made: a future first bound to a name is kept twice in this
     // one's state (the binding and the awaited copy): 10.3 KB instead of 3.9 KB.

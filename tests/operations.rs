@@ -781,8 +781,8 @@ async fn every_request_leaves_one_decision_line() {
 }
 
 /// (2026-12-07 review) A request whose sender leaves while it is at the receiver (an
-/// HTTP/2 stream reset, a closed connection on hyper's path) still leaves its decision
-/// line: it reached the receiver. Before, it left no trace.
+/// HTTP/2 stream reset, a closed connection on hyper's path) is still counted and
+/// leaves its decision line: it reached the receiver. Before, it left no trace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_sender_leaves_at_the_receiver_is_logged() {
     use tokio::io::AsyncWriteExt;
@@ -811,6 +811,15 @@ async fn a_request_whose_sender_leaves_at_the_receiver_is_logged() {
     drop(t);
     p.wait_log("the sender left before the answer", Duration::from_secs(5))
         .await;
+    // And counted: it reached the receiver.
+    let text = common::metrics(admin).await;
+    assert!(
+        text.lines().any(|l| l.starts_with("sluice_requests_total")
+            && l.contains("endpoint=\"left\"")
+            && l.contains("outcome=\"forwarded\"")
+            && l.ends_with(" 1")),
+        "{text}"
+    );
     let log = p.stop();
     let line = log
         .lines()
