@@ -701,8 +701,8 @@ async fn forward_request(
     one_content_length(resp.headers_mut());
     strip_hop_by_hop(resp.headers_mut());
     strip_sluice_headers(resp.headers_mut());
-    let drain = app.forwarder.timeout();
-    Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot, drain))))
+    let (drain, stall) = (app.forwarder.timeout(), rt.config.proxy.idle_timeout);
+    Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot, drain, stall))))
 }
 
 /// Says the upstream's `Content-Length` once: a repeated or listed equal value is one

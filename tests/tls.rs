@@ -388,3 +388,75 @@ async fn the_leaf_cache_stays_within_its_bound() {
     assert_eq!(cached, 10, "{cached} leaves cached with a bound of 10");
     s.stop().await;
 }
+
+/// (2026-12-07 review) An HTTP/2 sender that stops taking a response (its stream window
+/// shut) while it keeps the connection busy with PINGs does not hold the endpoint's
+/// `max_in_flight` slot for ever: after `idle_timeout` untaken, sluice takes the body
+/// from it, reads the rest for the receiver and frees the slot. Before, the slot stayed
+/// held for as long as the sender liked, and every other sender of the endpoint got
+/// 503 `concurrency_limited`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_sender_that_stops_reading_frees_its_slot_after_idle_timeout() {
+    let st = setup();
+    // 4 MB: far more than the stream window and the buffers on the way.
+    let big: String = "x".repeat(4 << 20);
+    let up = TlsUpstream::start(
+        &st.pki,
+        Arc::new(move |_| common::Reply {
+            body: big.clone(),
+            ..common::Reply::ok()
+        }),
+    )
+    .await;
+    let s = common::sluice(&format!(
+        "[proxy]\nidle_timeout = \"1s\"\n\
+         [defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"10s\"\nmax_in_flight = 1\n{}",
+        st.tls_config("")
+    ))
+    .await;
+    let pem = std::fs::read(&st.sluice_ca).unwrap();
+    let h2 = |pings: bool| {
+        let mut b = reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(&pem).unwrap())
+            .proxy(reqwest::Proxy::https(format!("http://{}", s.proxy_addr)).unwrap())
+            .timeout(Duration::from_secs(30));
+        if pings {
+            b = b
+                .http2_keep_alive_interval(Duration::from_millis(200))
+                .http2_keep_alive_while_idle(true);
+        }
+        b.build().unwrap()
+    };
+    let stalled = h2(true);
+    let r = stalled
+        .get(up.url("/stalled"))
+        .header("x-endpoint-id", "h2-slot")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status(), 200);
+    // Its body is never read; the PINGs keep the connection alive.
+    let started = Instant::now();
+    let next = h2(false)
+        .get(up.url("/next"))
+        .header("x-endpoint-id", "h2-slot")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        next.status(),
+        200,
+        "{:?}",
+        next.headers().get("x-sluice-reason")
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the slot came back after {:?}",
+        started.elapsed()
+    );
+    drop(r);
+    s.stop().await;
+}

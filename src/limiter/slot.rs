@@ -5,9 +5,11 @@
 //! If the process dies, the renewals stop and the lease expires on its own.
 
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
@@ -103,78 +105,182 @@ impl Drop for Slot {
 }
 
 /// The upstream's response body, holding the request's slot (if any) until the body
-/// ends or fails. A sender that drops it before its end (an HTTP/2 stream reset after
-/// the response head) does not free the slot while the receiver may still be at work:
-/// the rest of the body is read and thrown away on a task of its own, which holds the
-/// slot until the body ends or no byte came for `drain_limit`. Before, 12 streams reset
-/// after their heads had 12 requests at a receiver whose `max_in_flight` was 2.
+/// ends or fails. The slot follows the receiver, not the sender:
+/// - a sender that drops the body before its end (an HTTP/2 stream reset after the
+///   response head) does not free the slot while the receiver may still be at work: the
+///   rest of the body is read and thrown away on a task of its own, which holds the slot
+///   until the body ends or no byte came for `drain_limit` (before, 12 streams reset
+///   after their heads had 12 requests at a receiver whose `max_in_flight` was 2);
+/// - a sender that stops taking the body for `stall_limit` (`idle_timeout`) while the
+///   receiver has more to send (an HTTP/2 stream whose window stays shut, its
+///   connection kept busy with PINGs) has the body taken from it: drained the same way,
+///   the stream then fails. Before, such a sender held its slot for as long as it liked.
 pub struct HeldBody {
-    inner: Option<Incoming>,
-    slot: Option<Slot>,
+    /// A body without a slot: read in place.
+    plain: Option<Incoming>,
+    /// A body with a slot, shared with its watchdog.
+    held: Option<Arc<Held>>,
+    /// The body ended (and its slot went).
+    ended: bool,
     drain_limit: Duration,
 }
 
+/// A slot-holding body and when its sender last took a frame of it.
+struct Held {
+    /// The body and its slot, until it ends or is taken from a stalled sender.
+    body: Mutex<Option<(Incoming, Slot)>>,
+    /// When the sender last took a frame (after which the next move is the sender's).
+    took: Mutex<Option<Instant>>,
+    /// Told when the body ended or was dropped: its watchdog stops at once.
+    gone: tokio::sync::Notify,
+}
+
 impl HeldBody {
-    /// `inner`, holding `slot` until it ends; dropped early, it is read to its end for
-    /// at most `drain_limit` of silence before the slot goes.
-    pub fn new(inner: Incoming, slot: Option<Slot>, drain_limit: Duration) -> HeldBody {
+    /// `inner`, holding `slot` until it ends; dropped early or left untaken for
+    /// `stall_limit`, it is read to its end for at most `drain_limit` of silence before
+    /// the slot goes.
+    pub fn new(
+        inner: Incoming,
+        slot: Option<Slot>,
+        drain_limit: Duration,
+        stall_limit: Duration,
+    ) -> HeldBody {
+        let Some(slot) = slot.filter(|_| !inner.is_end_stream()) else {
+            return HeldBody {
+                plain: Some(inner),
+                held: None,
+                ended: false,
+                drain_limit,
+            };
+        };
+        let held = Arc::new(Held {
+            body: Mutex::new(Some((inner, slot))),
+            took: Mutex::new(None),
+            gone: tokio::sync::Notify::new(),
+        });
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(watch_stall(Arc::clone(&held), stall_limit, drain_limit));
+        }
         HeldBody {
-            inner: Some(inner),
-            slot,
+            plain: None,
+            held: Some(held),
+            ended: false,
             drain_limit,
         }
     }
 }
 
+/// Takes the body from a sender that left it untaken for `stall_limit` while the
+/// receiver had more to send, and drains it holding the slot.
+async fn watch_stall(h: Arc<Held>, stall_limit: Duration, drain_limit: Duration) {
+    let every = (stall_limit / 4).max(Duration::from_millis(10));
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            () = h.gone.notified() => return,
+        }
+        let stalled = lock(&h.took).is_some_and(|t| t.elapsed() >= stall_limit);
+        if !stalled {
+            if lock(&h.body).is_none() {
+                return;
+            }
+            continue;
+        }
+        let taken = lock(&h.body).take();
+        if let Some((inner, slot)) = taken {
+            tracing::debug!("a sender left a response untaken: draining it for the receiver");
+            drain(inner, slot, drain_limit).await;
+        }
+        return;
+    }
+}
+
+/// Reads `inner` to its end (or `limit` of silence), then gives `slot` back.
+async fn drain(mut inner: Incoming, slot: Slot, limit: Duration) {
+    use http_body_util::BodyExt;
+    while let Ok(Some(Ok(_))) = tokio::time::timeout(limit, inner.frame()).await {}
+    drop(slot);
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The body was taken from a sender that stopped taking it.
+#[derive(Debug, thiserror::Error)]
+#[error("the sender took none of the response for idle_timeout")]
+struct Untaken;
+
 impl Body for HeldBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();
-        let Some(inner) = this.inner.as_mut() else {
+        if let Some(inner) = this.plain.as_mut() {
+            return Pin::new(inner).poll_frame(cx).map_err(Into::into);
+        }
+        let Some(held) = this.held.as_ref().filter(|_| !this.ended) else {
             return Poll::Ready(None);
         };
+        let mut body = lock(&held.body);
+        let Some((inner, _)) = body.as_mut() else {
+            return Poll::Ready(Some(Err(Untaken.into())));
+        };
         let polled = Pin::new(inner).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+        match &polled {
             // The body ended: the request no longer occupies the receiver.
-            this.slot.take();
-            this.inner.take();
+            Poll::Ready(None | Some(Err(_))) => {
+                body.take();
+                this.ended = true;
+                held.gone.notify_one();
+            }
+            // A frame taken: the next move is the sender's.
+            Poll::Ready(Some(Ok(_))) => *lock(&held.took) = Some(Instant::now()),
+            // Waiting on the receiver: no sender's stall.
+            Poll::Pending => *lock(&held.took) = None,
         }
-        polled
+        polled.map_err(Into::into)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.as_ref().is_none_or(Incoming::is_end_stream)
+        match (&self.plain, &self.held) {
+            (Some(inner), _) => inner.is_end_stream(),
+            (None, Some(held)) => lock(&held.body)
+                .as_ref()
+                .is_none_or(|(inner, _)| inner.is_end_stream()),
+            (None, None) => true,
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner
-            .as_ref()
-            .map_or_else(|| SizeHint::with_exact(0), Incoming::size_hint)
+        match (&self.plain, &self.held) {
+            (Some(inner), _) => inner.size_hint(),
+            (None, Some(held)) => lock(&held.body)
+                .as_ref()
+                .map_or_else(|| SizeHint::with_exact(0), |(inner, _)| inner.size_hint()),
+            (None, None) => SizeHint::with_exact(0),
+        }
     }
 }
 
 impl Drop for HeldBody {
     fn drop(&mut self) {
-        let (Some(slot), Some(mut inner)) = (self.slot.take(), self.inner.take()) else {
+        let Some(held) = self.held.take() else {
+            return;
+        };
+        held.gone.notify_one();
+        let Some((inner, slot)) = lock(&held.body).take() else {
             return;
         };
         if inner.is_end_stream() {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let limit = self.drain_limit;
-        rt.spawn(async move {
-            use http_body_util::BodyExt;
-            // Until the body ends, fails, or goes silent for `limit`.
-            while let Ok(Some(Ok(_))) = tokio::time::timeout(limit, inner.frame()).await {}
-            drop(slot);
-        });
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(drain(inner, slot, self.drain_limit));
+        }
     }
 }
