@@ -58,24 +58,32 @@ impl Sampler {
     }
 }
 
+/// One forwarded request's line, with `$message` (a literal, as tracing wants).
+macro_rules! request_line {
+    ($peer:expr, $method:expr, $t:expr, $message:literal) => {{
+        let t: &Trace = $t;
+        tracing::info!(
+            target: "sluice::decision",
+            endpoint = t.endpoint.as_deref().unwrap_or("-"),
+            user = t.user.as_deref().unwrap_or("-"),
+            peer = %$peer,
+            method = $method,
+            destination = t.destination.as_ref().map_or("-", |a| a.as_str()),
+            outcome = t.outcome,
+            waited_ms = t.waited.as_millis() as u64,
+            status = t.status.unwrap_or(0),
+            upstream_ms = t.upstream.map_or(0, |d| d.as_millis() as u64),
+            $message
+        );
+    }};
+}
+
 /// Logs a forwarded request (subject to the switch and sampling).
 pub fn forwarded(cfg: &LogConfig, sampler: &Sampler, peer: SocketAddr, method: &str, t: &Trace) {
     if !cfg.decisions || !sampler.take(cfg.sample) {
         return;
     }
-    tracing::info!(
-        target: "sluice::decision",
-        endpoint = t.endpoint.as_deref().unwrap_or("-"),
-        user = t.user.as_deref().unwrap_or("-"),
-        %peer,
-        method,
-        destination = t.destination.as_ref().map_or("-", |a| a.as_str()),
-        outcome = t.outcome,
-        waited_ms = t.waited.as_millis() as u64,
-        status = t.status.unwrap_or(0),
-        upstream_ms = t.upstream.map_or(0, |d| d.as_millis() as u64),
-        "request"
-    );
+    request_line!(peer, method, t, "request");
 }
 
 /// Logs a request that left for the receiver and whose sender left before the answer
@@ -83,16 +91,10 @@ pub fn forwarded(cfg: &LogConfig, sampler: &Sampler, peer: SocketAddr, method: &
 /// the log like any forwarded request, with no status (always logged: it is rare, and
 /// an operator counting arrivals needs it).
 pub fn sender_left(peer: SocketAddr, method: &str, t: &Trace) {
-    tracing::info!(
-        target: "sluice::decision",
-        endpoint = t.endpoint.as_deref().unwrap_or("-"),
-        user = t.user.as_deref().unwrap_or("-"),
-        %peer,
+    request_line!(
+        peer,
         method,
-        destination = t.destination.as_ref().map_or("-", |a| a.as_str()),
-        outcome = t.outcome,
-        waited_ms = t.waited.as_millis() as u64,
-        status = 0,
+        t,
         "request; the sender left before the answer"
     );
 }

@@ -90,7 +90,10 @@ pub enum ProxyError {
     #[error("upstream did not answer within {0:?}")]
     UpstreamTimeout(Duration),
     /// The sender stopped sending its request body for `upstream_timeout` mid-request.
-    #[error("the sender sent none of the rest of its request body for {0:?}")]
+    #[error(
+        "the sender stopped sending its request body (none of it for {0:?}, or under {rate} bytes/s on average past that)",
+        rate = crate::upload::MIN_UPLOAD_RATE
+    )]
     RequestTimeout(Duration),
 }
 

@@ -56,9 +56,13 @@ pub enum ForwardError {
     /// `upstream_timeout` ([`crate::upload`]).
     #[error("upstream did not answer within {0:?}")]
     Timeout(Duration),
-    /// The sender sent none of the rest of its request body for `upstream_timeout`: the
+    /// The sender stopped sending its request body (none of it for `upstream_timeout`,
+    /// or under the average [`crate::upload::MIN_UPLOAD_RATE`] allows): the
     /// sender's fault, not the upstream's; no whole request reached the upstream.
-    #[error("the sender sent none of the rest of its request body for {0:?}")]
+    #[error(
+        "the sender stopped sending its request body (none of it for {0:?}, or under {rate} bytes/s on average past that)",
+        rate = crate::upload::MIN_UPLOAD_RATE
+    )]
     SenderStalled(Duration),
     /// The sender's request body was malformed or cut short (bad chunked framing, fewer
     /// bytes than its `Content-Length`): the sender's fault, not the upstream's.

@@ -101,7 +101,8 @@ impl Default for Progress {
 /// Which side a request that stopped moving waits on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stalled {
-    /// The sender sent none of the rest of its body for `upstream_timeout`.
+    /// The sender sent none of the rest of its body for `upstream_timeout`, or fell
+    /// below [`MIN_UPLOAD_RATE`] on average past it.
     Sender,
     /// The upstream took none of the body, or did not answer, for `upstream_timeout`.
     Upstream,
