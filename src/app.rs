@@ -123,6 +123,7 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
         lifecycle: Lifecycle::new(),
         sampler: Default::default(),
         idle: Default::default(),
+        reloads: tokio::sync::watch::Sender::new(()),
     }))
 }
 
@@ -275,6 +276,7 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
         app.forwarder.set_policy(policy);
     }
     app.runtime.store(Arc::new(runtime));
+    app.reloads.send_replace(());
     tracing::info!(path = %path.display(), "config reloaded");
     Ok(())
 }

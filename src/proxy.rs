@@ -196,6 +196,48 @@ pub struct Who {
     pub endpoint_hint: Option<String>,
 }
 
+impl Who {
+    /// Whether the users file in force still admits this sender as it was identified:
+    /// its user listed with the hash its password was verified against, or no
+    /// authentication at all. A sender identified before authentication was switched on
+    /// is not admitted.
+    fn still_admitted(&self, rt: &Runtime) -> bool {
+        match (&rt.users, &self.identity) {
+            (Some(users), Some(id)) => users.still_valid(id),
+            (Some(_), None) => false,
+            (None, _) => true,
+        }
+    }
+
+    /// Whether this sender may still spend `endpoint`'s budget under `rt`.
+    fn may_still_spend(&self, rt: &Runtime, endpoint: &str) -> bool {
+        self.still_admitted(rt)
+            && match (&rt.users, &self.identity) {
+                (Some(users), Some(id)) => users.may_spend(&id.user, endpoint),
+                _ => true,
+            }
+    }
+}
+
+/// Resolves once a reload takes away `who`'s right to spend `endpoint` (user removed,
+/// password changed, grant withdrawn, authentication switched on): what a passthrough
+/// tunnel waits on beside its bytes, whose requests sluice cannot see to refuse one by
+/// one. `reloads` is subscribed before the identity was checked, so no reload in
+/// between goes unseen.
+async fn revoked(
+    app: &App,
+    mut reloads: tokio::sync::watch::Receiver<()>,
+    who: &Who,
+    endpoint: &str,
+) {
+    while reloads.changed().await.is_ok() {
+        if !who.may_still_spend(&app.runtime.load(), endpoint) {
+            return;
+        }
+    }
+    std::future::pending().await
+}
+
 /// A validated request target.
 #[derive(Debug, Clone)]
 pub(crate) struct Target {
@@ -602,15 +644,10 @@ async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
 /// `Proxy-Authorization`.
 async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who, ProxyError> {
     if let Some(t) = &conn.tunnel {
-        let gone = match (&rt.users, &t.who.identity) {
-            (Some(users), Some(id)) => !users.still_valid(id),
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        return if gone {
-            Err(ProxyError::ProxyAuthRequired)
-        } else {
+        return if t.who.still_admitted(rt) {
             Ok(t.who.clone())
+        } else {
+            Err(ProxyError::ProxyAuthRequired)
         };
     }
     let from_user = rt.resolver.uses_proxy_user();
@@ -980,6 +1017,8 @@ async fn connect(
     // same name for the TLS handshake and `Host` on every path.
     let authority = target.authority()?;
     trace.destination = Some(authority.clone());
+    // Before the runtime the sender is checked against: a reload from here on is seen.
+    let reloads = app.reloads.subscribe();
     let rt = app.runtime.load_full();
     let who = identify(&rt, req.headers(), conn).await?;
     trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
@@ -1033,17 +1072,29 @@ async fn connect(
         .inc();
     let slot = Arc::clone(&conn.slot);
     let idle = rt.config.proxy.tunnel_idle_timeout;
+    let endpoint = Arc::clone(&admitted.ep.id);
+    let watching = Arc::clone(app);
     app.lifecycle.spawn(async move {
         // The tunnel keeps the connection's place under max_connections until it ends.
         let _slot = slot;
         let _held = held;
-        match on_upgrade.await {
-            Ok(upgraded) => {
-                if let Err(e) = crate::forward::tunnel(upgraded, upstream, idle).await {
-                    tracing::debug!(error = %e, "tunnel closed with an error");
+        let bytes = async {
+            match on_upgrade.await {
+                Ok(upgraded) => {
+                    if let Err(e) = crate::forward::tunnel(upgraded, upstream, idle).await {
+                        tracing::debug!(error = %e, "tunnel closed with an error");
+                    }
                 }
+                Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
             }
-            Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
+        };
+        tokio::select! {
+            () = bytes => {}
+            () = revoked(&watching, reloads, &who, &endpoint) => tracing::info!(
+                endpoint = %endpoint,
+                user = who.identity.as_ref().map(|i| &*i.user),
+                "closing a tunnel: a reload no longer admits its sender"
+            ),
         }
     });
     Ok(ok_empty())

@@ -627,3 +627,146 @@ fn passwd_prints_a_line_the_users_file_accepts() {
     assert!(bcrypt::verify("c4rol-pw", hash).unwrap());
     assert!(sluice::auth::Users::parse(&line, &[]).is_ok());
 }
+
+/// Sends one request through an open tunnel and reads its answer: `None` once the
+/// tunnel is closed (EOF or reset) instead.
+async fn through_tunnel(t: &mut tokio::net::TcpStream, host: &str, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    t.write_all(req.as_bytes()).await.ok()?;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        let n = t.read(&mut buf).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let len = text[..end]
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap())
+                })
+                .unwrap_or(0);
+            if got.len() >= end + 4 + len {
+                return Some(text);
+            }
+        }
+    }
+}
+
+/// Opens a passthrough CONNECT tunnel to `up` as `auth` on endpoint `endpoint`.
+async fn open_tunnel(
+    proxy: std::net::SocketAddr,
+    up: std::net::SocketAddr,
+    auth: &str,
+    endpoint: &str,
+) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut t = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    let connect = format!(
+        "CONNECT {up} HTTP/1.1\r\nHost: {up}\r\nProxy-Authorization: {auth}\r\nX-Endpoint-Id: {endpoint}\r\n\r\n"
+    );
+    t.write_all(connect.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(
+            t.read(&mut byte).await.unwrap(),
+            1,
+            "CONNECT answer cut short"
+        );
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    t
+}
+
+/// (Added 2026-12-07, later session) A passthrough tunnel (no interception: every CONNECT
+/// when `tls.intercept` is off) used to outlive a reload that removed its user, changed
+/// the password it was opened with or took its endpoint out of the user's grants: a
+/// revoked sender kept a busy tunnel for as long as it liked. A reload now closes the
+/// tunnels whose sender it no longer admits, and only those.
+#[tokio::test]
+async fn a_reload_closes_the_passthrough_tunnels_of_senders_it_revokes() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(
+        dir.path(),
+        &[
+            ("alice", "wonder"),
+            ("bob", "builder"),
+            ("carol", "singer"),
+            ("team_b", "pw-b"),
+        ],
+    );
+    let path = dir.path().join("sluice.toml");
+    let config = |grants: &str| {
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[security]\nallow_private_destinations = true\nauth_users_file = \"{}\"\n[security.user_endpoints]\nteam_b = [{grants}]\n",
+            users.display()
+        )
+    };
+    std::fs::write(&path, config("\"b_*\"")).unwrap();
+    let up = Upstream::start().await;
+    let s = sluice::app::start(sluice::config::Config::load(&path).unwrap())
+        .await
+        .unwrap();
+    let host = up.addr.to_string();
+    let mut tunnels = Vec::new();
+    for (user, pw, ep) in [
+        ("alice", "wonder", "a_1"),
+        ("bob", "builder", "b_1"),
+        ("carol", "singer", "c_1"),
+        ("team_b", "pw-b", "b_2"),
+    ] {
+        let mut t = open_tunnel(s.proxy_addr, up.addr, &basic(user, pw), ep).await;
+        let first = through_tunnel(&mut t, &host, "/before").await;
+        assert!(
+            first.is_some_and(|r| r.starts_with("HTTP/1.1 200")),
+            "{user}"
+        );
+        tunnels.push((user, t));
+    }
+    // bob removed, carol's password changed, team_b no longer granted b_*: alice alone
+    // keeps her right to send.
+    // Every other line stays as it was: a new hash for the same password is a change.
+    let lines: String = std::fs::read_to_string(&users)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("bob:"))
+        .map(|l| match l.starts_with("carol:") {
+            true => format!("carol:{}\n", bcrypt::hash("another", 4).unwrap()),
+            false => format!("{l}\n"),
+        })
+        .collect();
+    std::fs::write(&users, lines).unwrap();
+    std::fs::write(&path, config("\"c_*\"")).unwrap();
+    sluice::app::reload(&s.app, &path).unwrap();
+    let arrived = up.count();
+    let deadline = Duration::from_secs(5);
+    for (user, t) in tunnels.iter_mut() {
+        let after = tokio::time::timeout(deadline, through_tunnel(t, &host, "/after")).await;
+        match *user {
+            "alice" => assert!(
+                after.is_ok_and(|r| r.is_some_and(|r| r.starts_with("HTTP/1.1 200"))),
+                "alice's tunnel still serves her"
+            ),
+            _ => assert!(
+                matches!(after, Ok(None)),
+                "{user}'s tunnel must be closed by the reload, not left open"
+            ),
+        }
+    }
+    assert_eq!(
+        up.count(),
+        arrived + 1,
+        "only alice's request arrived after the reload"
+    );
+    drop(tunnels);
+    s.stop().await;
+}
