@@ -95,6 +95,13 @@ pub struct CodeLabels {
     pub code: u16,
 }
 
+/// `{result}` of `sluice_intercepted_tunnels_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct InterceptLabels {
+    /// `established`, `handshake_failed` or `handshake_timeout`.
+    pub result: &'static str,
+}
+
 /// `{version, commit}` of `sluice_build_info`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct BuildLabels {
@@ -133,6 +140,10 @@ pub struct Metrics {
     pub cooldown: Family<EndpointLabels, Gauge<f64, AtomicU64>>,
     /// `sluice_tunnels_total{endpoint}`: CONNECT tunnels opened without interception.
     pub tunnels: Family<EndpointLabels, Counter>,
+    /// `sluice_intercepted_tunnels_total{result}`: intercepted CONNECTs by how their TLS
+    /// handshake with the sender ended (a sender that does not trust sluice's CA shows
+    /// here as `handshake_failed`).
+    pub intercepted: Family<InterceptLabels, Counter>,
     /// `sluice_connections_open`.
     pub connections: Gauge,
     /// `sluice_in_flight{endpoint}`: slots (`max_in_flight`) this replica holds.
@@ -162,6 +173,7 @@ impl Metrics {
             at_floor: Family::default(),
             cooldown: Family::default(),
             tunnels: Family::default(),
+            intercepted: Family::default(),
             connections: Gauge::default(),
             in_flight: Family::default(),
             slot_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
@@ -233,6 +245,11 @@ impl Metrics {
             "tunnels",
             "CONNECT tunnels paced as one unit (not intercepted)",
             m.tunnels.clone(),
+        );
+        registry.register(
+            "intercepted_tunnels",
+            "Intercepted CONNECT tunnels by how the sender's TLS handshake ended",
+            m.intercepted.clone(),
         );
         registry.register(
             "connections_open",

@@ -47,7 +47,7 @@ use crate::forward::{
     ForwardError, content_length_list, strip_hop_by_hop, strip_hop_by_hop_and, strip_sluice_headers,
 };
 use crate::limiter::{Ask, Grant, HeldBody, Place, Refusal, Shadow, Slot};
-use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED};
+use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED, InterceptLabels};
 use crate::upload::Upload;
 
 /// Names the sender for fair shares when proxy authentication does not (removed before
@@ -1119,7 +1119,18 @@ impl Intercepted {
         };
         let cfg = Arc::clone(&self.app.runtime.load().config);
         let handshake = self.interceptor.accept(TokioIo::new(upgraded), &self.host);
-        let tls = match tokio::time::timeout(cfg.tls.handshake_timeout, handshake).await {
+        let ended = tokio::time::timeout(cfg.tls.handshake_timeout, handshake).await;
+        let result = match &ended {
+            Ok(Ok(_)) => "established",
+            Ok(Err(_)) => "handshake_failed",
+            Err(_) => "handshake_timeout",
+        };
+        self.app
+            .metrics
+            .intercepted
+            .get_or_create(&InterceptLabels { result })
+            .inc();
+        let tls = match ended {
             Ok(Ok((tls, _sni))) => tls,
             Ok(Err(e)) => return tracing::warn!("{e}"),
             Err(_) => {

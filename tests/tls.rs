@@ -328,7 +328,7 @@ async fn an_upstream_certificate_for_the_wrong_name_is_a_502() {
 async fn a_client_that_does_not_trust_the_ca_fails_its_handshake() {
     let st = setup();
     let up = TlsUpstream::ok(&st.pki).await;
-    let s = common::sluice(&st.tls_config("")).await;
+    let s = common::sluice(&st.tls_config("handshake_timeout = \"300ms\"")).await;
     let c = st.client(s.proxy_addr, &st.upstream_ca);
     // Failing is not enough (a refused CONNECT fails too): it must be the certificate.
     let err = c.get(up.url("/")).send().await.unwrap_err();
@@ -345,6 +345,27 @@ async fn a_client_that_does_not_trust_the_ca_fails_its_handshake() {
     );
     let paths: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
     assert_eq!(paths, ["/ok"], "nothing from the untrusting client arrived");
+    // A sender that opens a tunnel and never starts its handshake.
+    let mut silent = tokio::net::TcpStream::connect(s.proxy_addr).await.unwrap();
+    let connect = format!("CONNECT {0} HTTP/1.1\r\nHost: {0}\r\n\r\n", up.addr);
+    tokio::io::AsyncWriteExt::write_all(&mut silent, connect.as_bytes())
+        .await
+        .unwrap();
+    // (Added 2026-12-07, later session) An operator sees each way an intercepted
+    // handshake ends without reading logs: a fleet that does not trust the CA shows as
+    // handshake_failed.
+    for (result, n) in [
+        ("established", 1),
+        ("handshake_failed", 1),
+        ("handshake_timeout", 1),
+    ] {
+        common::wait_for_metric(
+            s.admin_addr,
+            &format!("sluice_intercepted_tunnels_total{{result=\"{result}\"}} {n}\n"),
+        )
+        .await;
+    }
+    drop(silent);
     s.stop().await;
 }
 
