@@ -15,7 +15,9 @@
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
 #   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows),
 #   SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
-#   header on every request)
+#   header on every request), RATE=N (open loop instead of wrk: N req/s offered to
+#   every row by examples/paced_load.rs over PACED_CONNS=64 connections, so p99 is
+#   compared at the same load; wrk's closed loop gives the faster proxy more)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-8s}
@@ -26,7 +28,7 @@ command -v wrk >/dev/null || install wrk
 command -v redis-server >/dev/null || install redis-server
 command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || install haproxy
 HAPROXY=$(command -v haproxy || echo /usr/sbin/haproxy)
-cargo build --release --quiet --bin sluice --example upstream --example bare_forward
+cargo build --release --quiet --bin sluice --example upstream --example bare_forward --example paced_load
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
@@ -147,6 +149,11 @@ if [ -n "${ROWS:-}" ]; then
   for n in "${NAMES[@]}"; do [ -n "${PORT_OF[$n]:-}" ] || { echo "unknown row: $n" >&2; exit 1; }; done
   [ "${1:-}" != "--write" ] || { echo "--write needs every row (unset ROWS)" >&2; exit 1; }
 fi
+if [ -n "${RATE:-}" ]; then
+  [ "${1:-}" != "--write" ] || { echo "--write is for wrk's table (unset RATE)" >&2; exit 1; }
+  # paced_load sends no Proxy-Authorization.
+  for n in "${NAMES[@]}"; do [ "$n" != sluice-memory-auth ] || { echo "RATE: drop the sluice-memory-auth row" >&2; exit 1; }; done
+fi
 for s in "${NAMES[@]}"; do SCRIPT_OF[$s]="-s $TMP/proxy.lua"; done
 SCRIPT_OF[sluice-memory-auth]="-s $TMP/auth.lua"
 SCRIPT_OF[direct]=""
@@ -155,7 +162,24 @@ cpu_ticks() { [ -n "${1:-}" ] && awk '{print $14+$15}' "/proc/$1/stat" || echo 0
 # Involuntary context switches of all the process's threads: the kernel taking a core
 # from the proxy while it had work (what a p99 on shared cores is mostly made of).
 preempted() { [ -n "${1:-}" ] && { cat /proc/"$1"/task/*/status 2>/dev/null || true; } | awk '/^nonvoluntary_ctxt_switches/ {n+=$2} END {print n+0}' || echo 0; }
+paced() { # $1 scenario, $2 seconds → paced_load's line
+  target/release/examples/paced_load "127.0.0.1:${PORT_OF[$1]}" "127.0.0.1:$UP" "$RATE" "$2" "${PACED_CONNS:-64}"
+}
+run_paced() { # as run(), at RATE req/s offered
+  local pid=${PID_OF[$1]:-} before after sw0 sw1 n errors rps p50 p99 rest cpu sw
+  paced "$1" 2 >/dev/null 2>&1 # warm-up
+  before=$(cpu_ticks "$pid"); sw0=$(preempted "$pid")
+  paced "$1" "${DURATION%s}" > "$TMP/$1.txt"
+  after=$(cpu_ticks "$pid"); sw1=$(preempted "$pid")
+  IFS='|' read -r n errors rps p50 p99 rest < "$TMP/$1.txt"
+  # The same refusal as wrk's rows: a row with errors measures errors, not forwarding.
+  [ "$errors" = 0 ] || { echo "$1: $errors connections failed" >&2; exit 1; }
+  cpu=$(python3 -c "import os; t=os.sysconf('SC_CLK_TCK'); print('-' if not '$pid' else f'{($after-$before)/t*1e6/$n:.1f}')")
+  sw=$(python3 -c "print('-' if not '$pid' else f'{($sw1-$sw0)*100/$n:.1f}')")
+  echo "$1|$rps|${p50}us|${p99}us|$cpu|$sw"
+}
 run() { # $1 scenario → "name|req/s|p50|p99|cpu µs per request|preemptions per 100 requests"
+  [ -z "${RATE:-}" ] || { run_paced "$1"; return; }
   local port=${PORT_OF[$1]} pid=${PID_OF[$1]:-} args=${SCRIPT_OF[$1]}
   wrk -t"$THREADS" -c"$CONNS" -d2s $args "http://127.0.0.1:$port/" >/dev/null 2>&1 # warm-up
   local before after sw0 sw1; before=$(cpu_ticks "$pid"); sw0=$(preempted "$pid")
@@ -182,7 +206,7 @@ for r in $(seq 0 $((ROUNDS - 1))); do
     # SHOW_ROUNDS=1: every round's line on stderr (the table keeps the median round).
     [ -z "${SHOW_ROUNDS:-}" ] || echo "round $r: $line" >&2
     # A row whose answers were not all 2xx measures errors, not forwarding: refuse it.
-    if grep -qE "Non-2xx|Socket errors" "$TMP/$name.txt"; then echo "$name: $(grep -E 'Non-2xx|Socket errors' "$TMP/$name.txt")" >&2; exit 1; fi
+    if [ -z "${RATE:-}" ] && grep -qE "Non-2xx|Socket errors" "$TMP/$name.txt"; then echo "$name: $(grep -E 'Non-2xx|Socket errors' "$TMP/$name.txt")" >&2; exit 1; fi
   done
 done
 median() { sort -t'|' -k2 -g | awk '{a[NR]=$0} END {print a[int((NR+1)/2)]}'; }
