@@ -1,5 +1,5 @@
--- release: give back a reservation whose sender went away (bounded by capacity).
--- Port of bucket::release. Runs after bucket.lua (prepended at compile time).
+-- release: give back a reservation whose sender went away, or tokens taken ahead and
+-- never spent. Port of bucket::release. Runs after bucket.lua (prepended at compile time).
 --
 -- KEYS[1]  "<prefix>{<endpoint>}"
 -- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
@@ -9,8 +9,16 @@
 --          were taken in (acquire.lua's <hold>). While that hold lasts they no longer count
 --          as held ahead; once it is over they already do not, and the count belongs to
 --          whatever hold came after (other tokens, still spendable): it is left alone.
--- Returns  1 when refunded; 0 when a cooldown voided it (other generation) or the key
---          is gone (an expired key is a fresh full bucket: nothing to give back).
+--          Empty for a reservation.
+-- ARGV[7]  a reservation's start, in µs from now (negative: due already); tokens taken
+--          ahead were due when their hold began (ARGV[6]).
+-- Returns  1 when given back (wholly, in part or, with reservations behind it, not at
+--          all); 0 when a cooldown voided it (other generation) or the key is gone (an
+--          expired key is a fresh full bucket: nothing to give back).
+--
+-- Only what no later reservation was scheduled behind comes back (bucket::release):
+-- reservations behind one that goes keep their starts, and its token back would give a
+-- new sender the start of the last of them again.
 --
 -- Why atomic: the refund is a read-modify-write of the balance that acquires on other
 -- replicas are changing at the same moment.
@@ -22,9 +30,14 @@ end
 refill(s)
 local n = tonumber(ARGV[5] or '1')
 local hold = tonumber(ARGV[6] or '')
+local due = hold or (now + tonumber(ARGV[7] or '0'))
 if hold and hold == s.cs and s.ce > now then
   s.cr = math.max(s.cr - n, 0)
 end
-s.tk = math.min(s.tk + n, burst - held_ahead(s))
+local base = math.max(s.ts, now)
+local latest = base + math.max(-s.tk, 0) / effective(s, base) * MICROS
+local behind = math.max(latest - due, 0) / MICROS * effective(s, base)
+local back = math.min(math.max(n - behind, 0), n)
+s.tk = math.min(s.tk + back, burst - held_ahead(s))
 save(s)
 return 1

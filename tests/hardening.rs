@@ -1074,3 +1074,71 @@ async fn a_trickled_upload_is_cut_at_its_average_and_frees_its_slot() {
     }
     s.stop().await;
 }
+
+/// (Found 2026-12-07, later session, by a review) Senders that leave while others wait
+/// behind them must not let the ones behind out together. Each sender that hung up gave
+/// its token back, and the next request took the start of the last one waiting again:
+/// with K senders leaving, K+1 requests reached the receiver at one instant (a burst of
+/// 1 allowed one).
+#[tokio::test]
+async fn senders_leaving_the_queue_never_let_the_ones_behind_out_together() {
+    let (rate, burst, leavers) = (4.0, 1.0, 5);
+    let up = Upstream::start().await;
+    let s = common::sluice(&format!(
+        "[defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n"
+    ))
+    .await;
+    let c = common::client(s.proxy_addr);
+    let get = |path: String| {
+        let c = c.clone();
+        let url = up.url(&path);
+        async move {
+            c.get(url)
+                .header("x-endpoint-id", "leavers")
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(get("/burst".into()).await, 200);
+    // Senders that queue, each behind the one before.
+    let mut waiting = Vec::new();
+    for i in 0..leavers {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let req = format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\nX-Endpoint-Id: leavers\r\n\r\n",
+            up.url(&format!("/leaver/{i}")),
+            up.addr
+        );
+        t.write_all(req.as_bytes()).await.unwrap();
+        common::wait_for_tokens_below(s.admin_addr, "leavers", burst - i as f64 - 0.5).await;
+        waiting.push(t);
+    }
+    // One that stays, then each leaver leaves and another sender comes.
+    let mut stayed = vec![tokio::spawn(get("/stays/0".into()))];
+    for (i, mut t) in waiting.into_iter().enumerate() {
+        // The sender shuts its side; once sluice has closed the connection, the request
+        // has left the queue and its reservation is being given back.
+        t.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(5), t.read_to_end(&mut rest)).await;
+        assert!(
+            closed.is_ok_and(|r| r.is_ok()) && rest.is_empty(),
+            "sluice closes, answering nothing"
+        );
+        stayed.push(tokio::spawn(get(format!("/stays/{}", i + 1))));
+    }
+    for r in stayed {
+        assert_eq!(r.await.unwrap(), 200, "nothing is lost");
+    }
+    let arrivals = up.arrivals();
+    assert!(
+        arrivals.iter().all(|a| !a.path.starts_with("/leaver")),
+        "a sender that left never arrives"
+    );
+    assert_eq!(arrivals.len(), 1 + leavers + 1);
+    let times: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
+    common::assert_no_overdraw(&times, rate, burst);
+    s.stop().await;
+}

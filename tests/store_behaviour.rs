@@ -20,7 +20,7 @@ use sluice::config::{
 use sluice::limiter::memory::MemoryStore;
 use sluice::limiter::peers::HEARTBEAT_TTL;
 use sluice::limiter::redis::RedisStore;
-use sluice::limiter::{Ask, BucketStore, Limiter, Outcome, StoreFuture, StoreStats, View};
+use sluice::limiter::{Ask, BucketStore, Limiter, Outcome, StoreFuture, StoreStats, Unused, View};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -275,8 +275,8 @@ impl BucketStore for Reporting {
         })
     }
 
-    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
-        self.inner.release(endpoint, ask, generation)
+    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, unused: Unused) -> StoreFuture<'a, ()> {
+        self.inner.release(endpoint, ask, unused)
     }
 
     fn feedback<'a>(
@@ -440,6 +440,74 @@ async fn cancelled_waiter_gives_its_slot_back(s: Subject) {
         us(t0, Instant::now()),
         slot,
         slot + late,
+    );
+}
+
+/// (Found 2026-12-07, later session) A waiter that hangs up while others wait behind it
+/// gives nothing back: they keep their starts, and a new sender takes the slot after the
+/// last of them. Its token back used to give the new sender the last one's start again:
+/// two arrivals at one instant against a burst of 1, one more for every sender that
+/// left. Given back from the end, slots come back one by one.
+async fn a_waiter_with_others_behind_it_gives_nothing_back(s: Subject) {
+    let rate = 4.0;
+    let slot = 1e6 / rate;
+    let p = policy(rate, 1.0, 5_000);
+    let ask = Ask::new(&p, 5e6, None);
+    let t0 = Instant::now();
+    // The burst at once, then reservations starting at one, two and three slots.
+    let mut due = Vec::new();
+    for _ in 0..4 {
+        match s.store.acquire("behind", ask).await.unwrap() {
+            Outcome::Granted {
+                wait_us,
+                generation,
+            } => due.push((us(t0, Instant::now()) + wait_us, generation)),
+            o => panic!("{o:?}"),
+        }
+    }
+    let late = s.clock.late().as_secs_f64() * 1e6;
+    let back = Ask::new(&p, 0.0, None);
+    let give_back = |(start, generation): (f64, u64)| {
+        let s = &s;
+        async move {
+            let unused = Unused {
+                generation,
+                due_in_us: start - us(t0, Instant::now()),
+            };
+            s.store.release("behind", back, unused).await.unwrap();
+        }
+    };
+    // The senders due at one and two slots leave; the one due at three stays.
+    give_back(due[1]).await;
+    give_back(due[2]).await;
+    let next = |s: &Subject| {
+        let store = Arc::clone(&s.store);
+        async move {
+            match store.acquire("behind", ask).await.unwrap() {
+                Outcome::Granted {
+                    wait_us,
+                    generation,
+                } => (us(t0, Instant::now()) + wait_us, generation),
+                o => panic!("{o:?}"),
+            }
+        }
+    };
+    let fourth = next(&s).await;
+    assert_between(
+        "after the last one waiting",
+        fourth.0,
+        4.0 * slot - late,
+        4.0 * slot + late,
+    );
+    // From the end: the fourth slot, then the third, come back whole.
+    give_back(fourth).await;
+    give_back(due[3]).await;
+    let again = next(&s).await;
+    assert_between(
+        "the third slot again",
+        again.0,
+        3.0 * slot - late,
+        3.0 * slot + late,
     );
 }
 
@@ -703,6 +771,7 @@ every_store!(
     refusal_consumes_nothing,
     fifo_at_reserved_starts,
     cancelled_waiter_gives_its_slot_back,
+    a_waiter_with_others_behind_it_gives_nothing_back,
     cooldown_then_empty_bucket_at_decreased_rate,
     recovery_climbs_linearly,
     floor_holds,

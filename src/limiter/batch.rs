@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::oneshot;
 
 use super::StoreError;
-use super::bucket::{Ask, Outcome};
+use super::bucket::{Ask, Outcome, Unused};
 use super::cooldowns::CooldownWatch;
 use super::credit::{Credits, Leftover, Taken};
 use super::mailbox::Mailbox;
@@ -487,8 +487,16 @@ fn fail(batch: Vec<Waiter>, e: &StoreError) {
 
 /// A grant whose request hung up while its batch was in flight: give the token back.
 async fn give_back(calls: &Calls, endpoint: &str, ask: &Ask, outcome: Outcome) {
-    if let Outcome::Granted { generation, .. } = outcome {
-        if let Err(e) = calls.release(endpoint, ask, generation).await {
+    if let Outcome::Granted {
+        generation,
+        wait_us,
+    } = outcome
+    {
+        let unused = Unused {
+            generation,
+            due_in_us: wait_us,
+        };
+        if let Err(e) = calls.release(endpoint, ask, unused).await {
             tracing::debug!(endpoint, error = %e, "could not give back an abandoned reservation");
         }
     }

@@ -182,13 +182,35 @@ pub fn cap(s: &mut BucketState, ask: &Ask, most: f64, now: f64) {
     s.tokens = s.tokens.min(at_ts);
 }
 
-/// Gives back a reservation whose sender went away, if no cooldown voided it.
-pub fn release(s: &mut BucketState, ask: &Ask, generation: u64, now: f64) {
-    if s.generation != generation {
+/// A reservation given back unspent: which generation granted it and when it was due.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Unused {
+    /// The generation it was granted in (a cooldown since voided it: nothing comes back).
+    pub generation: u64,
+    /// Microseconds from now until it was due to start (zero or less: due already).
+    pub due_in_us: f64,
+}
+
+/// Gives back a reservation whose sender went away, if no cooldown voided it, and only
+/// the part of it no later reservation was scheduled behind.
+///
+/// Each reservation starts `1/rate` after the one before it. When one in the middle
+/// goes, those behind it keep their starts, so its token cannot come back: a new
+/// reservation would take the start of the last one again, and one more sender would
+/// arrive at that instant for every sender that left (arrivals in a window of `1/rate`
+/// above `burst`). Only the latest reservation gives its token back in full; giving
+/// back from the end frees each slot in turn (Go's `x/time/rate` cancels the same way).
+pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
+    if s.generation != unused.generation {
         return;
     }
     refill(s, ask, now);
-    s.tokens = (s.tokens + 1.0).min(ask.burst);
+    let base = s.ts.max(now);
+    let rate = effective_rate(s, ask.rate, ask.recovery_us, base);
+    // The latest reservation starts when the balance is back at zero.
+    let latest = base + (-s.tokens).max(0.0) / rate * MICROS;
+    let behind = (latest - (now + unused.due_in_us)).max(0.0) / MICROS * rate;
+    s.tokens = (s.tokens + (1.0 - behind).clamp(0.0, 1.0)).min(ask.burst);
 }
 
 /// Applies a pause (cooldown) and, when `throttled`, a decrease once per cooldown window.
@@ -365,10 +387,59 @@ mod tests {
         acquire(&mut s, &ask, 0.0);
         acquire(&mut s, &ask, 0.0);
         assert!((s.tokens + 1.0).abs() < 1e-9);
-        release(&mut s, &ask, 0, 0.0);
+        // The latest reservation (due at 1 s) comes back whole.
+        let latest = Unused {
+            generation: 0,
+            due_in_us: S,
+        };
+        release(&mut s, &ask, latest, 0.0);
         assert!(s.tokens.abs() < 1e-9);
-        release(&mut s, &ask, 7, 0.0);
+        release(
+            &mut s,
+            &ask,
+            Unused {
+                generation: 7,
+                ..latest
+            },
+            0.0,
+        );
         assert!(s.tokens.abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_reservation_with_others_behind_it_gives_nothing_back() {
+        // rate 2, burst 1: one at once, then reservations at 0.5, 1.0, 1.5 s.
+        let p = policy(2.0, 1.0);
+        let ask = Ask::new(&p, 10.0 * S, None);
+        let mut s = fresh(1.0, 0.0);
+        for _ in 0..4 {
+            acquire(&mut s, &ask, 0.0);
+        }
+        // The 0.5 s and 1.0 s senders leave: the 1.5 s one keeps its start, and a new
+        // sender gets 2.0 s, not 1.5 s beside it.
+        for due in [0.5, 1.0] {
+            let unused = Unused {
+                generation: 0,
+                due_in_us: due * S - 0.1 * S,
+            };
+            release(&mut s, &ask, unused, 0.1 * S);
+        }
+        match acquire(&mut s, &ask, 0.1 * S) {
+            Outcome::Granted { wait_us, .. } => assert!((wait_us - 1.9 * S).abs() < 1.0),
+            o => panic!("{o:?}"),
+        }
+        // Given back from the end, each slot comes back in turn: 2.0 s, then 1.5 s.
+        for due in [2.0, 1.5] {
+            let unused = Unused {
+                generation: 0,
+                due_in_us: due * S - 0.1 * S,
+            };
+            release(&mut s, &ask, unused, 0.1 * S);
+        }
+        match acquire(&mut s, &ask, 0.1 * S) {
+            Outcome::Granted { wait_us, .. } => assert!((wait_us - 1.4 * S).abs() < 1.0),
+            o => panic!("{o:?}"),
+        }
     }
 
     #[test]

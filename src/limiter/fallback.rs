@@ -48,7 +48,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
-use super::bucket::{Ask, Outcome, View};
+use super::bucket::{Ask, Outcome, Unused, View};
 use super::credit;
 use super::handover::Handover;
 use super::lease::{LeaseAsk, Leased};
@@ -389,20 +389,24 @@ impl BucketStore for Resilient {
         })
     }
 
-    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
+    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, unused: Unused) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            if is_local(generation) {
+            if is_local(unused.generation) {
                 // Back to the local store that made it; one no longer in use counted
                 // it nowhere else.
                 let local = self.local.load();
-                if let Some(own) = local.own(generation) {
+                if let Some(own) = local.own(unused.generation) {
                     let share = self.peers.share(ask);
-                    local.store.release_now(endpoint, share, own);
+                    let unused = Unused {
+                        generation: own,
+                        ..unused
+                    };
+                    local.store.release_now(endpoint, share, unused);
                 }
                 return Ok(());
             }
             // A shared reservation can only be given back to the shared store.
-            self.run(move |p| p.release(endpoint, ask, generation), |_| (), ())
+            self.run(move |p| p.release(endpoint, ask, unused), |_| (), ())
                 .await
         })
     }
@@ -626,8 +630,8 @@ mod tests {
         fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
             self.answer(|| self.store.acquire_now(endpoint, ask))
         }
-        fn release<'a>(&'a self, e: &'a str, ask: Ask, g: u64) -> StoreFuture<'a, ()> {
-            self.answer(|| self.store.release_now(e, ask, g))
+        fn release<'a>(&'a self, e: &'a str, ask: Ask, u: Unused) -> StoreFuture<'a, ()> {
+            self.answer(|| self.store.release_now(e, ask, u))
         }
         fn feedback<'a>(
             &'a self,

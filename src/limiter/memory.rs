@@ -18,7 +18,7 @@ use std::time::Duration;
 use hashbrown::HashTable;
 use tokio::time::Instant;
 
-use super::bucket::{self, Ask, BucketState, Outcome, View};
+use super::bucket::{self, Ask, BucketState, Outcome, Unused, View};
 use super::handover::Horizons;
 use super::lease::{self, LeaseAsk, Leased, Leases};
 use super::{BucketStore, StoreError, StoreFuture};
@@ -252,9 +252,9 @@ impl MemoryStore {
     }
 
     /// Release without the future wrapper.
-    pub fn release_now(&self, endpoint: &str, ask: Ask, generation: u64) {
+    pub fn release_now(&self, endpoint: &str, ask: Ask, unused: Unused) {
         self.with_bucket(endpoint, &ask, |s, now| {
-            bucket::release(s, &ask, generation, now)
+            bucket::release(s, &ask, unused, now)
         });
     }
 }
@@ -269,8 +269,8 @@ impl BucketStore for MemoryStore {
         Some(self.acquire_now(endpoint, ask))
     }
 
-    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
-        self.release_now(endpoint, ask, generation);
+    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, unused: Unused) -> StoreFuture<'a, ()> {
+        self.release_now(endpoint, ask, unused);
         Box::pin(std::future::ready(Ok(())))
     }
 

@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub use bucket::{Ask, Outcome, View};
+pub use bucket::{Ask, Outcome, Unused, View};
 pub use lease::{LeaseAsk, Leased};
 pub use queue::{Gates, Hint, Place};
 pub use slot::{HeldBody, Slot};
@@ -83,8 +83,8 @@ pub trait BucketStore: Send + Sync {
         let _ = (endpoint, ask);
         None
     }
-    /// Gives back a reservation of `generation` whose sender went away.
-    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()>;
+    /// Gives back a reservation whose sender went away (see [`bucket::release`]).
+    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, unused: Unused) -> StoreFuture<'a, ()>;
     /// Applies upstream feedback: a pause and, when `throttled`, a decrease.
     fn feedback<'a>(
         &'a self,
@@ -314,6 +314,7 @@ impl Limiter {
                         endpoint: endpoint.to_owned(),
                         ask: Ask::new(policy, 0.0, None),
                         generation,
+                        due: Instant::now() + from_micros(wait_us),
                         armed: true,
                     };
                     tokio::time::sleep(from_micros(wait_us)).await;
@@ -472,7 +473,11 @@ impl Limiter {
     /// refused after admission): the bucket is as if it had not been asked.
     pub async fn refund(&self, endpoint: &str, policy: &Policy, grant: Grant) {
         let ask = Ask::new(policy, 0.0, None);
-        if let Err(e) = self.store.release(endpoint, ask, grant.generation).await {
+        let unused = Unused {
+            generation: grant.generation,
+            due_in_us: 0.0,
+        };
+        if let Err(e) = self.store.release(endpoint, ask, unused).await {
             tracing::debug!(endpoint, error = %e, "could not refund a token");
         }
     }
@@ -510,6 +515,8 @@ struct Reservation {
     endpoint: String,
     ask: Ask,
     generation: u64,
+    /// When the reservation starts.
+    due: Instant,
     armed: bool,
 }
 
@@ -526,10 +533,18 @@ impl Drop for Reservation {
         }
         let store = Arc::clone(&self.store);
         let endpoint = std::mem::take(&mut self.endpoint);
-        let (ask, generation) = (self.ask, self.generation);
+        let unused = Unused {
+            generation: self.generation,
+            due_in_us: {
+                let now = Instant::now();
+                micros(self.due.saturating_duration_since(now))
+                    - micros(now.saturating_duration_since(self.due))
+            },
+        };
+        let ask = self.ask;
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
-                if let Err(e) = store.release(&endpoint, ask, generation).await {
+                if let Err(e) = store.release(&endpoint, ask, unused).await {
                     tracing::debug!(endpoint, error = %e, "could not give back a reservation");
                 }
             });

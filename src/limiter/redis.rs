@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use super::credit::Taken;
 
 use super::batch::{self, Lanes};
-use super::bucket::{Ask, Outcome, View};
+use super::bucket::{Ask, Outcome, Unused, View};
 use super::cooldowns::{CooldownWatch, follow};
 use super::credit;
 use super::lease::{LeaseAsk, Leased};
@@ -619,15 +619,20 @@ impl Calls {
         .map(drop)
     }
 
-    /// Gives back a reservation of `generation` (see `lua/release.lua`).
+    /// Gives back a reservation (see `lua/release.lua`).
     pub(super) async fn release(
         &self,
         endpoint: &str,
         ask: &Ask,
-        generation: u64,
+        unused: Unused,
     ) -> Result<(), StoreError> {
-        let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 1);
-        inv.arg(generation);
+        let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 4);
+        // One token, no hold, due this many µs from Redis's now (the offset is the
+        // same on every clock; the replica's own time never reaches the script).
+        inv.arg(unused.generation)
+            .arg(1)
+            .arg("")
+            .arg(unused.due_in_us.round() as i64);
         self.run::<Value>(inv).await.map(drop)
     }
 
@@ -830,8 +835,8 @@ impl BucketStore for RedisStore {
         Box::pin(batch::acquire(&self.calls, &self.lanes, endpoint, ask))
     }
 
-    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, generation: u64) -> StoreFuture<'a, ()> {
-        Box::pin(async move { self.calls.release(endpoint, &ask, generation).await })
+    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, unused: Unused) -> StoreFuture<'a, ()> {
+        Box::pin(async move { self.calls.release(endpoint, &ask, unused).await })
     }
 
     fn feedback<'a>(
