@@ -547,23 +547,28 @@ mod tests {
             burst in 1.0f64..50.0,
             budget_s in 0.0f64..3.0,
             gaps in proptest::collection::vec(0u32..200_000, 1..400),
-            releases in proptest::collection::vec(any::<bool>(), 400),
+            leaves in proptest::collection::vec((any::<bool>(), 0usize..1000), 400),
         ) {
             let p = Policy { rate, burst, max_wait: Duration::ZERO, adaptive: None, ..Policy::default() };
             let ask = Ask::new(&p, budget_s * S, None);
             let mut s = fresh(burst, 0.0);
             let mut now = 0.0;
-            let mut starts: Vec<f64> = Vec::new();
+            // Every grant's start; a sender still waiting may hang up (any of them, not
+            // only the latest), and its start is then no arrival.
+            let mut starts: Vec<(f64, u64)> = Vec::new();
             for (i, gap) in gaps.iter().enumerate() {
                 now += *gap as f64;
+                let (leaves, which) = leaves[i % leaves.len()];
+                let waiting: Vec<usize> = (0..starts.len()).filter(|&k| starts[k].0 > now).collect();
+                if leaves && !waiting.is_empty() {
+                    let (start, generation) = starts.remove(waiting[which % waiting.len()]);
+                    release(&mut s, &ask, Unused { generation, due_in_us: start - now }, now);
+                }
                 if let Outcome::Granted { wait_us, generation } = acquire(&mut s, &ask, now) {
-                    if wait_us > 0.0 && releases[i % releases.len()] {
-                        release(&mut s, &ask, generation, now); // sender hung up
-                    } else {
-                        starts.push(now + wait_us);
-                    }
+                    starts.push((now + wait_us, generation));
                 }
             }
+            let mut starts: Vec<f64> = starts.into_iter().map(|(t, _)| t).collect();
             starts.sort_by(f64::total_cmp);
             for (i, a) in starts.iter().enumerate() {
                 for (j, b) in starts.iter().enumerate().skip(i) {

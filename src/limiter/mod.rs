@@ -623,8 +623,8 @@ mod tests {
                         Outcome::Refused { retry_us, .. } => { from_micros(retry_us); }
                     },
                     2 => {
-                        let g = s.generation;
-                        bucket::release(&mut s, &ask, g, now)
+                        let unused = Unused { generation: s.generation, due_in_us: 0.0 };
+                        bucket::release(&mut s, &ask, unused, now)
                     }
                     _ => bucket::feedback(&mut s, &ask, &adaptive, pause_s * 1e6, true, now),
                 }
