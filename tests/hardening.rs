@@ -1142,3 +1142,48 @@ async fn senders_leaving_the_queue_never_let_the_ones_behind_out_together() {
     common::assert_no_overdraw(&times, rate, burst);
     s.stop().await;
 }
+
+/// (Found 2026-12-07, later session, by a review) A 429 whose sender left before it came
+/// must still start the cooldown, on both engines. On hyper's path (HTTP/1.0 senders,
+/// HTTP/2, requests after a handover) the exchange went with the sender, so a receiver
+/// slower than its senders' timeouts never slowed anything down: 80 arrivals in 10 s
+/// against one that answered every one with `429` + `Retry-After: 5`.
+#[tokio::test]
+async fn a_429_starts_the_cooldown_when_its_sender_left_before_it_came() {
+    let up = Upstream::with(Arc::new(|_| {
+        Reply::status(429)
+            .header("retry-after", "10")
+            .delay(Duration::from_millis(300))
+    }))
+    .await;
+    let s = common::sluice("[defaults]\nrate = 100.0\nburst = 10.0\n").await;
+    for (id, version) in [("hyper-path", "HTTP/1.0"), ("lane", "HTTP/1.1")] {
+        let before = up.count();
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        let req = format!(
+            "GET {} {version}\r\nHost: {}\r\nX-Endpoint-Id: {id}\r\n\r\n",
+            up.url("/slow"),
+            up.addr
+        );
+        t.write_all(req.as_bytes()).await.unwrap();
+        common::wait_for(
+            &format!("{id}: the request at the receiver"),
+            Duration::from_secs(5),
+            || async { up.count() > before },
+        )
+        .await;
+        // The sender gives up before the answer.
+        drop(t);
+        common::wait_for(
+            &format!("{id}: the cooldown"),
+            Duration::from_secs(5),
+            || async {
+                common::endpoint(s.admin_addr, id)
+                    .await
+                    .is_some_and(|e| e["cooldown_ms"].as_u64().is_some_and(|ms| ms > 5_000))
+            },
+        )
+        .await;
+    }
+    s.stop().await;
+}
