@@ -111,6 +111,10 @@ pub struct BuildLabels {
     pub commit: &'static str,
 }
 
+/// The endpoint label every endpoint past `proxy.metrics_max_endpoints` shares (an
+/// endpoint may not have this ID).
+pub const OTHER: &str = "_other";
+
 /// The outcome of a request that was sent upstream.
 pub const FORWARDED: &str = "forwarded";
 
@@ -185,7 +189,7 @@ impl Metrics {
                     .collect(),
             ),
             max_labels,
-            other: EndpointLabel::new("_other".into()),
+            other: EndpointLabel::new(OTHER.into()),
             registry: Registry::default(),
         };
         m.build_info

@@ -1187,3 +1187,49 @@ async fn a_429_starts_the_cooldown_when_its_sender_left_before_it_came() {
     }
     s.stop().await;
 }
+
+/// (Found 2026-12-07, later session, by a review) An endpoint ID that breaks its Redis
+/// Cluster hash tag (`}` first leaves `<prefix>{}}` with an empty tag, and its leases key
+/// in another slot) failed every script call for it, and each failure was taken for a
+/// store outage: five such requests a second left another endpoint 24 answers in 8 s,
+/// the rest `503 store_unavailable`. Braces are now the sender's `400`; the store never
+/// sees them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_id_that_breaks_a_cluster_hash_tag_is_the_senders_400() {
+    let cluster = common::redis::RedisCluster::start();
+    let up = Upstream::start().await;
+    let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"500ms\"\non_error = \"deny\"\n[defaults]\nrate = 1000.0\nburst = 100.0\nmax_in_flight = 4\n",
+        urls.join(", ")
+    ))
+    .await;
+    let c = common::client(s.proxy_addr);
+    for id in ["}", "}x", "a{b", "_other"] {
+        let r = c
+            .get(up.url("/bad"))
+            .header("x-endpoint-id", id)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{id}");
+        assert_eq!(r.headers()["x-sluice-reason"], "bad_request");
+    }
+    for i in 0..20 {
+        let r = c
+            .get(up.url(&format!("/good/{i}")))
+            .header("x-endpoint-id", "good")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(up.count(), 20, "only the good requests arrived");
+    assert!(
+        metrics(s.admin_addr)
+            .await
+            .contains("sluice_store_errors_total 0\n"),
+        "the store never failed"
+    );
+    s.stop().await;
+}

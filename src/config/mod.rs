@@ -695,6 +695,16 @@ pub fn check_endpoint_id(id: &str) -> Result<(), String> {
             "endpoint id {id:?} may only contain visible ASCII characters"
         ));
     }
+    // The id is a Redis Cluster hash tag (`<prefix>{<id>}`): a brace in it moves the
+    // tag, and `}` first leaves it empty, so the endpoint's keys fall in different slots
+    // and every script call for it fails (a sender could fail the store for everyone).
+    if id.contains(['{', '}']) {
+        return Err(format!("endpoint id {id:?} may not contain '{{' or '}}'"));
+    }
+    // The label everything past `metrics_max_endpoints` shares.
+    if id == crate::metrics::OTHER {
+        return Err(format!("endpoint id {id:?} is reserved"));
+    }
     Ok(())
 }
 
@@ -715,6 +725,18 @@ pub fn redact(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn endpoint_ids_keep_redis_hash_tags_and_the_overflow_label_intact() {
+        // (2026-12-07, later session) `}` as an id put its two keys in different cluster
+        // slots: every call for it failed, and the whole replica fell back.
+        for bad in ["}", "a}b", "{x}", "ten{ant", "_other"] {
+            assert!(check_endpoint_id(bad).is_err(), "{bad}");
+        }
+        for good in ["svix", "api.stripe.com", "team_b:42", "a/b", "_others"] {
+            assert!(check_endpoint_id(good).is_ok(), "{good}");
+        }
+    }
 
     fn issues(text: &str) -> Vec<ConfigIssue> {
         Config::parse(text).expect_err("config should be rejected")
