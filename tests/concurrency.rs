@@ -463,3 +463,65 @@ async fn a_sender_that_leaves_after_the_head_keeps_its_slot_until_the_body_ends(
     server.abort();
     s.stop().await;
 }
+
+/// (Found 2026-12-07, later session, by a review) A lease that vanishes from Redis while
+/// its request runs (evicted, deleted, lost with a restart) is counted again at its next
+/// renewal. Before, each renewal only warned, and the endpoint saw one request more than
+/// `max_in_flight` for as long as the request ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_gone_from_redis_is_counted_again_at_its_renewal() {
+    let redis = common::redis::RedisServer::start();
+    let sluice = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\n[defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"10s\"\nmax_in_flight = 2\nlease_ttl = \"1s\"\n",
+        redis.url()
+    ))
+    .await;
+    let up = Counting::start(Duration::from_secs(4)).await;
+    let proxy = sluice.proxy_addr;
+    let long = tokio::spawn({
+        let url = up.url("/long");
+        async move {
+            let c = client(proxy);
+            let send = |i: usize| {
+                c.get(format!("{url}/{i}"))
+                    .header("x-endpoint-id", "gone")
+                    .send()
+            };
+            let (a, b) = tokio::join!(send(0), send(1));
+            (a.unwrap().status().as_u16(), b.unwrap().status().as_u16())
+        }
+    });
+    let key = "sluice:{gone}:leases";
+    let card = |r: &common::redis::RedisServer| {
+        r.cli(&["ZCARD", key])
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    common::wait_for("both leases taken", Duration::from_secs(5), || async {
+        card(&redis) == 2
+    })
+    .await;
+    redis.cli(&["DEL", key]).unwrap();
+    // Renewed every lease_ttl/3: both come back.
+    common::wait_for(
+        "both leases counted again",
+        Duration::from_secs(5),
+        || async { card(&redis) == 2 },
+    )
+    .await;
+    // A third sender waits for a slot: it gets one when a long request ends, not now.
+    let r = client(proxy)
+        .get(up.url("/third"))
+        .header("x-endpoint-id", "gone")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(long.await.unwrap(), (200, 200));
+    assert_eq!(
+        up.peak(),
+        2,
+        "never more than max_in_flight at the receiver"
+    );
+    sluice.stop().await;
+}

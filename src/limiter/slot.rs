@@ -70,10 +70,18 @@ async fn renew(store: Arc<dyn BucketStore>, endpoint: Arc<str>, ask: Ask, lease:
         tokio::time::sleep(every).await;
         match store.renew_lease(&endpoint, ask, lease).await {
             Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                endpoint = %endpoint,
-                "an in-flight lease expired before it was renewed: the endpoint may briefly see one more request than max_in_flight"
-            ),
+            Ok(false) => {
+                // Expired, evicted or lost with the store's state while its request
+                // still runs: counted again, or every renewal would find it gone and
+                // the endpoint see one more request than max_in_flight until it ends.
+                tracing::warn!(
+                    endpoint = %endpoint,
+                    "an in-flight lease was gone from the store before it was renewed: counted again; until then the endpoint could see one more request than max_in_flight"
+                );
+                if let Err(e) = store.adopt_lease(&endpoint, ask, lease).await {
+                    tracing::debug!(endpoint = %endpoint, error = %e, "could not count a lease again");
+                }
+            }
             Err(e) => tracing::debug!(endpoint = %endpoint, error = %e, "could not renew a lease"),
         }
     }
