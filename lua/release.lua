@@ -10,8 +10,7 @@
 --          as held ahead; once it is over they already do not, and the count belongs to
 --          whatever hold came after (other tokens, still spendable): it is left alone.
 --          Empty for a reservation.
--- ARGV[7]  a reservation's start, in µs from now (negative: due already); tokens taken
---          ahead were due when their hold began (ARGV[6]).
+-- ARGV[7]  a reservation's start, in µs from now (negative: due already).
 -- Returns  1 when given back (wholly, in part or, with reservations behind it, not at
 --          all); 0 when a cooldown voided it (other generation) or the key is gone (an
 --          expired key is a fresh full bucket: nothing to give back).
@@ -30,14 +29,21 @@ end
 refill(s)
 local n = tonumber(ARGV[5] or '1')
 local hold = tonumber(ARGV[6] or '')
-local due = hold or (now + tonumber(ARGV[7] or '0'))
-if hold and hold == s.cs and s.ce > now then
-  s.cr = math.max(s.cr - n, 0)
+local back = n
+if hold then
+  -- Tokens taken ahead: the bucket refilled only up to burst minus them meanwhile, so
+  -- all of them fit back whatever was reserved after them.
+  if hold == s.cs and s.ce > now then
+    s.cr = math.max(s.cr - n, 0)
+  end
+else
+  -- A reservation: only what no later one was scheduled behind (bucket::release).
+  local base = math.max(s.ts, now)
+  local r = effective(s, base)
+  local latest = base + math.max(-s.tk, 0) / r * MICROS
+  local behind = math.max(latest - (now + tonumber(ARGV[7] or '0')), 0) / MICROS * r
+  back = math.min(math.max(1 - behind, 0), 1)
 end
-local base = math.max(s.ts, now)
-local latest = base + math.max(-s.tk, 0) / effective(s, base) * MICROS
-local behind = math.max(latest - due, 0) / MICROS * effective(s, base)
-local back = math.min(math.max(n - behind, 0), n)
 s.tk = math.min(s.tk + back, burst - held_ahead(s))
 save(s)
 return 1

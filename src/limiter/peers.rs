@@ -3,8 +3,10 @@
 //! store is away (`on_error = "local"`, see [`super::fallback`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::bucket::Ask;
 use super::lease::LeaseAsk;
@@ -15,11 +17,13 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 /// A replica not heard of for this long no longer counts.
 pub const HEARTBEAT_TTL: Duration = Duration::from_secs(6);
 
-/// How many replicas share the limits: the last count seen in the store, never below the
-/// configured floor.
+/// How many replicas share the limits: the highest count seen in the store within the
+/// last [`HEARTBEAT_TTL`], never below the configured floor.
 #[derive(Debug)]
 pub struct Peers {
     seen: AtomicUsize,
+    /// The highest count heard, and when it was last heard.
+    high: Mutex<(usize, Instant)>,
     min: usize,
 }
 
@@ -28,14 +32,29 @@ impl Peers {
     pub fn new(min: usize) -> Peers {
         Peers {
             seen: AtomicUsize::new(0),
+            high: Mutex::new((0, Instant::now())),
             min: min.max(1),
         }
     }
 
     /// Records a count this replica's own registration returned, logging a change.
+    ///
+    /// A lower count takes effect only once the higher one has gone unheard for
+    /// [`HEARTBEAT_TTL`]: the replicas it no longer counts may be alive, unregistered
+    /// because the store lost its state (restarted empty) just before this replica
+    /// registered again. Counting itself alone then, a replica took the whole rate during
+    /// the next outage while the others took their shares (15.6/s against 10).
     pub(super) fn heard(&self, n: usize) {
-        if n != self.seen.swap(n, Ordering::Relaxed) {
-            tracing::info!(replicas = n, "replicas sharing the store");
+        let now = Instant::now();
+        let counted = {
+            let mut high = self.high.lock().unwrap_or_else(PoisonError::into_inner);
+            if n >= high.0 || now.duration_since(high.1) >= HEARTBEAT_TTL {
+                *high = (n, now);
+            }
+            high.0
+        };
+        if counted != self.seen.swap(counted, Ordering::Relaxed) {
+            tracing::info!(replicas = counted, "replicas sharing the store");
         }
     }
 
@@ -85,5 +104,31 @@ pub async fn heartbeats(store: Weak<RedisStore>, peers: Arc<Peers>) {
         tick.tick().await;
         let Some(store) = store.upgrade() else { return };
         heartbeat(&store, &peers).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_count_falls_only_once_the_higher_one_went_unheard_for_the_ttl() {
+        let peers = Peers::new(1);
+        peers.heard(3);
+        assert_eq!(peers.count(), 3);
+        // A store restarted empty: this replica registers first and is alone in the set.
+        peers.heard(1);
+        assert_eq!(peers.count(), 3, "the others may be alive");
+        tokio::time::advance(HEARTBEAT_EVERY).await;
+        peers.heard(3);
+        tokio::time::advance(HEARTBEAT_TTL - Duration::from_millis(1)).await;
+        peers.heard(2);
+        assert_eq!(peers.count(), 3);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        // Three unheard for the whole ttl: one replica has gone.
+        peers.heard(2);
+        assert_eq!(peers.count(), 2);
+        peers.heard(4);
+        assert_eq!(peers.count(), 4, "a rise counts at once");
     }
 }
