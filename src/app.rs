@@ -85,6 +85,8 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
                 }
             };
             let primary = Arc::new(primary);
+            let checked = Arc::clone(&primary);
+            tokio::spawn(async move { checked.check_eviction().await });
             let peers = Arc::new(Peers::new(config.store.fallback_min_replicas));
             tokio::spawn(heartbeats(Arc::downgrade(&primary), Arc::clone(&peers)));
             let store =

@@ -936,3 +936,39 @@ async fn senders_cannot_forge_decision_log_lines() {
     );
     assert_eq!(up.count(), 0);
 }
+
+/// (Added 2026-12-07, later session, after a review) A Redis that may evict keys to make
+/// room (`maxmemory` with `volatile-lru`, ElastiCache's default: every bucket key has a
+/// TTL) drops buckets under memory pressure, and an evicted bucket comes back full: a
+/// second burst. sluice says so at start; with `noeviction` it says nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_redis_is_named_at_start() {
+    let redis = common::redis::RedisServer::start();
+    for (policy, warned) in [("volatile-lru", true), ("noeviction", false)] {
+        redis.cli(&["CONFIG", "SET", "maxmemory", "100mb"]).unwrap();
+        redis
+            .cli(&["CONFIG", "SET", "maxmemory-policy", policy])
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (proxy, admin) = (free_addr(), free_addr());
+        let path = dir.path().join("sluice.toml");
+        let store = format!(
+            "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\n",
+            redis.url()
+        );
+        std::fs::write(&path, Proc::config(proxy, admin, &store)).unwrap();
+        let p = Proc::start(&path, admin).await;
+        // The check runs beside start-up; a readiness answer comes after it here.
+        let log = if warned {
+            p.wait_log("maxmemory-policy volatile-lru", Duration::from_secs(10))
+                .await;
+            p.stop()
+        } else {
+            reqwest::get(format!("http://{admin}/readyz"))
+                .await
+                .unwrap();
+            p.stop()
+        };
+        assert_eq!(log.contains("lets Redis evict"), warned, "{policy}: {log}");
+    }
+}

@@ -265,6 +265,46 @@ pub(super) fn connection_lost(e: &RedisError) -> bool {
 }
 
 impl RedisStore {
+    /// Warns when the store may evict sluice's keys: a `maxmemory` with any policy but
+    /// `noeviction` (ElastiCache's default is `volatile-lru`, and every bucket key has
+    /// a TTL) drops buckets when memory runs short, and an evicted bucket is a fresh
+    /// full one (a second burst). Managed services that forbid `CONFIG` are left alone.
+    pub async fn check_eviction(&self) {
+        let get = |name: &'static str| {
+            let mut cmd = redis::cmd("CONFIG");
+            cmd.arg("GET").arg(name);
+            async move {
+                match self.calls.query(cmd).await {
+                    Ok(Value::Array(v)) => match v.get(1) {
+                        Some(Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+                        _ => None,
+                    },
+                    Ok(Value::Map(v)) => match v.first() {
+                        Some((_, Value::BulkString(b))) => {
+                            Some(String::from_utf8_lossy(b).into_owned())
+                        }
+                        _ => None,
+                    },
+                    Ok(_) => None,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "could not read the store's {name}");
+                        None
+                    }
+                }
+            }
+        };
+        let Some(policy) = get("maxmemory-policy").await else {
+            return;
+        };
+        let limited = get("maxmemory").await.is_some_and(|m| m != "0");
+        if limited && policy != "noeviction" {
+            tracing::warn!(
+                policy = %policy,
+                "the store's maxmemory-policy {policy} lets Redis evict sluice's keys when memory runs short: an evicted bucket comes back full (a second burst) and an evicted lease frees a slot still in use; set maxmemory-policy noeviction (a full Redis then refuses writes, and on_error decides)"
+            );
+        }
+    }
+
     /// Connects to a single Redis or a Redis Cluster (per `cfg.backend`) and checks it
     /// answers; fails with [`StoreError`] when it is unreachable or the URLs are bad.
     pub async fn connect(cfg: &StoreConfig, stats: StoreStats) -> Result<RedisStore, StoreError> {
@@ -597,6 +637,11 @@ impl Calls {
     /// Runs one plain command (not a script), bounded and recorded like the scripts;
     /// the answer is not needed.
     async fn command(&self, cmd: redis::Cmd) -> Result<(), StoreError> {
+        self.query(cmd).await.map(drop)
+    }
+
+    /// One command's answer.
+    async fn query(&self, cmd: redis::Cmd) -> Result<Value, StoreError> {
         let conn = self.conn.clone();
         self.timed(async move {
             match conn {
@@ -616,7 +661,6 @@ impl Calls {
             }
         })
         .await
-        .map(drop)
     }
 
     /// Gives back a reservation (see `lua/release.lua`).
