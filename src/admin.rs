@@ -44,7 +44,8 @@ pub struct EndpointView {
     pub held_ahead: f64,
 }
 
-/// Views of every known endpoint: configured ones, then those seen (label-capped).
+/// Views of every known endpoint: configured ones, then those seen (label-capped, plus
+/// those past the cap a receiver throttled).
 pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
     let rt = app.runtime.load_full();
     let mut ids: Vec<(Arc<str>, bool)> = rt
@@ -52,7 +53,7 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
         .configured()
         .map(|(id, _)| (Arc::clone(id), true))
         .collect();
-    let mut seen = app.metrics.labelled_ids();
+    let mut seen = app.metrics.watched_ids();
     seen.sort();
     for id in seen {
         if !ids.iter().any(|(k, _)| *k == id) {

@@ -4,7 +4,7 @@
 //! `proxy.metrics_max_endpoints` other IDs seen get their own label value, the rest are
 //! counted under `endpoint="_other"`, so a sender spraying IDs cannot blow up `/metrics`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -115,6 +115,11 @@ pub struct BuildLabels {
 /// endpoint may not have this ID).
 pub const OTHER: &str = "_other";
 
+/// How many endpoints past `proxy.metrics_max_endpoints` that receivers throttled are
+/// still watched (logs, `/endpoints`): a bound on what a sender spraying IDs at
+/// throttling receivers can make sluice keep.
+pub const MAX_WATCHED_UNLABELLED: usize = 10_000;
+
 /// The outcome of a request that was sent upstream.
 pub const FORWARDED: &str = "forwarded";
 
@@ -159,6 +164,9 @@ pub struct Metrics {
     /// `sluice_build_info{version,commit}`: always 1.
     pub build_info: Family<BuildLabels, Gauge>,
     labelled: RwLock<HashMap<Arc<str>, EndpointLabel>>,
+    /// Endpoints past the label cap that a receiver throttled: still watched by the
+    /// observer and listed by `/endpoints` (at most [`MAX_WATCHED_UNLABELLED`]).
+    throttled: RwLock<HashSet<Arc<str>>>,
     max_labels: usize,
     other: EndpointLabel,
 }
@@ -188,6 +196,7 @@ impl Metrics {
                     .map(|id| (Arc::clone(id), EndpointLabel::new(Arc::clone(id))))
                     .collect(),
             ),
+            throttled: RwLock::default(),
             max_labels,
             other: EndpointLabel::new(OTHER.into()),
             registry: Registry::default(),
@@ -337,6 +346,30 @@ impl Metrics {
             .read()
             .map(|s| s.keys().cloned().collect())
             .unwrap_or_default()
+    }
+
+    /// Every endpoint the views watch: those with a label, and those past the cap a
+    /// receiver throttled (their cooldowns, decreases and floors are logged and listed
+    /// although their series are `_other`'s).
+    pub fn watched_ids(&self) -> Vec<Arc<str>> {
+        let mut ids = self.labelled_ids();
+        if let Ok(t) = self.throttled.read() {
+            ids.extend(t.iter().cloned());
+        }
+        ids
+    }
+
+    /// Notes that a receiver throttled `id`: an endpoint past the label cap is watched
+    /// from now on (up to [`MAX_WATCHED_UNLABELLED`] of them).
+    pub fn note_throttled(&self, id: &Arc<str>) {
+        if self.labelled.read().is_ok_and(|l| l.contains_key(id)) {
+            return;
+        }
+        if let Ok(mut t) = self.throttled.write() {
+            if t.len() < MAX_WATCHED_UNLABELLED {
+                t.insert(Arc::clone(id));
+            }
+        }
     }
 
     /// Counts one request outcome.

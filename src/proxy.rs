@@ -960,6 +960,7 @@ async fn observe(
         return;
     };
     if fb.throttled {
+        app.metrics.note_throttled(&ep.id);
         app.metrics
             .throttles
             .get_or_create(&EndpointLabels {

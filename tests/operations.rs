@@ -972,3 +972,49 @@ async fn an_evicting_redis_is_named_at_start() {
         assert_eq!(log.contains("lets Redis evict"), warned, "{policy}: {log}");
     }
 }
+
+/// (Found 2026-12-07, later session, by a review) An endpoint past
+/// `metrics_max_endpoints` that a receiver throttles is still watched: `/endpoints`
+/// lists it with its cooldown, and the observer logs its cooldown's end. Before, once
+/// the label cap was full, new endpoints' cooldowns, floors and stuck-at-floor warnings
+/// were invisible everywhere but the "cooldown started" line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_endpoint_past_the_label_cap_is_still_watched() {
+    let up = Upstream::with(Arc::new(|a: &common::Arrival| {
+        if a.path == "/429" {
+            Reply::status(429).header("retry-after", "1")
+        } else {
+            Reply::ok()
+        }
+    }))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let config = Proc::config(proxy, admin, "").replacen(
+        "[proxy]\n",
+        "[proxy]\nmetrics_max_endpoints = 2\n",
+        1,
+    );
+    std::fs::write(&path, config).unwrap();
+    let p = Proc::start(&path, admin).await;
+    let c = client(proxy);
+    let send = |id: &'static str, path: &'static str| {
+        c.get(up.url(path)).header("x-endpoint-id", id).send()
+    };
+    for id in ["first", "second"] {
+        assert_eq!(send(id, "/").await.unwrap().status(), 200);
+    }
+    assert_eq!(send("past-cap", "/429").await.unwrap().status(), 429);
+    let listed = p.endpoints().await;
+    let past = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["id"] == "past-cap")
+        .unwrap_or_else(|| panic!("past-cap not in /endpoints: {listed}"));
+    assert!(past["cooldown_ms"].as_u64().unwrap() > 0, "{past}");
+    p.wait_log("cooldown ended", Duration::from_secs(10)).await;
+    let log = p.stop();
+    assert!(log.contains("past-cap"), "{log}");
+}
