@@ -196,8 +196,38 @@ pub fn parse_retry_after(value: &[u8], now: SystemTime) -> Option<Duration> {
     if text.as_bytes()[0].is_ascii_digit() {
         return parse_number(text.as_bytes()).and_then(secs);
     }
-    let at = httpdate::parse_http_date(text).ok()?;
+    let at = httpdate::parse_http_date(text)
+        .ok()
+        .or_else(|| httpdate::parse_http_date(&as_imf_date(text)?).ok())?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// An HTTP-date as receivers get it wrong, in RFC 9110's preferred form: the zone as
+/// `UTC`, `UT`, `Z` or `+0000` instead of `GMT`, and names in any case
+/// (`thu, 28 may 2026 20:27:10 utc`). Reading these as unreadable would give a receiver
+/// that asked for minutes only `default_cooldown`. `None` when it is not that shape.
+fn as_imf_date(text: &str) -> Option<String> {
+    let (rest, zone) = text.rsplit_once(' ')?;
+    if !["GMT", "UTC", "UT", "Z", "+0000"]
+        .iter()
+        .any(|z| zone.eq_ignore_ascii_case(z))
+    {
+        return None;
+    }
+    // "Thu, 28 May 2026 20:27:10": names title-cased, the rest as it was.
+    let mut out = String::with_capacity(text.len() + 3);
+    for (i, word) in rest.split(' ').enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        let mut chars = word.chars();
+        if let Some(first) = chars.next() {
+            out.push(first.to_ascii_uppercase());
+            out.extend(chars.map(|c| c.to_ascii_lowercase()));
+        }
+    }
+    out.push_str(" GMT");
+    Some(out)
 }
 
 /// Parses `X-RateLimit-Reset`-style values: seconds until the reset, or a unix
@@ -344,6 +374,28 @@ mod tests {
             parse_retry_after(b"Thu May 28 20:27:10 2026", earlier),
             Some(Duration::from_secs(10))
         );
+        // (2026-12-07, later session) The zone or the names as receivers get them
+        // wrong: read as the date they mean, not as garbage (a 1 s default cooldown
+        // instead of the minutes asked for).
+        for odd in [
+            "Thu, 28 May 2026 20:27:20 UTC",
+            "thu, 28 may 2026 20:27:20 gmt",
+            "THU, 28 MAY 2026 20:27:20 +0000",
+            "Thu, 28 May 2026 20:27:20 Z",
+        ] {
+            assert_eq!(
+                parse_retry_after(odd.as_bytes(), earlier),
+                Some(Duration::from_secs(20)),
+                "{odd}"
+            );
+        }
+        for garbage in ["Thu, 28 May 2026 20:27:20 CET", "soon UTC", "UTC"] {
+            assert_eq!(
+                parse_retry_after(garbage.as_bytes(), earlier),
+                None,
+                "{garbage}"
+            );
+        }
         assert_eq!(
             parse_retry_after(b"Thu, 01 Jan 2015 00:00:00 GMT", now()),
             Some(Duration::ZERO)
