@@ -314,7 +314,9 @@ impl Limiter {
                         endpoint: endpoint.to_owned(),
                         ask: Ask::new(policy, 0.0, None),
                         generation,
-                        due: Instant::now() + from_micros(wait_us),
+                        // From when the call was sent, not answered: never later
+                        // than the store's start, so what comes back is never more.
+                        due: asked + from_micros(wait_us),
                         armed: true,
                     };
                     tokio::time::sleep(from_micros(wait_us)).await;
