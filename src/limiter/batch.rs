@@ -492,9 +492,12 @@ async fn give_back(calls: &Calls, endpoint: &str, ask: &Ask, outcome: Outcome) {
         wait_us,
     } = outcome
     {
+        // Its start, counted from now, would be later than Redis's by the time the
+        // answer took to come: due now instead, so what comes back is never too much
+        // (a reservation still ahead may then give back less than its slot).
         let unused = Unused {
             generation,
-            due_in_us: wait_us,
+            due_in_us: wait_us.min(0.0),
         };
         if let Err(e) = calls.release(endpoint, ask, unused).await {
             tracing::debug!(endpoint, error = %e, "could not give back an abandoned reservation");
