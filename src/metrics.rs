@@ -304,6 +304,11 @@ impl Metrics {
 
     /// The label for an endpoint: its ID while under the cap, else `_other`.
     pub fn label(&self, id: &Arc<str>) -> EndpointLabel {
+        // A host-derived ID may be `_other` (no header check reaches it): it is the
+        // overflow label's, never a label of its own beside it.
+        if &**id == OTHER {
+            return self.other.clone();
+        }
         if let Ok(set) = self.labelled.read() {
             if let Some(label) = set.get(id) {
                 return label.clone();
@@ -435,6 +440,16 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_endpoint_named_like_the_overflow_label_is_that_label() {
+        // (2026-12-07, later session) A host-derived ID `_other` (from `http://_other/`)
+        // got a label of its own beside the overflow one.
+        let m = Metrics::new(10, std::iter::empty());
+        let l = m.label(&Arc::from(OTHER));
+        assert!(l == m.other());
+        assert!(m.labelled_ids().is_empty());
+    }
 
     #[test]
     fn label_cap_holds() {

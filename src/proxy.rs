@@ -702,6 +702,9 @@ async fn forward_request(
     let exchange = tokio::spawn(async move {
         let sent_to = app_.forwarder.send_via(&conn_.upstream, req).await;
         if let Ok(r) = &sent_to {
+            // Counted here, with the answer: also when the sender is gone by now.
+            app_.metrics
+                .upstream_code(&admitted.label, r.status().as_u16());
             heed(&app_, &admitted, r.status(), r.headers()).await;
         }
         (sent_to, admitted)
@@ -726,7 +729,7 @@ async fn forward_request(
         }
     };
     trace.upstream = Some(sent.elapsed());
-    let slot = counted(app, admitted, resp.status(), trace);
+    let slot = counted(app, admitted, resp.status(), trace, false);
     let mut resp = resp;
     // Framed twice by the upstream: its chunked framing won (hyper decoded it), so its
     // `Content-Length` says nothing true of the body (RFC 9112 §6.3).
@@ -829,7 +832,7 @@ pub(crate) async fn answered(
     trace: &mut Trace,
 ) -> Option<Slot> {
     heed(app, &admitted, status, headers).await;
-    counted(app, admitted, status, trace)
+    counted(app, admitted, status, trace, true)
 }
 
 /// Feeds an answer to the endpoint's adaptive state when it carries something (429s,
@@ -843,11 +846,20 @@ async fn heed(app: &App, admitted: &Admitted, status: StatusCode, headers: &Head
     }
 }
 
-/// Counts and traces an answer; returns the in-flight slot.
-fn counted(app: &App, admitted: Admitted, status: StatusCode, trace: &mut Trace) -> Option<Slot> {
+/// Counts and traces an answer (its status code too unless the exchange did);
+/// returns the in-flight slot.
+fn counted(
+    app: &App,
+    admitted: Admitted,
+    status: StatusCode,
+    trace: &mut Trace,
+    code: bool,
+) -> Option<Slot> {
     trace.status = Some(status.as_u16());
     trace.outcome = admitted.outcome;
-    app.metrics.upstream_code(&admitted.label, status.as_u16());
+    if code {
+        app.metrics.upstream_code(&admitted.label, status.as_u16());
+    }
     app.metrics.outcome(&admitted.label, admitted.outcome);
     admitted.slot
 }

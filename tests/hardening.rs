@@ -1184,6 +1184,12 @@ async fn a_429_starts_the_cooldown_when_its_sender_left_before_it_came() {
             },
         )
         .await;
+        // Counted once, as the lane counts it (a review found hyper's path without it).
+        wait_for_metric(
+            s.admin_addr,
+            &format!("sluice_upstream_responses_total{{endpoint=\"{id}\",code=\"429\"}} 1\n"),
+        )
+        .await;
     }
     s.stop().await;
 }
