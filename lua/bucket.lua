@@ -23,6 +23,8 @@
 --   ce when those end (µs)
 --   cs when Redis began counting the tokens held now (µs): names that hold, so a
 --      give-back that arrives after it ended (and another began) lowers nothing but its own
+--   ho starts (µs, space-separated) of reservations given up with others behind them,
+--      for the next senders to take (bucket::BucketState::holes; at most 8)
 --
 -- Tokens taken ahead (Redis only; the memory store never takes any): acquire.lua may
 -- hand a replica `cr` tokens to spend without asking, until `ce`. Until then the bucket
@@ -55,7 +57,8 @@ end
 
 --- The stored state, or nil when the key does not exist (a fresh full bucket).
 --- `loaded` keeps the values as read, so `save` writes only what changed.
-local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce', 'cs' }
+local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce', 'cs',
+                 'ho' }
 local loaded = nil
 local function load()
   local raw = redis.call('HMGET', key, unpack(FIELDS))
@@ -68,16 +71,17 @@ local function load()
                             tonumber(raw[9]), tonumber(raw[10] or '')
   local cr, ce, cs = tonumber(raw[11] or '0'), tonumber(raw[12] or '0'),
                      tonumber(raw[13] or '0')
+  local ho = raw[14] or ''
   loaded = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-             fl = fl, cr = cr, ce = ce, cs = cs }
+             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho }
   return { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-           fl = fl, cr = cr, ce = ce, cs = cs }
+           fl = fl, cr = cr, ce = ce, cs = cs, ho = ho }
 end
 
 --- bucket::fresh
 local function fresh()
   return { tk = burst, ts = now, dr = 0, da = 0, du = 0, cu = 0, g = 0, th = 0, fs = 0,
-           cr = 0, ce = 0, cs = 0 }
+           cr = 0, ce = 0, cs = 0, ho = '' }
 end
 
 --- Tokens replicas hold ahead that may still be spent (0 once their time is over).
@@ -136,6 +140,35 @@ end
 --- from now, or refuses, taking nothing, when that is beyond `budget`. Returns
 --- granted (bool), the wait or the retry time (µs), and 1 when a cooldown is why.
 local function reserve(s, budget)
+  -- bucket::take_hole: a start a sender gave up comes first (the earliest still ahead).
+  if s.tk < 1 and s.ho ~= '' then
+    local kept, best = {}, nil
+    for w in string.gmatch(s.ho, '%S+') do
+      local h = tonumber(w)
+      if h > now then
+        kept[#kept + 1] = h
+        if not best or h < best then
+          best = h
+        end
+      end
+    end
+    if best and best - now <= budget then
+      local left, dropped = {}, false
+      for i = 1, #kept do
+        if kept[i] == best and not dropped then
+          dropped = true
+        else
+          left[#left + 1] = str(kept[i])
+        end
+      end
+      s.ho = table.concat(left, ' ')
+      return true, best - now, 0
+    end
+    for i = 1, #kept do
+      kept[i] = str(kept[i])
+    end
+    s.ho = table.concat(kept, ' ')
+  end
   local base = math.max(s.ts, now)
   local r = effective(s, base)
   local missing = math.max(1 - s.tk, 0)
@@ -160,9 +193,9 @@ local function save(s)
   for i = 1, #FIELDS do
     local f = FIELDS[i]
     local v = s[f]
-    if v ~= nil and (loaded == nil or loaded[f] ~= v) then
+    if v ~= nil and (loaded == nil or loaded[f] ~= v) and not (loaded == nil and v == '') then
       fields[#fields + 1] = f
-      fields[#fields + 1] = str(v)
+      fields[#fields + 1] = type(v) == 'string' and v or str(v)
     end
   end
   if #fields > 0 then

@@ -18,5 +18,7 @@ local at_ts = most + math.max(s.ts - now, 0) / MICROS * effective(s, now)
 if s.tk > at_ts then
   s.tk = at_ts
 end
+-- Starts given up here may have been spent elsewhere meanwhile.
+s.ho = ''
 save(s)
 return 1

@@ -43,6 +43,7 @@ if pause > 0 and now + pause > s.cu then
   s.tk = 0
   s.ts = s.cu
   s.g = s.g + 1
+  s.ho = ''
   if ARGV[9] ~= '' then
     redis.call('PUBLISH', ARGV[9], KEYS[1])
   end

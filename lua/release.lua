@@ -15,9 +15,10 @@
 --          all); 0 when a cooldown voided it (other generation) or the key is gone (an
 --          expired key is a fresh full bucket: nothing to give back).
 --
--- Only what no later reservation was scheduled behind comes back (bucket::release):
--- reservations behind one that goes keep their starts, and its token back would give a
--- new sender the start of the last of them again.
+-- Only what no later reservation was scheduled behind goes back to the balance
+-- (bucket::release): reservations behind one that goes keep their starts, and its token
+-- back would give a new sender the start of the last of them again. Its start is kept
+-- instead (field ho) for the next sender.
 --
 -- Why atomic: the refund is a read-modify-write of the balance that acquires on other
 -- replicas are changing at the same moment.
@@ -37,12 +38,27 @@ if hold then
     s.cr = math.max(s.cr - n, 0)
   end
 else
-  -- A reservation: only what no later one was scheduled behind (bucket::release).
+  -- A reservation (bucket::release): with others scheduled behind it, its start is
+  -- kept for the next sender; the latest gives its token back to the balance.
   local base = math.max(s.ts, now)
   local r = effective(s, base)
   local latest = base + math.max(-s.tk, 0) / r * MICROS
-  local behind = math.max(latest - (now + tonumber(ARGV[7] or '0')), 0) / MICROS * r
+  local due = now + tonumber(ARGV[7] or '0')
+  local behind = math.max(latest - due, 0) / MICROS * r
   back = math.min(math.max(1 - behind, 0), 1)
+  if behind >= 0.5 and due > now then
+    back = 0
+    local kept = {}
+    for w in string.gmatch(s.ho, '%S+') do
+      if tonumber(w) > now then
+        kept[#kept + 1] = w
+      end
+    end
+    if #kept < 8 then
+      kept[#kept + 1] = str(due)
+    end
+    s.ho = table.concat(kept, ' ')
+  end
 end
 s.tk = math.min(s.tk + back, burst - held_ahead(s))
 save(s)

@@ -444,11 +444,13 @@ async fn cancelled_waiter_gives_its_slot_back(s: Subject) {
 }
 
 /// (Found 2026-12-07, later session) A waiter that hangs up while others wait behind it
-/// gives nothing back: they keep their starts, and a new sender takes the slot after the
-/// last of them. Its token back used to give the new sender the last one's start again:
-/// two arrivals at one instant against a burst of 1, one more for every sender that
-/// left. Given back from the end, slots come back one by one.
-async fn a_waiter_with_others_behind_it_gives_nothing_back(s: Subject) {
+/// leaves its start to the next sender: those behind keep theirs, and the sender after
+/// takes the slot after the last of them. Its token back to the balance used to give a
+/// new sender the last one's start again: two arrivals at one instant against a burst
+/// of 1, one more for every sender that left; and keeping nothing (a review) left
+/// those starts unused while new senders queued behind them. Given back from the end,
+/// slots come back one by one.
+async fn a_waiter_with_others_behind_it_leaves_its_start_to_the_next_sender(s: Subject) {
     let rate = 4.0;
     let slot = 1e6 / rate;
     let p = policy(rate, 1.0, 5_000);
@@ -492,6 +494,10 @@ async fn a_waiter_with_others_behind_it_gives_nothing_back(s: Subject) {
             }
         }
     };
+    for (n, what) in [(1.0, "the first start given up"), (2.0, "the second")] {
+        let taken = next(&s).await;
+        assert_between(what, taken.0, n * slot - late, n * slot + late);
+    }
     let fourth = next(&s).await;
     assert_between(
         "after the last one waiting",
@@ -771,7 +777,7 @@ every_store!(
     refusal_consumes_nothing,
     fifo_at_reserved_starts,
     cancelled_waiter_gives_its_slot_back,
-    a_waiter_with_others_behind_it_gives_nothing_back,
+    a_waiter_with_others_behind_it_leaves_its_start_to_the_next_sender,
     cooldown_then_empty_bucket_at_decreased_rate,
     recovery_climbs_linearly,
     floor_holds,

@@ -37,6 +37,34 @@ pub struct BucketState {
     pub throttles: u64,
     /// Since when the rate has been at its floor (µs); 0 when not at the floor.
     pub floor_since: f64,
+    /// Starts (µs) of reservations given up with others behind them, for the next
+    /// senders to take; 0 where there is none.
+    pub holes: [f64; MAX_HOLES],
+}
+
+/// How many given-up starts a bucket keeps for the next senders (`BucketState::holes`);
+/// one given up while all are kept goes unused.
+pub const MAX_HOLES: usize = 8;
+
+/// Takes the earliest start a sender gave up that is still ahead of `now` and within
+/// `budget_us` (forgetting those already past): the wait until it.
+fn take_hole(s: &mut BucketState, now: f64, budget_us: f64) -> Option<f64> {
+    let mut earliest: Option<usize> = None;
+    for i in 0..MAX_HOLES {
+        let h = s.holes[i];
+        if h <= 0.0 {
+            continue;
+        }
+        if h <= now {
+            s.holes[i] = 0.0;
+        } else if earliest.is_none_or(|e| h < s.holes[e]) {
+            earliest = Some(i);
+        }
+    }
+    let i = earliest.filter(|&i| s.holes[i] - now <= budget_us)?;
+    let wait = s.holes[i] - now;
+    s.holes[i] = 0.0;
+    Some(wait)
 }
 
 /// What a store answers to one acquire call.
@@ -138,6 +166,16 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
             generation: s.generation,
         };
     }
+    // A start a sender gave up comes first: those behind it keep theirs, and the
+    // bucket already counted it.
+    if s.tokens < 1.0 {
+        if let Some(wait_us) = take_hole(s, now, ask.budget_us) {
+            return Outcome::Granted {
+                wait_us,
+                generation: s.generation,
+            };
+        }
+    }
     let rate = effective_rate(s, ask.rate, ask.recovery_us, now.max(s.ts));
     let base = s.ts.max(now);
     let missing = (1.0 - s.tokens).max(0.0);
@@ -180,6 +218,8 @@ pub fn cap(s: &mut BucketState, ask: &Ask, most: f64, now: f64) {
     let rate = effective_rate(s, ask.rate, ask.recovery_us, now);
     let at_ts = most + (s.ts - now).max(0.0) / MICROS * rate;
     s.tokens = s.tokens.min(at_ts);
+    // Starts given up here may have been spent elsewhere meanwhile.
+    s.holes = [0.0; MAX_HOLES];
 }
 
 /// A reservation given back unspent: which generation granted it and when it was due.
@@ -191,15 +231,16 @@ pub struct Unused {
     pub due_in_us: f64,
 }
 
-/// Gives back a reservation whose sender went away, if no cooldown voided it, and only
-/// the part of it no later reservation was scheduled behind.
+/// Gives back a reservation whose sender went away, if no cooldown voided it.
 ///
 /// Each reservation starts `1/rate` after the one before it. When one in the middle
-/// goes, those behind it keep their starts, so its token cannot come back: a new
-/// reservation would take the start of the last one again, and one more sender would
-/// arrive at that instant for every sender that left (arrivals in a window of `1/rate`
-/// above `burst`). Only the latest reservation gives its token back in full; giving
-/// back from the end frees each slot in turn (Go's `x/time/rate` cancels the same way).
+/// goes, those behind it keep their starts, so its token cannot go back to the
+/// balance: a new reservation would take the start of the last one again, and one more
+/// sender would arrive at that instant for every sender that left (arrivals in a window
+/// of `1/rate` above `burst`). Its start is kept instead (`holes`) for the next sender
+/// to take. Only the latest reservation gives its token back to the balance (Go's
+/// `x/time/rate` cancels the same way); a start already past is what the balance
+/// regained meanwhile.
 pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
     if s.generation != unused.generation {
         return;
@@ -207,9 +248,19 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
     refill(s, ask, now);
     let base = s.ts.max(now);
     let rate = effective_rate(s, ask.rate, ask.recovery_us, base);
+    let due = now + unused.due_in_us;
     // The latest reservation starts when the balance is back at zero.
     let latest = base + (-s.tokens).max(0.0) / rate * MICROS;
-    let behind = (latest - (now + unused.due_in_us)).max(0.0) / MICROS * rate;
+    let behind = (latest - due).max(0.0) / MICROS * rate;
+    // Reservations are 1/rate apart, so `behind` is near a whole number: one or more is
+    // a reservation with others behind it (half way, where clocks of a shared store
+    // put it off by a little).
+    if behind >= 0.5 && due > now {
+        if let Some(free) = s.holes.iter_mut().find(|h| **h <= 0.0) {
+            *free = due;
+        }
+        return;
+    }
     s.tokens = (s.tokens + (1.0 - behind).clamp(0.0, 1.0)).min(ask.burst);
 }
 
@@ -243,6 +294,7 @@ pub fn feedback(
         s.tokens = 0.0;
         s.ts = s.cool_until;
         s.generation += 1;
+        s.holes = [0.0; MAX_HOLES];
     }
 }
 
@@ -407,7 +459,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reservation_with_others_behind_it_gives_nothing_back() {
+    fn a_reservation_with_others_behind_it_leaves_its_start_to_the_next_sender() {
         // rate 2, burst 1: one at once, then reservations at 0.5, 1.0, 1.5 s.
         let p = policy(2.0, 1.0);
         let ask = Ask::new(&p, 10.0 * S, None);
@@ -415,8 +467,9 @@ mod tests {
         for _ in 0..4 {
             acquire(&mut s, &ask, 0.0);
         }
-        // The 0.5 s and 1.0 s senders leave: the 1.5 s one keeps its start, and a new
-        // sender gets 2.0 s, not 1.5 s beside it.
+        // The 0.5 s and 1.0 s senders leave: the 1.5 s one keeps its start, the next
+        // senders take 0.5 s and 1.0 s, and the one after them 2.0 s (never 1.5 s
+        // beside the one waiting there).
         for due in [0.5, 1.0] {
             let unused = Unused {
                 generation: 0,
@@ -424,9 +477,16 @@ mod tests {
             };
             release(&mut s, &ask, unused, 0.1 * S);
         }
-        match acquire(&mut s, &ask, 0.1 * S) {
-            Outcome::Granted { wait_us, .. } => assert!((wait_us - 1.9 * S).abs() < 1.0),
-            o => panic!("{o:?}"),
+        for start in [0.5, 1.0, 2.0] {
+            match acquire(&mut s, &ask, 0.1 * S) {
+                Outcome::Granted { wait_us, .. } => {
+                    assert!(
+                        (wait_us - (start - 0.1) * S).abs() < 1.0,
+                        "{start}: {wait_us}"
+                    )
+                }
+                o => panic!("{o:?}"),
+            }
         }
         // Given back from the end, each slot comes back in turn: 2.0 s, then 1.5 s.
         for due in [2.0, 1.5] {
@@ -440,8 +500,17 @@ mod tests {
             Outcome::Granted { wait_us, .. } => assert!((wait_us - 1.4 * S).abs() < 1.0),
             o => panic!("{o:?}"),
         }
+        // A start already past is not handed out.
+        let unused = Unused {
+            generation: 0,
+            due_in_us: 0.9 * S,
+        };
+        release(&mut s, &ask, unused, 0.1 * S);
+        match acquire(&mut s, &ask, 1.2 * S) {
+            Outcome::Granted { wait_us, .. } => assert!(wait_us > 0.3 * S - 1.0, "{wait_us}"),
+            o => panic!("{o:?}"),
+        }
     }
-
     #[test]
     fn cooldown_blocks_then_restarts_empty_at_reduced_rate() {
         let p = policy(10.0, 10.0);
