@@ -45,7 +45,7 @@ local answers
 -- reservation or cooldown pushed the bucket's time ahead). Each ask is then granted now,
 -- exactly as the loop below would decide it, without its per-ask arithmetic: a batch
 -- costs about what one ask does.
-local quick = s.ts <= now and s.tk >= asks
+local quick = s.ts <= now and s.tk >= asks and s.la <= now
 if quick then
   local spent = 0
   for i = 8, #ARGV - 1, 2 do

@@ -25,6 +25,7 @@
 --      give-back that arrives after it ended (and another began) lowers nothing but its own
 --   ho starts (µs, space-separated) of reservations given up with others behind them,
 --      for the next senders to take (bucket::BucketState::holes; at most 8)
+--   la the latest start handed out (µs) while ahead (bucket::BucketState::last)
 --
 -- Tokens taken ahead (Redis only; the memory store never takes any): acquire.lua may
 -- hand a replica `cr` tokens to spend without asking, until `ce`. Until then the bucket
@@ -58,7 +59,7 @@ end
 --- The stored state, or nil when the key does not exist (a fresh full bucket).
 --- `loaded` keeps the values as read, so `save` writes only what changed.
 local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce', 'cs',
-                 'ho' }
+                 'ho', 'la' }
 local loaded = nil
 local function load()
   local raw = redis.call('HMGET', key, unpack(FIELDS))
@@ -72,16 +73,17 @@ local function load()
   local cr, ce, cs = tonumber(raw[11] or '0'), tonumber(raw[12] or '0'),
                      tonumber(raw[13] or '0')
   local ho = raw[14] or ''
+  local la = tonumber(raw[15] or '0')
   loaded = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho }
+             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la }
   return { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-           fl = fl, cr = cr, ce = ce, cs = cs, ho = ho }
+           fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la }
 end
 
 --- bucket::fresh
 local function fresh()
   return { tk = burst, ts = now, dr = 0, da = 0, du = 0, cu = 0, g = 0, th = 0, fs = 0,
-           cr = 0, ce = 0, cs = 0, ho = '' }
+           cr = 0, ce = 0, cs = 0, ho = '', la = 0 }
 end
 
 --- Tokens replicas hold ahead that may still be spent (0 once their time is over).
@@ -133,7 +135,8 @@ local function time_to_idle(s, floor)
   local dec_window = math.max(s.du - now, 0)
   -- Never forget tokens held ahead while they may be spent: a fresh bucket is full.
   local ahead = math.max(s.ce - now, 0)
-  return math.max(until_ts + refill_time, rec, dec_window, ahead)
+  local handed_out = math.max(s.la - now, 0)
+  return math.max(until_ts + refill_time, rec, dec_window, ahead, handed_out)
 end
 
 --- bucket::acquire's reservation (after refill): takes a token that starts `wait` µs
@@ -172,7 +175,12 @@ local function reserve(s, budget)
   local base = math.max(s.ts, now)
   local r = effective(s, base)
   local missing = math.max(1 - s.tk, 0)
-  local wait = base + missing / r * MICROS - now
+  local start = base + missing / r * MICROS
+  -- Never among the starts already handed out (bucket::acquire).
+  if s.la > now then
+    start = math.max(start, s.la + MICROS / r)
+  end
+  local wait = start - now
   if wait > budget then
     local cool_left = s.cu - now
     if cool_left > budget then
@@ -181,6 +189,9 @@ local function reserve(s, budget)
     return false, wait, 0
   end
   s.tk = s.tk - 1
+  if start > now and start > s.la then
+    s.la = start
+  end
   return true, math.max(wait, 0), 0
 end
 

@@ -44,6 +44,7 @@ if pause > 0 and now + pause > s.cu then
   s.ts = s.cu
   s.g = s.g + 1
   s.ho = ''
+  s.la = 0
   if ARGV[9] ~= '' then
     redis.call('PUBLISH', ARGV[9], KEYS[1])
   end

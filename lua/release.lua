@@ -42,10 +42,14 @@ else
   -- kept for the next sender; the latest gives its token back to the balance.
   local base = math.max(s.ts, now)
   local r = effective(s, base)
-  local latest = base + math.max(-s.tk, 0) / r * MICROS
+  local latest = math.max(base + math.max(-s.tk, 0) / r * MICROS, s.la)
   local due = now + tonumber(ARGV[7] or '0')
   local behind = math.max(latest - due, 0) / MICROS * r
   back = math.min(math.max(1 - behind, 0), 1)
+  if behind < 0.5 and due >= s.la then
+    -- The latest start is free again for the next sender.
+    s.la = due - MICROS / r
+  end
   if behind >= 0.5 and due > now then
     back = 0
     local kept = {}

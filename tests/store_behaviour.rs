@@ -617,6 +617,46 @@ async fn recovery_climbs_linearly(s: Subject) {
     }
 }
 
+/// (2026-12-07, later session, a review) During the climb after a decrease, a new
+/// reservation comes after the ones made while the rate was lower, never among them:
+/// the balance refills at the climbing rate, and placing by the balance alone put 125
+/// arrivals in 10 s against a bound of 101.
+async fn the_climb_never_puts_a_start_among_slower_ones(s: Subject) {
+    let mut p = policy(10.0, 1.0, 30_000);
+    let mut a = p.adaptive.unwrap();
+    a.recovery = Duration::from_secs(2);
+    a.decrease = 0.5;
+    p.adaptive = Some(a);
+    let ask = Ask::new(&p, 30e6, None);
+    let t0 = Instant::now();
+    s.store
+        .feedback("slower", ask, a, Duration::from_millis(200), true)
+        .await
+        .unwrap();
+    // Ten reservations at 5/s, from the pause's end: the last one starts near 2.2 s.
+    let mut last = 0.0_f64;
+    for _ in 0..10 {
+        match s.store.acquire("slower", ask).await.unwrap() {
+            Outcome::Granted { wait_us, .. } => last = last.max(us(t0, Instant::now()) + wait_us),
+            o => panic!("{o:?}"),
+        }
+    }
+    // Well into the climb, the balance has refilled faster than those starts pass.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    match s.store.acquire("slower", ask).await.unwrap() {
+        Outcome::Granted { wait_us, .. } => {
+            let start = us(t0, Instant::now()) + wait_us;
+            let late = s.clock.late().as_secs_f64() * 1e6;
+            // After the last one, at least 1/10 s (the configured rate) later.
+            assert!(
+                start >= last + 100_000.0 - late,
+                "a start at {start} µs among those up to {last} µs"
+            );
+        }
+        o => panic!("{o:?}"),
+    }
+}
+
 async fn floor_holds(s: Subject) {
     let p = policy(16.0, 1.0, 5_000);
     let mut a = p.adaptive.unwrap();
@@ -780,6 +820,7 @@ every_store!(
     a_waiter_with_others_behind_it_leaves_its_start_to_the_next_sender,
     cooldown_then_empty_bucket_at_decreased_rate,
     recovery_climbs_linearly,
+    the_climb_never_puts_a_start_among_slower_ones,
     floor_holds,
     leases_bound_expire_and_release,
     concurrent_acquires_decide_as_back_to_back_calls,

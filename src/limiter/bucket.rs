@@ -40,6 +40,9 @@ pub struct BucketState {
     /// Starts (µs) of reservations given up with others behind them, for the next
     /// senders to take; 0 where there is none.
     pub holes: [f64; MAX_HOLES],
+    /// The latest start handed out (µs) while it is ahead: a new reservation comes
+    /// after it, whatever the balance says when the rate has climbed since.
+    pub last: f64,
 }
 
 /// How many given-up starts a bucket keeps for the next senders (`BucketState::holes`);
@@ -179,7 +182,13 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
     let rate = effective_rate(s, ask.rate, ask.recovery_us, now.max(s.ts));
     let base = s.ts.max(now);
     let missing = (1.0 - s.tokens).max(0.0);
-    let start = base + missing / rate * MICROS;
+    let mut start = base + missing / rate * MICROS;
+    // Never among the starts already handed out: those made while the rate was lower
+    // keep their places, and the balance, refilled at the climbing rate, would put new
+    // ones between them.
+    if s.last > now {
+        start = start.max(s.last + MICROS / rate);
+    }
     let wait = start - now;
     if wait > ask.budget_us {
         let cool_left = s.cool_until - now;
@@ -196,6 +205,9 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
         };
     }
     s.tokens -= 1.0;
+    if start > now {
+        s.last = s.last.max(start);
+    }
     Outcome::Granted {
         wait_us: wait.max(0.0),
         generation: s.generation,
@@ -249,8 +261,9 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
     let base = s.ts.max(now);
     let rate = effective_rate(s, ask.rate, ask.recovery_us, base);
     let due = now + unused.due_in_us;
-    // The latest reservation starts when the balance is back at zero.
-    let latest = base + (-s.tokens).max(0.0) / rate * MICROS;
+    // The latest reservation starts when the balance is back at zero, or later (one
+    // made while the rate was lower).
+    let latest = (base + (-s.tokens).max(0.0) / rate * MICROS).max(s.last);
     let behind = (latest - due).max(0.0) / MICROS * rate;
     // Reservations are 1/rate apart, so `behind` is near a whole number: one or more is
     // a reservation with others behind it (half way, where clocks of a shared store
@@ -260,6 +273,10 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
             *free = due;
         }
         return;
+    }
+    if due >= s.last {
+        // The latest start is free again for the next sender.
+        s.last = due - MICROS / rate;
     }
     s.tokens = (s.tokens + (1.0 - behind).clamp(0.0, 1.0)).min(ask.burst);
 }
@@ -295,6 +312,7 @@ pub fn feedback(
         s.ts = s.cool_until;
         s.generation += 1;
         s.holes = [0.0; MAX_HOLES];
+        s.last = 0.0;
     }
 }
 
@@ -364,7 +382,12 @@ pub fn time_to_idle(s: &BucketState, ask: &Ask, floor: f64, now: f64) -> f64 {
         0.0
     };
     let dec_window = (s.dec_until - now).max(0.0);
-    (until_ts + refill_time).max(recovery).max(dec_window)
+    // Never forgotten while a start it handed out is ahead.
+    let handed_out = (s.last - now).max(0.0);
+    (until_ts + refill_time)
+        .max(recovery)
+        .max(dec_window)
+        .max(handed_out)
 }
 
 #[cfg(test)]
@@ -456,6 +479,54 @@ mod tests {
             0.0,
         );
         assert!(s.tokens.abs() < 1e-9);
+    }
+
+    /// The most starts in any window of `w` µs, against `rate·w + burst`.
+    fn worst_excess(starts: &mut [f64], rate: f64, burst: f64) -> f64 {
+        starts.sort_by(f64::total_cmp);
+        let mut worst = f64::MIN;
+        for (i, a) in starts.iter().enumerate() {
+            for (j, b) in starts.iter().enumerate().skip(i) {
+                let n = (j - i + 1) as f64;
+                worst = worst.max(n - (rate * (b - a) / S + burst));
+            }
+        }
+        worst
+    }
+
+    #[test]
+    fn the_climb_after_a_decrease_never_puts_new_starts_among_slower_ones() {
+        // (2026-12-07, later session, a review) Rate 10, burst 1; a 429 halves it and
+        // pauses 2 s, then it climbs back over 10 s. Sixty senders queued during the
+        // pause got starts 1/5 s apart (the rate then); senders asking later, as the
+        // balance refilled at the climbing rate, were given starts among theirs: 125
+        // arrivals in 10 s against 101.
+        let p = Policy {
+            adaptive: Some(Adaptive {
+                decrease: 0.5,
+                recovery: Duration::from_secs(10),
+                ..Adaptive::default()
+            }),
+            ..policy(10.0, 1.0)
+        };
+        let a = p.adaptive.unwrap();
+        let ask = Ask::new(&p, 100.0 * S, None);
+        let mut s = fresh(1.0, 0.0);
+        feedback(&mut s, &ask, &a, 2.0 * S, true, 0.0);
+        let mut starts = Vec::new();
+        let mut take = |s: &mut BucketState, now: f64| {
+            if let Outcome::Granted { wait_us, .. } = acquire(s, &ask, now) {
+                starts.push(now + wait_us);
+            }
+        };
+        for _ in 0..60 {
+            take(&mut s, 0.3 * S);
+        }
+        for i in 0..165 {
+            take(&mut s, 3.0 * S + f64::from(i) * S / 15.0);
+        }
+        let excess = worst_excess(&mut starts, 10.0, 1.0);
+        assert!(excess <= 1e-6, "{excess} starts over rate·W + burst");
     }
 
     #[test]
