@@ -46,9 +46,9 @@ else
   local due = now + tonumber(ARGV[7] or '0')
   local behind = math.max(latest - due, 0) / MICROS * r
   back = math.min(math.max(1 - behind, 0), 1)
-  if behind < 0.5 and due >= s.la then
-    -- The latest start is free again for the next sender.
-    s.la = due - MICROS / r
+  if behind < 0.5 then
+    -- The latest start (within half a slot: clocks differ a little) is free again.
+    s.la = math.min(s.la, due - MICROS / r)
   end
   if behind >= 0.5 and due > now then
     back = 0

@@ -274,10 +274,9 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
         }
         return;
     }
-    if due >= s.last {
-        // The latest start is free again for the next sender.
-        s.last = due - MICROS / rate;
-    }
+    // The latest start (within half a slot: a shared store's clocks differ a little)
+    // is free again for the next sender.
+    s.last = s.last.min(due - MICROS / rate);
     s.tokens = (s.tokens + (1.0 - behind).clamp(0.0, 1.0)).min(ask.burst);
 }
 
