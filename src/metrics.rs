@@ -304,24 +304,24 @@ impl Metrics {
 
     /// The label for an endpoint: its ID while under the cap, else `_other`.
     pub fn label(&self, id: &Arc<str>) -> EndpointLabel {
-        // A host-derived ID may be `_other` (no header check reaches it): it is the
-        // overflow label's, never a label of its own beside it.
-        if &**id == OTHER {
-            return self.other.clone();
-        }
         if let Ok(set) = self.labelled.read() {
             if let Some(label) = set.get(id) {
                 return label.clone();
             }
-            if set.len() >= self.max_labels {
+            // A host-derived ID may be `_other` (no header check reaches it): it is the
+            // overflow label's, never a label of its own beside it.
+            if set.len() >= self.max_labels || &**id == OTHER {
                 return self.other.clone();
             }
         }
         match self.labelled.write() {
-            Ok(mut set) if set.len() < self.max_labels || set.contains_key(id) => set
-                .entry(Arc::clone(id))
-                .or_insert_with(|| EndpointLabel::new(Arc::clone(id)))
-                .clone(),
+            Ok(mut set)
+                if (set.len() < self.max_labels || set.contains_key(id)) && &**id != OTHER =>
+            {
+                set.entry(Arc::clone(id))
+                    .or_insert_with(|| EndpointLabel::new(Arc::clone(id)))
+                    .clone()
+            }
             _ => self.other.clone(),
         }
     }

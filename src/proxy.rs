@@ -211,11 +211,10 @@ impl Who {
 
     /// Whether this sender may still spend `endpoint`'s budget under `rt`.
     fn may_still_spend(&self, rt: &Runtime, endpoint: &str) -> bool {
-        self.still_admitted(rt)
-            && match (&rt.users, &self.identity) {
-                (Some(users), Some(id)) => users.may_spend(&id.user, endpoint),
-                _ => true,
-            }
+        match (&rt.users, &self.identity) {
+            (Some(users), Some(id)) => users.still_valid(id) && users.may_spend(&id.user, endpoint),
+            _ => self.still_admitted(rt),
+        }
     }
 }
 
@@ -729,7 +728,7 @@ async fn forward_request(
         }
     };
     trace.upstream = Some(sent.elapsed());
-    let slot = counted(app, admitted, resp.status(), trace, false);
+    let slot = counted(app, admitted, resp.status(), trace);
     let mut resp = resp;
     // Framed twice by the upstream: its chunked framing won (hyper decoded it), so its
     // `Content-Length` says nothing true of the body (RFC 9112 §6.3).
@@ -832,7 +831,8 @@ pub(crate) async fn answered(
     trace: &mut Trace,
 ) -> Option<Slot> {
     heed(app, &admitted, status, headers).await;
-    counted(app, admitted, status, trace, true)
+    app.metrics.upstream_code(&admitted.label, status.as_u16());
+    counted(app, admitted, status, trace)
 }
 
 /// Feeds an answer to the endpoint's adaptive state when it carries something (429s,
@@ -846,20 +846,11 @@ async fn heed(app: &App, admitted: &Admitted, status: StatusCode, headers: &Head
     }
 }
 
-/// Counts and traces an answer (its status code too unless the exchange did);
-/// returns the in-flight slot.
-fn counted(
-    app: &App,
-    admitted: Admitted,
-    status: StatusCode,
-    trace: &mut Trace,
-    code: bool,
-) -> Option<Slot> {
+/// Counts the outcome of an answered request and traces it (its status code is
+/// counted with the answer, where the exchange ran); returns the in-flight slot.
+fn counted(app: &App, admitted: Admitted, status: StatusCode, trace: &mut Trace) -> Option<Slot> {
     trace.status = Some(status.as_u16());
     trace.outcome = admitted.outcome;
-    if code {
-        app.metrics.upstream_code(&admitted.label, status.as_u16());
-    }
     app.metrics.outcome(&admitted.label, admitted.outcome);
     admitted.slot
 }
