@@ -11,14 +11,22 @@
 --          as held unless given back sooner (µs; longer than the replica spends them)
 -- ARGV[6]  with KEYS[2]: this replica's id there; tokens go ahead only while it is the
 --          one live replica. ARGV[7] a heartbeat's time to live (ms). Else "" and 0.
--- ARGV[8], ARGV[9]  the first ask: budget, the longest acceptable wait (µs), and its
+-- ARGV[8]  how long (µs from now) this replica knows the bucket stays busy (not yet
+--          full again): the <busy> of its last answer here, counted from when that answer
+--          came; 0 when it knows of none. The key outlives that by its 1 s margin
+--          (bucket.lua's `save`), so a key missing before then is a store that lost its
+--          state (restarted empty, failed over before the last writes reached the
+--          replica, evicted), not a bucket that went idle: it is rebuilt as busy for that
+--          long (see `lost` below), not as a fresh full bucket (a second burst on top of
+--          the reservations already handed out).
+-- ARGV[9], ARGV[10]  the first ask: budget, the longest acceptable wait (µs), and its
 --          held generation ("" = none: take a token; else confirm that reservation)
--- ARGV[10], ARGV[11]  the second ask, and so on (src/limiter/batch.rs sends one pair per
+-- ARGV[11], ARGV[12]  the second ask, and so on (src/limiter/batch.rs sends one pair per
 --          request that queued while the previous call for this endpoint was in flight).
 --          No ask at all: a top-up, asking only for tokens ahead (ARGV[4]).
 -- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
 --          here, where turning a number into text is the costly part):
---            "<generation> <ahead> <hold> <ask 1> <ask 2> ..."
+--            "<generation> <ahead> <hold> <busy> <ask 1> <ask 2> ..."
 --          each ask one word: "G" granted now, "G<µs>" granted to start after <µs>, "R<µs>"
 --          refused by the rate, retry after <µs>, "C<µs>" refused because of a cooldown
 --          (whole µs, rounded up: never early). A granted reservation belongs to
@@ -31,15 +39,29 @@
 --          with KEYS[2], only while no other replica is alive to want them.
 --          <hold>: with tokens ahead, the hold they joined (`cs`, see bucket.lua), which
 --          their give-back names; else 0.
+--          <busy>: µs until the bucket is idle again (bucket::time_to_idle, whole µs
+--          rounded down), 0 when no key is left: what the replica sends back as ARGV[8].
 --
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
 
-local s = load() or fresh()
+local s = load()
+local lost = false
+if not s then
+  s = fresh()
+  local known = tonumber(ARGV[8])
+  if known > 0 then
+    -- The state is gone while a replica knows the bucket was busy: rebuild it as one
+    -- that is full again only `known` from now at the configured rate (the fastest it
+    -- could refill), so every start handed out before comes before any new one.
+    s.tk = math.min(burst, burst - known / MICROS * rate)
+    lost = true
+  end
+end
 refill(s)
 local taken = false
 local all_now = true
-local asks = (#ARGV - 7) / 2
+local asks = (#ARGV - 8) / 2
 local answers
 -- A busy endpoint far from its limit: a token for every ask, none to wait for (no
 -- reservation or cooldown pushed the bucket's time ahead). Each ask is then granted now,
@@ -48,7 +70,7 @@ local answers
 local quick = s.ts <= now and s.tk >= asks and s.la <= now
 if quick then
   local spent = 0
-  for i = 8, #ARGV - 1, 2 do
+  for i = 9, #ARGV - 1, 2 do
     if tonumber(ARGV[i]) < 0 then
       quick = false
       break
@@ -66,7 +88,7 @@ if quick then
 end
 if not quick then
   local out = {}
-  for i = 8, #ARGV - 1, 2 do
+  for i = 9, #ARGV - 1, 2 do
     local held = ARGV[i + 1]
     if held ~= '' and tonumber(held) == s.g then
       -- The reservation survived (no cooldown voided it): go, taking nothing more.
@@ -117,8 +139,12 @@ if wanted > 0 and all_now and s.cu <= now and s.dr <= 0 and alone() then
     ahead = 0
   end
 end
-if taken then
-  save(s)
+local busy = 0
+if taken or lost then
+  busy = save(s)
+elseif loaded then
+  busy = time_to_idle(s, s.fl or rate)
 end
+busy = math.floor(busy)
 local hold = ahead > 0 and str(s.cs) or '0'
-return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. answers
+return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. str(busy) .. ' ' .. answers

@@ -11,9 +11,11 @@
 --          whatever hold came after (other tokens, still spendable): it is left alone.
 --          Empty for a reservation.
 -- ARGV[7]  a reservation's start, in µs from now (negative: due already).
--- Returns  1 when given back (wholly, in part or, with reservations behind it, not at
---          all); 0 when a cooldown voided it (other generation) or the key is gone (an
---          expired key is a fresh full bucket: nothing to give back).
+-- Returns  when given back (wholly, in part or, with reservations behind it, not at
+--          all): µs until the bucket is idle again (whole, rounded down; acquire.lua's
+--          <busy>, which a give-back can shorten); -1 when a cooldown voided it (other
+--          generation) or the key is gone (an expired key is a fresh full bucket: nothing
+--          to give back), which tells the replica nothing new.
 --
 -- Only what no later reservation was scheduled behind goes back to the balance
 -- (bucket::release): reservations behind one that goes keep their starts, and its token
@@ -25,7 +27,7 @@
 
 local s = load()
 if not s or tonumber(ARGV[4]) ~= s.g then
-  return 0
+  return -1
 end
 refill(s)
 local n = tonumber(ARGV[5] or '1')
@@ -65,5 +67,4 @@ else
   end
 end
 s.tk = math.min(s.tk + back, burst - held_ahead(s))
-save(s)
-return 1
+return math.floor(save(s))

@@ -1280,3 +1280,80 @@ async fn requests_waiting_when_a_cooldown_starts_hold_it_through_a_stall() {
     assert!(early.is_empty(), "arrived during the cooldown: {early:?}");
     s.stop().await;
 }
+
+/// (Found 2026-12-07, later session; fixed in the session after) A Redis that loses its
+/// state between two requests, with no failed call for sluice to notice (an operator's
+/// `FLUSHALL`, a restart between two calls, an eviction, a failover before the last
+/// writes reached the replica), gave the endpoint a fresh burst on top of the
+/// reservations already handed out: 15 arrivals within a second against a bound of 10.
+/// Now each acquire sends how long the replica last heard the bucket stays busy, and a
+/// key missing before then is rebuilt busy for that long. A bucket that went idle and
+/// expired on its own is still a fresh full one: a burst after it is not refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst() {
+    let (rate, burst) = (5.0, 5.0);
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n\
+         [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n\
+         [[endpoints]]\nid = \"idle\"\nrate = {rate}\nburst = {burst}\nmax_wait = \"0s\"\n",
+        redis.url()
+    ))
+    .await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let send = |ep: &'static str, path: String| {
+        let (c, url) = (c.clone(), up.url(&path));
+        tokio::spawn(async move {
+            let r = c.get(url).header("x-endpoint-id", ep).send().await.unwrap();
+            r.status().as_u16()
+        })
+    };
+    // The burst, and five reservations behind it (the last starts a second later).
+    let mut sent: Vec<_> = (0..10)
+        .map(|i| send("lost", format!("/lost/before/{i}")))
+        .collect();
+    common::wait_for("the burst at the upstream", Duration::from_secs(5), || {
+        let n = times_of(&up, "lost").len();
+        async move { n >= burst as usize }
+    })
+    .await;
+    // The store loses everything; no call fails, so sluice sees no outage.
+    assert_eq!(redis.cli(&["FLUSHALL"]).as_deref(), Some("OK"));
+    sent.extend((0..5).map(|i| send("lost", format!("/lost/after/{i}"))));
+    for r in sent {
+        assert_eq!(r.await.unwrap(), 200, "nothing is refused or lost");
+    }
+    let times = times_of(&up, "lost");
+    assert_eq!(times.len(), 15, "each request arrived once");
+    assert_no_overdraw(&times, rate, burst);
+
+    // A bucket that went idle and expired (its 1 s margin after the refill) is new
+    // again: its burst goes at once (`max_wait = 0` would refuse a bucket rebuilt busy).
+    let burst_of = |tag: &'static str| {
+        (0..burst as usize)
+            .map(|i| send("idle", format!("/idle/{tag}/{i}")))
+            .collect::<Vec<_>>()
+    };
+    for r in burst_of("first") {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    let key = "sluice:{idle}";
+    common::wait_for(
+        "the idle bucket's key expired",
+        Duration::from_secs(10),
+        || {
+            let gone = redis.cli(&["EXISTS", key]).as_deref() == Some("0");
+            async move { gone }
+        },
+    )
+    .await;
+    for r in burst_of("again") {
+        assert_eq!(
+            r.await.unwrap(),
+            200,
+            "an idle bucket's burst is not refused"
+        );
+    }
+    s.stop().await;
+}

@@ -14,10 +14,11 @@
 //! in `classify`. Bucket times come from Redis `TIME` (the server clock, shared by
 //! every replica); only the call latency is measured on tokio's clock here.
 
+use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine;
@@ -209,6 +210,49 @@ pub(super) struct Calls {
     /// `store.prefetch = "alone"` (single Redis, Sentinel): the heartbeat set and this
     /// replica's id in it, which `acquire.lua` checks before handing tokens out ahead.
     alone: Option<Alone>,
+    /// Until when each endpoint's bucket is known to stay busy.
+    busy: Busy,
+}
+
+/// Until when each endpoint's bucket was last heard to stay busy (not full again):
+/// `acquire.lua`'s and `release.lua`'s answers say how long, and the next acquire
+/// sends what is left of it. The key outlives that by its 1 s margin, so a key missing
+/// before then is a store that lost its state (restarted empty between two calls, failed
+/// over before the last writes reached the replica, evicted) rather than a bucket gone
+/// idle: the script rebuilds it busy, not full, and the reservations already handed out
+/// get no second burst on top of them.
+#[derive(Default)]
+struct Busy(Mutex<HashMap<Box<str>, Instant>>);
+
+impl Busy {
+    /// Endpoints remembered at most (past ones are dropped first; a replica deciding for
+    /// more than this many endpoints at once forgets them all and starts over).
+    const MAX: usize = 100_000;
+
+    /// µs left of what is known of `endpoint` at `now` (0: nothing known).
+    fn left_us(&self, endpoint: &str, now: Instant) -> f64 {
+        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(endpoint)
+            .map_or(0.0, |until| micros(until.saturating_duration_since(now)))
+    }
+
+    /// Records an answer: the bucket stays busy for `us` µs from `at` (when the answer
+    /// came, so what is sent back next is never short of it by the call's latency).
+    fn heard(&self, endpoint: &str, at: Instant, us: f64) {
+        let until = at + Duration::from_micros(us.max(0.0) as u64);
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(u) = map.get_mut(endpoint) {
+            *u = until;
+            return;
+        }
+        if map.len() >= Self::MAX {
+            map.retain(|_, u| *u > at);
+            if map.len() >= Self::MAX {
+                map.clear();
+            }
+        }
+        map.insert(endpoint.into(), until);
+    }
 }
 
 /// Where `acquire.lua` checks that this replica is the only live one.
@@ -443,6 +487,7 @@ impl RedisStore {
             timeout: cfg.timeout,
             stats,
             alone,
+            busy: Busy::default(),
         };
         // Top-ups keep a busy endpoint's held tokens from running out, so some stay
         // held for as long as its traffic lasts: only where no other replica could
@@ -606,13 +651,16 @@ impl Calls {
             endpoint,
             alone.map(|a| a.heartbeats.as_str()),
             policy,
-            4 + 2 * asks.len(),
+            5 + 2 * asks.len(),
         );
         inv.arg(ahead).arg(Num(micros(credit::HELD_FOR)));
         match alone {
             Some(a) => inv.arg(&a.replica).arg(HEARTBEAT_TTL.as_millis() as u64),
             None => inv.arg("").arg(0),
         };
+        inv.arg(Num::whole_micros(
+            self.busy.left_us(endpoint, Instant::now()),
+        ));
         for ask in asks {
             inv.arg(Num::whole_micros(ask.budget_us));
             match ask.held {
@@ -620,7 +668,9 @@ impl Calls {
                 None => inv.arg(""),
             };
         }
-        let (outcomes, got, generation, hold) = decisions(&self.run(inv).await?, asks.len())?;
+        let answer = self.run(inv).await?;
+        let (outcomes, got, generation, hold, busy) = decisions(&answer, asks.len())?;
+        self.busy.heard(endpoint, Instant::now(), busy);
         if !(0.0..=f64::from(ahead)).contains(&got) {
             return Err(StoreError::Protocol(format!(
                 "acquire handed out {got} tokens ahead, {ahead} were asked"
@@ -677,7 +727,7 @@ impl Calls {
             .arg(1)
             .arg("")
             .arg(unused.due_in_us.round() as i64);
-        self.run::<Value>(inv).await.map(drop)
+        self.given_back(endpoint, inv).await
     }
 
     /// Gives back tokens taken ahead and never spent.
@@ -689,7 +739,17 @@ impl Calls {
     ) -> Result<(), StoreError> {
         let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 3);
         inv.arg(left.generation).arg(left.n).arg(left.hold);
-        self.run::<Value>(inv).await.map(drop)
+        self.given_back(endpoint, inv).await
+    }
+
+    /// Runs a `release.lua` call and records how long the bucket stays busy after it
+    /// (a give-back can make that shorter; -1: nothing given back, nothing learnt).
+    async fn given_back(&self, endpoint: &str, inv: ScriptCall<'_>) -> Result<(), StoreError> {
+        let busy = num(&self.run::<Value>(inv).await?)?;
+        if busy >= 0.0 {
+            self.busy.heard(endpoint, Instant::now(), busy);
+        }
+        Ok(())
     }
 }
 
@@ -814,10 +874,14 @@ fn num(v: &Value) -> Result<f64, StoreError> {
         .ok_or_else(|| StoreError::Protocol(format!("script answered {v:?}, not a number")))
 }
 
-/// The answer of `lua/acquire.lua` for `n` asks, `"<generation> <ahead> <hold> <ask>..."`
-/// with one word per ask (`G`, `G<µs>`, `R<µs>`, `C<µs>`): the outcomes in order, the
-/// tokens taken ahead, the bucket's generation and the hold of the tokens ahead.
-fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64, u64, u64), StoreError> {
+/// The outcomes of one acquire call in order, the tokens taken ahead, the bucket's
+/// generation, the hold of the tokens ahead, and µs until the bucket is idle again.
+type Decisions = (Vec<Outcome>, f64, u64, u64, f64);
+
+/// The answer of `lua/acquire.lua` for `n` asks,
+/// `"<generation> <ahead> <hold> <busy> <ask>..."` with one word per ask (`G`, `G<µs>`,
+/// `R<µs>`, `C<µs>`).
+fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     let bad = || StoreError::Protocol(format!("unexpected acquire reply {v:?}"));
     let Value::BulkString(text) = v else {
         return Err(bad());
@@ -827,8 +891,9 @@ fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64, u64, u64), Store
     let generation = number(words.next())? as u64;
     let ahead = number(words.next())?;
     let hold = number(words.next())? as u64;
+    let busy = number(words.next())?;
     let mut outcomes = Vec::with_capacity(n);
-    // No asks (a top-up): the answer ends with the separator after `<hold>`.
+    // No asks (a top-up): the answer ends with the separator after `<busy>`.
     for word in words.filter(|w| n > 0 || !w.is_empty()) {
         let (&kind, us) = word.split_first().ok_or_else(bad)?;
         let us = match (kind, us) {
@@ -850,7 +915,7 @@ fn decisions(v: &Value, n: usize) -> Result<(Vec<Outcome>, f64, u64, u64), Store
     if outcomes.len() != n {
         return Err(bad());
     }
-    Ok((outcomes, ahead, generation, hold))
+    Ok((outcomes, ahead, generation, hold, busy))
 }
 
 /// A whole number as Lua writes one: digits, or an exponent form from 1e14 on.
@@ -1045,11 +1110,12 @@ mod tests {
     #[test]
     fn acquire_answers_are_read_in_order_and_checked() {
         let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        let (outcomes, ahead, generation, hold) =
-            decisions(&v("7 3 95012345678901 G G1500 R20 C1e+15"), 4).unwrap();
+        let (outcomes, ahead, generation, hold, busy) =
+            decisions(&v("7 3 95012345678901 2500000 G G1500 R20 C1e+15"), 4).unwrap();
         assert_eq!(generation, 7);
         assert_eq!(ahead, 3.0);
         assert_eq!(hold, 95_012_345_678_901);
+        assert_eq!(busy, 2_500_000.0);
         assert_eq!(
             outcomes,
             vec![
@@ -1072,27 +1138,29 @@ mod tests {
             ]
         );
         for bad in [
-            "7 0 0 G",
-            "7 0 0 G G G",
-            "7 0 0 X1 G",
-            "7 0 0 R G",
-            "7 0 0 G  G",
-            "7 0 0 G -5",
-            "7 0 0 Gx G",
-            "x 0 0 G G",
-            "7 0 G G",
+            "7 0 0 0 G",
+            "7 0 0 0 G G G",
+            "7 0 0 0 X1 G",
+            "7 0 0 0 R G",
+            "7 0 0 0 G  G",
+            "7 0 0 0 G -5",
+            "7 0 0 0 Gx G",
+            "x 0 0 0 G G",
+            "7 0 0 G G",
+            "7 0 0 -1 G G",
             "7",
             "",
         ] {
             assert!(decisions(&v(bad), 2).is_err(), "{bad:?} accepted");
         }
         assert!(decisions(&Value::Array(vec![Value::Int(1)]), 1).is_err());
-        // A top-up (no asks): the generation, the tokens ahead and their hold, nothing else.
+        // A top-up (no asks): the generation, the tokens ahead, their hold and the time
+        // to idle, nothing else.
         assert_eq!(
-            decisions(&v("9 40 12 "), 0).unwrap(),
-            (Vec::new(), 40.0, 9, 12)
+            decisions(&v("9 40 12 300 "), 0).unwrap(),
+            (Vec::new(), 40.0, 9, 12, 300.0)
         );
-        assert!(decisions(&v("9 40 12 G"), 0).is_err());
+        assert!(decisions(&v("9 40 12 300 G"), 0).is_err());
     }
 
     /// Whole numbers go as integers, others keep every digit a float has.
