@@ -40,7 +40,8 @@
 --          <hold>: with tokens ahead, the hold they joined (`cs`, see bucket.lua), which
 --          their give-back names; else 0.
 --          <busy>: µs until the bucket is idle again (bucket::time_to_idle, whole µs
---          rounded down), 0 when no key is left: what the replica sends back as ARGV[8].
+--          rounded down; from 1e14 on in exponent form), 0 when no key is left: what the
+--          replica sends back as ARGV[8].
 --
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
@@ -147,4 +148,4 @@ elseif loaded then
 end
 busy = math.floor(busy)
 local hold = ahead > 0 and str(s.cs) or '0'
-return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. str(busy) .. ' ' .. answers
+return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. tostring(busy) .. ' ' .. answers

@@ -230,6 +230,8 @@ fn ca_init(dir: &Path) -> anyhow::Result<ExitCode> {
 }
 
 fn run(path: &Path) -> anyhow::Result<ExitCode> {
+    // Before reading: an edit from here on is one the file watch reloads.
+    let seen = modified(path);
     let config = match load(path) {
         Ok(c) => c,
         Err(code) => return Ok(code),
@@ -250,12 +252,20 @@ fn run(path: &Path) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(serve(path.to_owned(), config, std::sync::Arc::new(workers)))
+    rt.block_on(serve(
+        path.to_owned(),
+        config,
+        seen,
+        std::sync::Arc::new(workers),
+    ))
 }
 
+/// Runs sluice on `config` (read from `path`, which had the modification time `seen`
+/// then) until SIGTERM or SIGINT, reloading on SIGHUP and when the file changes.
 async fn serve(
     path: PathBuf,
     config: Config,
+    mut seen: Option<SystemTime>,
     workers: std::sync::Arc<sluice::workers::Workers>,
 ) -> anyhow::Result<ExitCode> {
     use tokio::signal::unix::{SignalKind, signal};
@@ -276,8 +286,10 @@ async fn serve(
     let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
     let app = std::sync::Arc::clone(&running.app);
-    let mut seen = modified(&path);
-    let mut poll = tokio::time::interval(Duration::from_secs(1));
+    // The file is looked at once a second, the first time a second from now (the
+    // version read at start is `seen`).
+    let every = Duration::from_secs(1);
+    let mut poll = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     loop {
         tokio::select! {
             // SIGTERM / SIGINT: drain and exit 0.
@@ -287,14 +299,14 @@ async fn serve(
             // seen, so one edit followed by a SIGHUP reloads (and logs) once.
             _ = hup.recv() => {
                 seen = modified(&path);
-                reload(&app, &path);
+                reload(&app, &path, "SIGHUP");
             }
             // The file changed on disk: reload.
             _ = poll.tick() => {
                 let now = modified(&path);
                 if now != seen {
                     seen = now;
-                    reload(&app, &path);
+                    reload(&app, &path, "file changed");
                 }
             }
         }
@@ -310,15 +322,16 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-fn reload(app: &sluice::core::App, path: &Path) {
+/// Reloads `path` into `app`, logging a refusal with what asked for the reload (`by`).
+fn reload(app: &sluice::core::App, path: &Path, by: &'static str) {
     match sluice::app::reload(app, path) {
         Ok(()) => {}
         Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {
             for i in &issues {
-                tracing::error!(%i, "reload refused: keeping the running config");
+                tracing::error!(%i, by, "reload refused: keeping the running config");
             }
         }
-        Err(e) => tracing::error!(error = %e, "reload refused: keeping the running config"),
+        Err(e) => tracing::error!(error = %e, by, "reload refused: keeping the running config"),
     }
 }
 

@@ -134,8 +134,13 @@ async fn replicas_taking_tokens_ahead_never_exceed_rate_and_burst() {
 }
 
 /// Tokens taken ahead and never spent go back into the bucket at their end: a burst
-/// that stops loses nothing, and at no moment are they neither in the bucket nor held
-/// (the bucket's view checked back to back until they are back).
+/// that stops loses nothing, and while Redis counts them as held they are never in
+/// neither the bucket nor the hold (the bucket's view checked back to back until they
+/// are back). The replica gives them back from a timer 5 ms after it asked; the script
+/// counts them held for 10 ms. A timer later than that on a loaded machine leaves them
+/// in neither until it fires: fewer tokens for a moment, never more. (Until 2026-12-07
+/// this asserted the first view within those 5 ms, and the hold through a late timer:
+/// CI-like load failed 3 runs in 20.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unspent_tokens_held_ahead_come_back() {
     let server = common::redis::RedisServer::start();
@@ -143,6 +148,7 @@ async fn unspent_tokens_held_ahead_come_back() {
     // 1 token/s: refill during the test is a few tokens at most.
     let p = policy(1.0, 1_000.0);
     let ask = Ask::new(&p, 0.0, None);
+    let monitor = server.monitor();
     let t0 = Instant::now();
     let n = 40;
     let tasks: Vec<_> = (0..n)
@@ -154,12 +160,6 @@ async fn unspent_tokens_held_ahead_come_back() {
     for t in tasks {
         assert!(matches!(t.await.unwrap(), Outcome::Granted { .. }));
     }
-    let tokens = || async { s.view("back", ask, None).await.unwrap().unwrap().tokens };
-    let held = tokens().await;
-    assert!(
-        held < 1_000.0 - f64::from(n) - 1.0,
-        "{n} concurrent acquires took nothing ahead ({held} tokens left)"
-    );
     let expected = 1_000.0 - f64::from(n);
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -170,11 +170,14 @@ async fn unspent_tokens_held_ahead_come_back() {
             left <= expected + refill + 1e-6,
             "{left} tokens: more than given"
         );
-        assert!(
-            left + view.held_ahead >= expected - 1e-6,
-            "{left} tokens + {} held ahead: some are in neither",
-            view.held_ahead
-        );
+        // The script began the hold after t0, so it lasts at least until then.
+        if t0.elapsed() < Duration::from_millis(10) {
+            assert!(
+                left + view.held_ahead >= expected - 1e-6,
+                "{left} tokens + {} held ahead: some are in neither",
+                view.held_ahead
+            );
+        }
         if left >= expected - 1e-6 {
             break;
         }
@@ -184,6 +187,9 @@ async fn unspent_tokens_held_ahead_come_back() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // Tokens were taken ahead, and it is those that came back.
+    let back = common::redis::given_back_ahead(&server.monitor_log(monitor));
+    assert!(back >= 1, "{n} concurrent acquires took nothing ahead");
 }
 
 /// How many of `n` = 32 × 100 concurrent acquires of a busy endpoint far from its limit
@@ -671,11 +677,23 @@ async fn a_call_with_no_asks_takes_tokens_ahead_down_to_half_the_burst() {
             .arg(10_000)
             .arg("")
             .arg(0)
+            .arg(0)
             .invoke_async(&mut conn)
             .await
             .unwrap()
     };
-    let first = top_up(20).await;
+    // "<generation> <ahead> <hold> <busy> " (no asks): the time to idle aside, which
+    // the refill changes from call to call.
+    let without_busy = |reply: String| -> String {
+        let mut words: Vec<&str> = reply.split(' ').collect();
+        let busy: f64 = words.remove(3).parse().unwrap();
+        assert!(
+            busy >= 10_000.0,
+            "busy at least while tokens are held: {reply}"
+        );
+        words.join(" ")
+    };
+    let first = without_busy(top_up(20).await);
     let words: Vec<&str> = first.split(' ').collect();
     let (generation, hold) = (words[0], words[2]);
     assert_eq!(
@@ -685,12 +703,12 @@ async fn a_call_with_no_asks_takes_tokens_ahead_down_to_half_the_burst() {
     );
     assert_ne!(hold, "0", "a hold is named");
     assert_eq!(
-        top_up(100).await,
+        without_busy(top_up(100).await),
         format!("{generation} 30 {hold} "),
         "down to half the burst, in the same hold"
     );
     assert_eq!(
-        top_up(100).await,
+        without_busy(top_up(100).await),
         format!("{generation} 0 0 "),
         "no further"
     );
@@ -723,6 +741,7 @@ async fn a_late_give_back_lowers_no_later_hold() {
             .arg(n)
             .arg(held_us)
             .arg("")
+            .arg(0)
             .arg(0)
             .invoke_async(&mut conn)
             .await
@@ -759,7 +778,8 @@ async fn a_late_give_back_lowers_no_later_hold() {
         .invoke_async(&mut conn)
         .await
         .unwrap();
-    assert_eq!(refunded, 1, "unspent tokens go back to the bucket");
+    // The bucket's time to idle after the give-back (-1: nothing given back).
+    assert!(refunded >= 0, "unspent tokens go back to the bucket");
     // Let the bucket refill as far as it may.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

@@ -687,7 +687,7 @@ pub async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnecti
 
 /// What `acquire.lua` calls asked Redis, from a MONITOR log:
 /// `(reservations, confirmations, script calls)`. A call is `EVALSHA <acquire sha> <n>
-/// <n keys> rate burst recovery ahead ahead_us replica ttl` followed by one `budget held` pair per ask
+/// <n keys> rate burst recovery ahead ahead_us replica ttl busy` followed by one `budget held` pair per ask
 /// (several when concurrent asks were batched); a confirmation carries a held
 /// generation, a reservation `""`.
 pub fn acquires(monitor: &str) -> (usize, usize, usize) {
@@ -704,7 +704,7 @@ pub fn acquires(monitor: &str) -> (usize, usize, usize) {
         }
         calls.2 += 1;
         let keys: usize = words[2].trim_matches('"').parse().unwrap();
-        for pair in words[3 + keys + 7..].chunks(2) {
+        for pair in words[3 + keys + 8..].chunks(2) {
             if pair.get(1) == Some(&"\"\"") {
                 calls.0 += 1;
             } else {
@@ -713,4 +713,26 @@ pub fn acquires(monitor: &str) -> (usize, usize, usize) {
         }
     }
     calls
+}
+
+/// Tokens given back unspent after being taken ahead, from a MONITOR log: the sum of
+/// the counts of `release.lua` calls that name a hold (`EVALSHA <release sha> 1 <key>
+/// rate burst recovery generation n hold`; a reservation's give-back names none).
+pub fn given_back_ahead(monitor: &str) -> u64 {
+    let quoted = format!("\"{}\"", release_script().get_hash());
+    let mut n = 0;
+    for line in monitor.lines().filter(|l| !l.contains("lua]")) {
+        let Some(cmd) = line.split_once("] ").map(|(_, c)| c) else {
+            continue;
+        };
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        if words.first() != Some(&"\"EVALSHA\"") || words.get(1) != Some(&quoted.as_str()) {
+            continue;
+        }
+        let hold = words.get(9).map(|w| w.trim_matches('"')).unwrap_or("");
+        if !hold.is_empty() {
+            n += words[8].trim_matches('"').parse::<u64>().unwrap_or(0);
+        }
+    }
+    n
 }
