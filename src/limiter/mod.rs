@@ -30,6 +30,7 @@ pub mod queue;
 pub mod redis;
 mod sentinel;
 pub mod slot;
+mod waiting;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -45,6 +46,7 @@ pub use queue::{Gates, Hint, Place};
 pub use slot::{HeldBody, Slot};
 
 use crate::config::{Adaptive, Policy};
+use waiting::{Spot, Start, Waiting};
 
 /// A boxed store future (the seam is object-safe so stores can be chosen at start-up).
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
@@ -214,6 +216,8 @@ pub struct Limiter {
     store: Arc<dyn BucketStore>,
     gates: Arc<Gates>,
     next_lease: Arc<AtomicU64>,
+    /// Requests waiting for their reserved starts, moved up when one ahead leaves.
+    waiting: Arc<Waiting>,
 }
 
 impl Limiter {
@@ -223,6 +227,7 @@ impl Limiter {
             store,
             gates: Arc::default(),
             next_lease: Arc::new(AtomicU64::new(1)),
+            waiting: Arc::default(),
         }
     }
 
@@ -309,17 +314,24 @@ impl Limiter {
                     wait_us,
                     generation,
                 } => {
-                    let guard = Reservation {
+                    let wait = from_micros(wait_us);
+                    let start = Start {
+                        // From when the call was sent, not answered: never later
+                        // than the store's start, so what comes back is never more.
+                        due: asked + wait,
+                        wake: Instant::now() + wait,
+                    };
+                    let place = self.waiting.join(endpoint, generation, start);
+                    let mut guard = Reservation {
                         store: Arc::clone(&self.store),
                         endpoint: endpoint.to_owned(),
                         ask: Ask::new(policy, 0.0, None),
                         generation,
-                        // From when the call was sent, not answered: never later
-                        // than the store's start, so what comes back is never more.
-                        due: asked + from_micros(wait_us),
+                        start,
                         armed: true,
+                        place: Some((Arc::clone(&self.waiting), place)),
                     };
-                    tokio::time::sleep(from_micros(wait_us)).await;
+                    guard.wait().await;
                     guard.disarm();
                     // Re-check on waking — a cooldown started meanwhile voids the
                     // reservation — unless the store heard of none since we asked.
@@ -511,19 +523,46 @@ pub fn from_micros(us: f64) -> Duration {
     }
 }
 
-/// A reservation held by a waiting request; dropped while armed, it is given back.
+/// A reservation held by a waiting request; dropped while armed, it is given back
+/// (with a place among the waiting requests, the start left over once the ones behind
+/// it moved up).
 struct Reservation {
     store: Arc<dyn BucketStore>,
     endpoint: String,
     ask: Ask,
     generation: u64,
     /// When the reservation starts.
-    due: Instant,
+    start: Start,
     armed: bool,
+    /// Its place among this replica's waiting requests, where one ahead that leaves
+    /// moves it up.
+    place: Option<(Arc<Waiting>, Spot)>,
 }
 
 impl Reservation {
+    /// Sleeps until the start, following it when it moves up.
+    async fn wait(&mut self) {
+        let Some((waiting, place)) = &self.place else {
+            tokio::time::sleep_until(self.start.wake).await;
+            return;
+        };
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(self.start.wake) => return,
+                () = place.moved() => {
+                    if let Some(start) = waiting.start(&self.endpoint, place) {
+                        self.start = start;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The request leaves on this reservation: nothing is given back.
     fn disarm(mut self) {
+        if let Some((waiting, place)) = &self.place {
+            waiting.went(&self.endpoint, place);
+        }
         self.armed = false;
     }
 }
@@ -533,14 +572,21 @@ impl Drop for Reservation {
         if !self.armed {
             return;
         }
+        // The ones waiting behind move up; what is left goes back.
+        let due = match &self.place {
+            Some((waiting, place)) => waiting
+                .left(&self.endpoint, place)
+                .map_or(self.start.due, |s| s.due),
+            None => self.start.due,
+        };
         let store = Arc::clone(&self.store);
         let endpoint = std::mem::take(&mut self.endpoint);
         let unused = Unused {
             generation: self.generation,
             due_in_us: {
                 let now = Instant::now();
-                micros(self.due.saturating_duration_since(now))
-                    - micros(now.saturating_duration_since(self.due))
+                micros(due.saturating_duration_since(now))
+                    - micros(now.saturating_duration_since(due))
             },
         };
         let ask = self.ask;
@@ -661,5 +707,60 @@ mod tests {
         }
         let quarter = Duration::from_millis(250);
         assert_eq!(waits, [Ok(Duration::ZERO), Ok(quarter), Ok(quarter)]);
+    }
+
+    /// (2026-12-07, the session after the later one) Senders waiting behind ones that
+    /// leave move up a start each, in their order, and the starts left over go back:
+    /// four of eight waiters hang up, the other four leave at the first four starts (a
+    /// quarter second apart), and a sender arriving then comes after them. Before, the
+    /// four kept their starts (1.25 s to 2 s) while the given-up ones went only to
+    /// senders arriving later: with none, the endpoint idled for a second.
+    #[tokio::test(start_paused = true)]
+    async fn senders_behind_ones_that_leave_move_up_in_their_order() {
+        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
+        let policy = Policy {
+            rate: 4.0,
+            burst: 1.0,
+            max_wait: Duration::from_secs(10),
+            adaptive: None,
+            ..Policy::default()
+        };
+        let t0 = Instant::now();
+        let admit = |limiter: &Limiter| {
+            let (limiter, policy) = (limiter.clone(), policy.clone());
+            tokio::spawn(async move {
+                limiter.admit("m", &policy).await.unwrap();
+                Instant::now() - t0
+            })
+        };
+        assert_eq!(admit(&limiter).await.unwrap(), Duration::ZERO, "the burst");
+        let mut waiters = Vec::new();
+        for i in 1..=8 {
+            waiters.push(admit(&limiter));
+            while limiter.waiting.count("m") < i {
+                tokio::task::yield_now().await;
+            }
+        }
+        tokio::time::advance(Duration::from_millis(100)).await;
+        for w in waiters.drain(..4) {
+            w.abort();
+            assert!(w.await.unwrap_err().is_cancelled());
+        }
+        let late = admit(&limiter);
+        let ms = |m| Duration::from_millis(m);
+        let mut left = Vec::new();
+        for w in waiters {
+            left.push(w.await.unwrap());
+        }
+        let near = |d: Duration, m: u64| d.abs_diff(ms(m)) < ms(1);
+        assert!(
+            left.iter()
+                .zip([250, 500, 750, 1000])
+                .all(|(&d, m)| near(d, m)),
+            "{left:?}"
+        );
+        let late = late.await.unwrap();
+        assert!(near(late, 1250), "{late:?}: after the four, not among them");
+        assert_eq!(limiter.waiting.endpoints(), 0, "nobody is left waiting");
     }
 }
