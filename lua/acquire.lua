@@ -19,14 +19,19 @@
 --          replica, evicted), not a bucket that went idle: it is rebuilt as busy for that
 --          long (see `lost` below), not as a fresh full bucket (a second burst on top of
 --          the reservations already handed out).
--- ARGV[9], ARGV[10]  the first ask: budget, the longest acceptable wait (µs), and its
+-- ARGV[9]  the highest write count (`n`, see bucket.lua) this replica heard for the key;
+--          0 when none. A key whose count is lower went back in time (a failover to a
+--          replica the last writes had not reached, a restart from an older snapshot, or
+--          a key made afresh by another script after the loss): it is rebuilt the same
+--          way, its balance lowered to what ARGV[8] allows.
+-- ARGV[10], ARGV[11]  the first ask: budget, the longest acceptable wait (µs), and its
 --          held generation ("" = none: take a token; else confirm that reservation)
--- ARGV[11], ARGV[12]  the second ask, and so on (src/limiter/batch.rs sends one pair per
+-- ARGV[12], ARGV[13]  the second ask, and so on (src/limiter/batch.rs sends one pair per
 --          request that queued while the previous call for this endpoint was in flight).
 --          No ask at all: a top-up, asking only for tokens ahead (ARGV[4]).
 -- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
 --          here, where turning a number into text is the costly part):
---            "<generation> <ahead> <hold> <busy> <ask 1> <ask 2> ..."
+--            "<generation> <ahead> <hold> <busy> <n> <ask 1> <ask 2> ..."
 --          each ask one word: "G" granted now, "G<µs>" granted to start after <µs>, "R<µs>"
 --          refused by the rate, retry after <µs>, "C<µs>" refused because of a cooldown
 --          (whole µs, rounded up: never early). A granted reservation belongs to
@@ -39,30 +44,35 @@
 --          with KEYS[2], only while no other replica is alive to want them.
 --          <hold>: with tokens ahead, the hold they joined (`cs`, see bucket.lua), which
 --          their give-back names; else 0.
---          <busy>: µs until the bucket is idle again (bucket::time_to_idle, whole µs
---          rounded down; from 1e14 on in exponent form), 0 when no key is left: what the
---          replica sends back as ARGV[8].
+--          <busy>: µs until the bucket is full again at the configured rate and a slot
+--          past its latest start, at most its time to idle (bucket.lua's `busy_for`;
+--          whole µs rounded down, from 1e14 on in exponent form), 0 when no key is left:
+--          what the replica sends back as ARGV[8]. <n>: the key's write count (ARGV[9]).
 --
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
 
 local s = load()
+local known, seen = tonumber(ARGV[8]), tonumber(ARGV[9])
+-- Lost (no key while a replica knows the bucket busy) or gone back in time (a write
+-- count below one a replica heard): rebuilt as a bucket full again only `known` from
+-- now at the configured rate (the fastest it could refill), so the starts handed out
+-- before come before any new one.
 local lost = false
 if not s then
   s = fresh()
-  local known = tonumber(ARGV[8])
-  if known > 0 then
-    -- The state is gone while a replica knows the bucket was busy: rebuild it as one
-    -- that is full again only `known` from now at the configured rate (the fastest it
-    -- could refill), so every start handed out before comes before any new one.
-    s.tk = math.min(burst, burst - known / MICROS * rate)
-    lost = true
-  end
+  lost = known > 0
+elseif s.n < seen then
+  lost = true
 end
 refill(s)
+if lost then
+  s.tk = math.min(s.tk, burst - known / MICROS * rate)
+  s.n = math.max(s.n, seen)
+end
 local taken = false
 local all_now = true
-local asks = (#ARGV - 8) / 2
+local asks = (#ARGV - 9) / 2
 local answers
 -- A busy endpoint far from its limit: a token for every ask, none to wait for (no
 -- reservation or cooldown pushed the bucket's time ahead). Each ask is then granted now,
@@ -71,7 +81,7 @@ local answers
 local quick = s.ts <= now and s.tk >= asks and s.la <= now
 if quick then
   local spent = 0
-  for i = 9, #ARGV - 1, 2 do
+  for i = 10, #ARGV - 1, 2 do
     if tonumber(ARGV[i]) < 0 then
       quick = false
       break
@@ -89,7 +99,7 @@ if quick then
 end
 if not quick then
   local out = {}
-  for i = 9, #ARGV - 1, 2 do
+  for i = 10, #ARGV - 1, 2 do
     local held = ARGV[i + 1]
     if held ~= '' and tonumber(held) == s.g then
       -- The reservation survived (no cooldown voided it): go, taking nothing more.
@@ -142,10 +152,11 @@ if wanted > 0 and all_now and s.cu <= now and s.dr <= 0 and alone() then
 end
 local busy = 0
 if taken or lost then
-  busy = save(s)
+  busy = busy_for(s, save(s))
 elseif loaded then
-  busy = time_to_idle(s, s.fl or rate)
+  busy = busy_for(s, time_to_idle(s, s.fl or rate))
 end
 busy = math.floor(busy)
 local hold = ahead > 0 and str(s.cs) or '0'
-return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. tostring(busy) .. ' ' .. answers
+return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. tostring(busy) .. ' ' .. tostring(s.n)
+  .. ' ' .. answers

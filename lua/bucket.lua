@@ -26,6 +26,9 @@
 --   ho starts (µs, space-separated) of reservations given up with others behind them,
 --      for the next senders to take (bucket::BucketState::holes; at most 8)
 --   la the latest start handed out (µs) while ahead (bucket::BucketState::last)
+--   n  writes so far (every save adds one): a key whose count is below one a replica
+--      already heard went back in time (a failover to a replica the last writes had not
+--      reached, a restart from an older snapshot); see acquire.lua's ARGV[9]
 --
 -- Tokens taken ahead (Redis only; the memory store never takes any): acquire.lua may
 -- hand a replica `cr` tokens to spend without asking, until `ce`. Until then the bucket
@@ -59,7 +62,7 @@ end
 --- The stored state, or nil when the key does not exist (a fresh full bucket).
 --- `loaded` keeps the values as read, so `save` writes only what changed.
 local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce', 'cs',
-                 'ho', 'la' }
+                 'ho', 'la', 'n' }
 local loaded = nil
 local function load()
   local raw = redis.call('HMGET', key, unpack(FIELDS))
@@ -74,16 +77,17 @@ local function load()
                      tonumber(raw[13] or '0')
   local ho = raw[14] or ''
   local la = tonumber(raw[15] or '0')
+  local n = tonumber(raw[16] or '0')
   loaded = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la }
+             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, n = n }
   return { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-           fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la }
+           fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, n = n }
 end
 
 --- bucket::fresh
 local function fresh()
   return { tk = burst, ts = now, dr = 0, da = 0, du = 0, cu = 0, g = 0, th = 0, fs = 0,
-           cr = 0, ce = 0, cs = 0, ho = '', la = 0 }
+           cr = 0, ce = 0, cs = 0, ho = '', la = 0, n = 0 }
 end
 
 --- Tokens replicas hold ahead that may still be spent (0 once their time is over).
@@ -199,10 +203,12 @@ end
 --- (full, no cooldown, no decrease), never while it still carries one, plus 1 s margin.
 --- Only fields that differ from what `load` read are written (a saturated endpoint
 --- changes `tk` and `ts` alone): formatting a double exactly costs about 1 µs each.
+--- Every save adds one to the write count `n` (written as an integer, cheaply).
 --- Returns the time to idle (µs) the expiry was set from.
 local function save(s)
-  local fields = {}
-  for i = 1, #FIELDS do
+  s.n = s.n + 1
+  local fields = { 'n', tostring(s.n) }
+  for i = 1, #FIELDS - 1 do
     local f = FIELDS[i]
     local v = s[f]
     if v ~= nil and (loaded == nil or loaded[f] ~= v) and not (loaded == nil and v == '') then
@@ -210,10 +216,19 @@ local function save(s)
       fields[#fields + 1] = type(v) == 'string' and v or str(v)
     end
   end
-  if #fields > 0 then
-    redis.call('HSET', key, unpack(fields))
-  end
+  redis.call('HSET', key, unpack(fields))
   local idle = time_to_idle(s, s.fl or rate)
   redis.call('PEXPIRE', key, math.ceil(idle / 1000) + 1000)
   return idle
+end
+
+--- What a replica is told of how long the bucket stays busy: until it is full again at
+--- the configured rate, and at least a slot after its latest start; never past `idle`
+--- (the time to idle, from which the key's expiry is set, counted at the floor rate
+--- and through a recovery: a rebuild from that would refuse for minutes), so a key
+--- missing while a replica's figure lasts was lost, not expired.
+local function busy_for(s, idle)
+  local full = math.max(s.ts - now, 0) + math.max(burst - s.tk, 0) / rate * MICROS
+  local after_last = s.la - now + MICROS / rate
+  return math.min(idle, math.max(full, after_last, 0))
 end

@@ -12,10 +12,10 @@
 --          Empty for a reservation.
 -- ARGV[7]  a reservation's start, in µs from now (negative: due already).
 -- Returns  when given back (wholly, in part or, with reservations behind it, not at
---          all): µs until the bucket is idle again (whole, rounded down; acquire.lua's
---          <busy>, which a give-back can shorten); -1 when a cooldown voided it (other
---          generation) or the key is gone (an expired key is a fresh full bucket: nothing
---          to give back), which tells the replica nothing new.
+--          all): "<busy> <n>", acquire.lua's <busy> and <n> after it (a give-back can
+--          shorten the first); -1 when a cooldown voided it (other generation) or the key
+--          is gone (an expired key is a fresh full bucket: nothing to give back), which
+--          tells the replica nothing new.
 --
 -- Only what no later reservation was scheduled behind goes back to the balance
 -- (bucket::release): reservations behind one that goes keep their starts, and its token
@@ -67,4 +67,5 @@ else
   end
 end
 s.tk = math.min(s.tk + back, burst - held_ahead(s))
-return math.floor(save(s))
+local busy = math.floor(busy_for(s, save(s)))
+return tostring(busy) .. ' ' .. tostring(s.n)

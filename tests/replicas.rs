@@ -1357,3 +1357,60 @@ async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst
     }
     s.stop().await;
 }
+
+/// (Review, 2026-12-07, the session after the later one) A Redis that goes back in time
+/// (a failover to a replica the last writes had not reached, a restart from an older
+/// snapshot) keeps the key, only older: fuller than it is. Each key now counts its
+/// writes, and a replica that heard a higher count has it rebuilt as busy as it knows.
+/// Without that: 11 arrivals within 0.25 s against a bound of 7.25, as with a key lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_goes_back_in_time_gives_no_second_burst() {
+    let (rate, burst) = (5.0, 5.0);
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n\
+         [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n",
+        redis.url()
+    ))
+    .await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let send = |path: String| {
+        let (c, url) = (c.clone(), up.url(&path));
+        tokio::spawn(async move {
+            let r = c
+                .get(url)
+                .header("x-endpoint-id", "older")
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        })
+    };
+    // One request, then a copy of the key as it is (the replica's copy, say).
+    assert_eq!(send("/older/first".into()).await.unwrap(), 200);
+    let key = "sluice:{older}";
+    let copy = redis.cli(&["HGETALL", key]).expect("the key");
+    let fields: Vec<&str> = copy.lines().collect();
+    assert!(fields.len() >= 4, "{copy}");
+    // The rest of the burst, and five reservations behind it.
+    let mut sent: Vec<_> = (0..9).map(|i| send(format!("/older/before/{i}"))).collect();
+    common::wait_for("the burst at the upstream", Duration::from_secs(5), || {
+        let n = times_of(&up, "older").len();
+        async move { n >= burst as usize }
+    })
+    .await;
+    // The store goes back to the copy; no call fails.
+    let mut restore = vec!["HSET", key];
+    restore.extend(&fields);
+    assert_eq!(redis.cli(&["DEL", key]).as_deref(), Some("1"));
+    assert!(redis.cli(&restore).is_some());
+    sent.extend((0..5).map(|i| send(format!("/older/after/{i}"))));
+    for r in sent {
+        assert_eq!(r.await.unwrap(), 200, "nothing is refused or lost");
+    }
+    let times = times_of(&up, "older");
+    assert_eq!(times.len(), 15, "each request arrived once");
+    assert_no_overdraw(&times, rate, burst);
+    s.stop().await;
+}

@@ -1065,7 +1065,15 @@ async fn a_batch_decides_as_one_call_per_ask() {
     // 1 token a second, burst 6: under a token of refill over the test.
     let mut call = async |key: &str, asks: &[&str]| -> (String, f64) {
         let mut inv = script.key(key);
-        inv.arg(1).arg(6).arg(0).arg(0).arg(0).arg("").arg(0).arg(0);
+        inv.arg(1)
+            .arg(6)
+            .arg(0)
+            .arg(0)
+            .arg(0)
+            .arg("")
+            .arg(0)
+            .arg(0)
+            .arg(0);
         for held in asks {
             inv.arg(1_000_000).arg(*held);
         }
@@ -1081,8 +1089,9 @@ async fn a_batch_decides_as_one_call_per_ask() {
     // Five asks, the third a confirmation of generation 0 (the live one): four tokens.
     let asks = ["", "", "0", "", ""];
     let (batch, left) = call("b{quick}", &asks).await;
-    // Generation 0, none ahead, no hold, idle in 4 s (4 tokens to refill at 1/s).
-    assert_eq!(batch, "0 0 0 4000000 G G G G G");
+    // Generation 0, none ahead, no hold, full again in 4 s (4 tokens to refill at
+    // 1/s), the key's first write.
+    assert_eq!(batch, "0 0 0 4000000 1 G G G G G");
     let mut singles = Vec::new();
     let mut single_left = 0.0;
     let singles_began = Instant::now();
@@ -1102,10 +1111,47 @@ async fn a_batch_decides_as_one_call_per_ask() {
     );
     // Three asks on two tokens: two now, the third waits about a second.
     let (batch, _) = call("b{quick}", &["", "", ""]).await;
-    let words: Vec<&str> = batch.split(' ').skip(4).collect();
+    let words: Vec<&str> = batch.split(' ').skip(5).collect();
     assert_eq!(&words[..2], ["G", "G"]);
     let wait: f64 = words[2].strip_prefix('G').unwrap().parse().unwrap();
     assert!((900_000.0..=1_000_000.0).contains(&wait), "{batch}");
+}
+
+/// (Review, 2026-12-07, the session after the later one) What `acquire.lua` tells a
+/// replica of how long a bucket stays busy, which a rebuild after a loss turns into a
+/// balance at the configured rate, is the time until it is full again at that rate: not
+/// its time to idle, counted at the adaptive floor (and through a recovery), which kept
+/// the key. A bucket half empty at 100/s with a floor of 1/s after a 429 is full again in
+/// half a second; rebuilt from its time to idle (50 s) it refused for 49 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_hears_how_long_until_full_at_the_configured_rate() {
+    let server = common::redis::RedisServer::start();
+    let mut conn = common::redis::connection(&server).await;
+    let script = common::redis::acquire_script();
+    let key = "b{floor}";
+    let mut call = async |asks: usize| -> String {
+        let mut inv = script.key(key);
+        inv.arg(100)
+            .arg(100)
+            .arg(0)
+            .arg(0)
+            .arg(0)
+            .arg("")
+            .arg(0)
+            .arg(0)
+            .arg(0);
+        for _ in 0..asks {
+            inv.arg(1_000_000).arg("");
+        }
+        inv.invoke_async(&mut conn).await.unwrap()
+    };
+    call(50).await;
+    // The floor a 429 left (feedback.lua keeps it for the key's expiry).
+    assert!(server.cli(&["HSET", key, "fl", "1"]).is_some());
+    let reply = call(0).await;
+    let busy: f64 = reply.split(' ').nth(3).unwrap().parse().unwrap();
+    assert!(busy <= 500_000.0, "{busy} µs busy: {reply}");
+    assert!(busy > 400_000.0, "{busy} µs busy: {reply}");
 }
 
 /// A TCP relay to `to` that delays every chunk by `delay` in each direction, keeping

@@ -248,24 +248,29 @@ impl Limiter {
         let started = Instant::now();
         let ask = Ask::new(policy, micros(policy.max_wait), None);
         let first = self.store.acquire_at_once(endpoint, ask);
+        let first = first.map(|o| (started, o));
         self.settle(endpoint, policy, started, first).await
     }
 
-    /// Takes the first decision (`first`, or a fresh acquire), then sleeps until the
-    /// reserved start and confirms it, re-reserving if a cooldown voided it.
+    /// Takes the first decision (`first`, with when its call was sent, or a fresh
+    /// acquire), then sleeps until the reserved start and confirms it, re-reserving if a
+    /// cooldown voided it. `started`: when the request began waiting (its budget).
     async fn settle(
         &self,
         endpoint: &str,
         policy: &Policy,
         started: Instant,
-        mut first: Option<Outcome>,
+        mut first: Option<(Instant, Outcome)>,
     ) -> Result<Grant, Refusal> {
         // Granted at once (the memory store, far from its limit): nothing was waited
         // for, and no clock needs reading.
-        if let Some(Outcome::Granted {
-            wait_us,
-            generation,
-        }) = first
+        if let Some((
+            _,
+            Outcome::Granted {
+                wait_us,
+                generation,
+            },
+        )) = first
         {
             if wait_us <= 0.0 {
                 return Ok(Grant {
@@ -276,10 +281,13 @@ impl Limiter {
         }
         let mut held = None;
         loop {
-            // No later than when this outcome was asked for (a `first` one was asked for
-            // after `started`): a cooldown notice since then means confirming.
+            // When this outcome was asked for: a cooldown notice since then means
+            // confirming, and its start is counted from then. (Until 2026-12-07 a
+            // queued request's first one counted from `started`, before its wait for
+            // the queue and a slot: a give-back then put the start it left for the next
+            // sender seconds early, onto another request's start.)
             let (asked, outcome) = match first.take() {
-                Some(o) => (started, o),
+                Some(first) => first,
                 None => {
                     let now = Instant::now();
                     let budget = policy.max_wait.saturating_sub(now - started);
@@ -368,13 +376,14 @@ impl Limiter {
         let (first, slot) = match policy.max_in_flight {
             Some(max) => self.lease(endpoint, policy, max, deadline).await?,
             None => {
-                let ask = Ask::new(policy, micros(deadline - Instant::now()), None);
+                let asked = Instant::now();
+                let ask = Ask::new(policy, micros(deadline - asked), None);
                 let o = self.store.acquire(endpoint, ask).await;
-                (o.map_err(|_| Refusal::StoreUnavailable)?, None)
+                ((asked, o.map_err(|_| Refusal::StoreUnavailable)?), None)
             }
         };
         let slot_wait = started.elapsed();
-        if let Outcome::Granted { wait_us, .. } = first {
+        if let (_, Outcome::Granted { wait_us, .. }) = first {
             let hint = Hint {
                 slot: false,
                 retry_us: wait_us,
@@ -403,14 +412,15 @@ impl Limiter {
     }
 
     /// The head's wait for a slot: one leased acquire, then on "busy" a wait for a
-    /// local release, the soonest expiry or the next poll, until `deadline`.
+    /// local release, the soonest expiry or the next poll, until `deadline`. The
+    /// outcome comes with when its call was sent.
     async fn lease(
         &self,
         endpoint: &Arc<str>,
         policy: &Policy,
         max: u32,
         deadline: Instant,
-    ) -> Result<(Outcome, Option<Slot>), Refusal> {
+    ) -> Result<((Instant, Outcome), Option<Slot>), Refusal> {
         let released = self.gates.released(endpoint);
         let mut poll = POLL_MIN;
         loop {
@@ -430,9 +440,9 @@ impl Limiter {
                 Leased::Took(o @ Outcome::Granted { .. }) => {
                     let (store, gates) = (Arc::clone(&self.store), Arc::clone(&self.gates));
                     let slot = Slot::new(store, gates, Arc::clone(endpoint), ask, lease);
-                    return Ok((o, Some(slot)));
+                    return Ok(((now, o), Some(slot)));
                 }
-                Leased::Took(refused) => return Ok((refused, None)),
+                Leased::Took(refused) => return Ok(((now, refused), None)),
                 Leased::Busy { retry_us } => retry_us,
             };
             let retry_after = from_micros(retry_us);

@@ -214,44 +214,66 @@ pub(super) struct Calls {
     busy: Busy,
 }
 
-/// Until when each endpoint's bucket was last heard to stay busy (not full again):
-/// `acquire.lua`'s and `release.lua`'s answers say how long, and the next acquire
-/// sends what is left of it. The key outlives that by its 1 s margin, so a key missing
-/// before then is a store that lost its state (restarted empty between two calls, failed
-/// over before the last writes reached the replica, evicted) rather than a bucket gone
-/// idle: the script rebuilds it busy, not full, and the reservations already handed out
-/// get no second burst on top of them.
+/// Until when each endpoint's bucket was last heard to stay busy (full again at the
+/// configured rate, a slot past its latest start), and the highest write count heard
+/// for its key: `acquire.lua`'s and `release.lua`'s answers say both, and the next
+/// acquire sends them. The key outlives that time by more than 1 s, so a key missing
+/// before then is a store that lost its state (restarted empty between two calls,
+/// evicted) rather than a bucket gone idle, and a key with a lower count went back in
+/// time (a failover before the last writes reached the replica, a restart from an older
+/// snapshot): the script rebuilds either busy, not full, and the reservations already
+/// handed out get no second burst on top of them.
 #[derive(Default)]
-struct Busy(Mutex<HashMap<Box<str>, Instant>>);
+struct Busy(Mutex<HashMap<Box<str>, Heard>>);
+
+/// What a replica last heard of one bucket.
+#[derive(Clone, Copy)]
+struct Heard {
+    /// Busy until then.
+    until: Instant,
+    /// The key's write count then.
+    writes: u64,
+}
 
 impl Busy {
     /// Endpoints remembered at most (past ones are dropped first; a replica deciding for
     /// more than this many endpoints at once forgets them all and starts over).
     const MAX: usize = 100_000;
 
-    /// µs left of what is known of `endpoint` at `now` (0: nothing known).
-    fn left_us(&self, endpoint: &str, now: Instant) -> f64 {
+    /// µs left at `now` of how long `endpoint`'s bucket is known to stay busy, and the
+    /// highest write count heard (0 and 0: nothing known).
+    fn known(&self, endpoint: &str, now: Instant) -> (f64, u64) {
         let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(endpoint)
-            .map_or(0.0, |until| micros(until.saturating_duration_since(now)))
+        map.get(endpoint).map_or((0.0, 0), |h| {
+            (micros(h.until.saturating_duration_since(now)), h.writes)
+        })
     }
 
     /// Records an answer: the bucket stays busy for `us` µs from `at` (when the answer
-    /// came, so what is sent back next is never short of it by the call's latency).
-    fn heard(&self, endpoint: &str, at: Instant, us: f64) {
-        let until = at + Duration::from_micros(us.max(0.0) as u64);
+    /// came, so what is sent back next is never short of it by the call's latency), at
+    /// write count `writes`. An answer of a lower count than one already heard is older
+    /// news (answers of concurrent calls arrive in any order) and changes nothing.
+    fn heard(&self, endpoint: &str, at: Instant, us: f64, writes: u64) {
+        let heard = Heard {
+            until: at + Duration::from_micros(us.max(0.0) as u64),
+            writes,
+        };
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(u) = map.get_mut(endpoint) {
-            *u = until;
+        if let Some(h) = map.get_mut(endpoint) {
+            if writes >= h.writes {
+                *h = heard;
+            }
             return;
         }
         if map.len() >= Self::MAX {
-            map.retain(|_, u| *u > at);
-            if map.len() >= Self::MAX {
-                map.clear();
-            }
+            // Half of the endpoints go, the ones idle longest first.
+            let mut untils: Vec<Instant> = map.values().map(|h| h.until).collect();
+            let mid = untils.len() / 2;
+            let (_, cut, _) = untils.select_nth_unstable(mid);
+            let cut = *cut;
+            map.retain(|_, h| h.until > cut);
         }
-        map.insert(endpoint.into(), until);
+        map.insert(endpoint.into(), heard);
     }
 }
 
@@ -651,16 +673,15 @@ impl Calls {
             endpoint,
             alone.map(|a| a.heartbeats.as_str()),
             policy,
-            5 + 2 * asks.len(),
+            6 + 2 * asks.len(),
         );
         inv.arg(ahead).arg(Num(micros(credit::HELD_FOR)));
         match alone {
             Some(a) => inv.arg(&a.replica).arg(HEARTBEAT_TTL.as_millis() as u64),
             None => inv.arg("").arg(0),
         };
-        inv.arg(Num::whole_micros(
-            self.busy.left_us(endpoint, Instant::now()),
-        ));
+        let (busy_us, writes) = self.busy.known(endpoint, Instant::now());
+        inv.arg(Num::whole_micros(busy_us)).arg(writes);
         for ask in asks {
             inv.arg(Num::whole_micros(ask.budget_us));
             match ask.held {
@@ -669,8 +690,8 @@ impl Calls {
             };
         }
         let answer = self.run(inv).await?;
-        let (outcomes, got, generation, hold, busy) = decisions(&answer, asks.len())?;
-        self.busy.heard(endpoint, Instant::now(), busy);
+        let (outcomes, got, generation, hold, (busy, writes)) = decisions(&answer, asks.len())?;
+        self.busy.heard(endpoint, Instant::now(), busy, writes);
         if !(0.0..=f64::from(ahead)).contains(&got) {
             return Err(StoreError::Protocol(format!(
                 "acquire handed out {got} tokens ahead, {ahead} were asked"
@@ -743,13 +764,26 @@ impl Calls {
     }
 
     /// Runs a `release.lua` call and records how long the bucket stays busy after it
-    /// (a give-back can make that shorter; -1: nothing given back, nothing learnt).
+    /// (a give-back can make that shorter): `"<busy> <n>"`, or -1 (nothing given back,
+    /// nothing learnt).
     async fn given_back(&self, endpoint: &str, inv: ScriptCall<'_>) -> Result<(), StoreError> {
-        let busy = num(&self.run::<Value>(inv).await?)?;
-        if busy >= 0.0 {
-            self.busy.heard(endpoint, Instant::now(), busy);
+        let answer = self.run::<Value>(inv).await?;
+        if let Value::BulkString(text) = &answer {
+            let mut words = text.split(|&b| b == b' ').map(whole);
+            if let (Some(Some(busy)), Some(Some(writes)), None) =
+                (words.next(), words.next(), words.next())
+            {
+                self.busy
+                    .heard(endpoint, Instant::now(), busy, writes as u64);
+                return Ok(());
+            }
         }
-        Ok(())
+        match num(&answer) {
+            Ok(-1.0) => Ok(()),
+            _ => Err(StoreError::Protocol(format!(
+                "unexpected release reply {answer:?}"
+            ))),
+        }
     }
 }
 
@@ -875,12 +909,13 @@ fn num(v: &Value) -> Result<f64, StoreError> {
 }
 
 /// The outcomes of one acquire call in order, the tokens taken ahead, the bucket's
-/// generation, the hold of the tokens ahead, and µs until the bucket is idle again.
-type Decisions = (Vec<Outcome>, f64, u64, u64, f64);
+/// generation, the hold of the tokens ahead, and how long (µs) the bucket stays busy
+/// with the key's write count.
+type Decisions = (Vec<Outcome>, f64, u64, u64, (f64, u64));
 
 /// The answer of `lua/acquire.lua` for `n` asks,
-/// `"<generation> <ahead> <hold> <busy> <ask>..."` with one word per ask (`G`, `G<µs>`,
-/// `R<µs>`, `C<µs>`).
+/// `"<generation> <ahead> <hold> <busy> <writes> <ask>..."` with one word per ask (`G`,
+/// `G<µs>`, `R<µs>`, `C<µs>`).
 fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     let bad = || StoreError::Protocol(format!("unexpected acquire reply {v:?}"));
     let Value::BulkString(text) = v else {
@@ -892,8 +927,9 @@ fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     let ahead = number(words.next())?;
     let hold = number(words.next())? as u64;
     let busy = number(words.next())?;
+    let writes = number(words.next())? as u64;
     let mut outcomes = Vec::with_capacity(n);
-    // No asks (a top-up): the answer ends with the separator after `<busy>`.
+    // No asks (a top-up): the answer ends with the separator after `<writes>`.
     for word in words.filter(|w| n > 0 || !w.is_empty()) {
         let (&kind, us) = word.split_first().ok_or_else(bad)?;
         let us = match (kind, us) {
@@ -915,7 +951,7 @@ fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     if outcomes.len() != n {
         return Err(bad());
     }
-    Ok((outcomes, ahead, generation, hold, busy))
+    Ok((outcomes, ahead, generation, hold, (busy, writes)))
 }
 
 /// A whole number as Lua writes one: digits, or an exponent form from 1e14 on.
@@ -1111,11 +1147,11 @@ mod tests {
     fn acquire_answers_are_read_in_order_and_checked() {
         let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
         let (outcomes, ahead, generation, hold, busy) =
-            decisions(&v("7 3 95012345678901 2500000 G G1500 R20 C1e+15"), 4).unwrap();
+            decisions(&v("7 3 95012345678901 2500000 42 G G1500 R20 C1e+15"), 4).unwrap();
         assert_eq!(generation, 7);
         assert_eq!(ahead, 3.0);
         assert_eq!(hold, 95_012_345_678_901);
-        assert_eq!(busy, 2_500_000.0);
+        assert_eq!(busy, (2_500_000.0, 42));
         assert_eq!(
             outcomes,
             vec![
@@ -1138,16 +1174,16 @@ mod tests {
             ]
         );
         for bad in [
-            "7 0 0 0 G",
-            "7 0 0 0 G G G",
-            "7 0 0 0 X1 G",
-            "7 0 0 0 R G",
-            "7 0 0 0 G  G",
-            "7 0 0 0 G -5",
-            "7 0 0 0 Gx G",
-            "x 0 0 0 G G",
-            "7 0 0 G G",
-            "7 0 0 -1 G G",
+            "7 0 0 0 1 G",
+            "7 0 0 0 1 G G G",
+            "7 0 0 0 1 X1 G",
+            "7 0 0 0 1 R G",
+            "7 0 0 0 1 G  G",
+            "7 0 0 0 1 G -5",
+            "7 0 0 0 1 Gx G",
+            "x 0 0 0 1 G G",
+            "7 0 0 0 G G",
+            "7 0 0 -1 1 G G",
             "7",
             "",
         ] {
@@ -1157,10 +1193,10 @@ mod tests {
         // A top-up (no asks): the generation, the tokens ahead, their hold and the time
         // to idle, nothing else.
         assert_eq!(
-            decisions(&v("9 40 12 300 "), 0).unwrap(),
-            (Vec::new(), 40.0, 9, 12, 300.0)
+            decisions(&v("9 40 12 300 5 "), 0).unwrap(),
+            (Vec::new(), 40.0, 9, 12, (300.0, 5))
         );
-        assert!(decisions(&v("9 40 12 300 G"), 0).is_err());
+        assert!(decisions(&v("9 40 12 300 5 G"), 0).is_err());
     }
 
     /// Whole numbers go as integers, others keep every digit a float has.

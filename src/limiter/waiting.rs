@@ -105,13 +105,19 @@ impl Waiting {
 
     /// The request gives its start up before it came: the requests behind it (of its
     /// generation) each move up one start, and the start left over, the last one's or,
-    /// with none behind, its own, is returned for the store.
+    /// with none behind, its own, is returned for the store. A start already past moves
+    /// nobody: a request behind it whose timer lags would leave at once, beside the one
+    /// whose start it takes (a timer late by a slot would put two out together).
     pub(super) fn left(&self, endpoint: &str, place: &Spot) -> Option<Start> {
+        let now = Instant::now();
         let mut map = self.lock();
         let (generation, mut free) = Self::remove(&mut map, endpoint, place.id)?;
         let Some(v) = map.get_mut(endpoint) else {
             return Some(free);
         };
+        if free.wake <= now {
+            return Some(free);
+        }
         let mut behind: Vec<&mut Entry> = v
             .iter_mut()
             .filter(|e| e.generation == generation && e.start.wake > free.wake)
@@ -186,7 +192,13 @@ mod tests {
         assert_eq!(w.start("f", &elsewhere), Some(at(t, 500)));
         // The last one waiting: its own start is left.
         assert_eq!(w.left("e", &places[3]), Some(at(t, 300)));
-        for p in [&places[0], &places[2], &other] {
+        // (Review, 2026-12-07) A start already past moves nobody.
+        let behind = w.join("e", 1, at(t, 600));
+        tokio::time::advance(Duration::from_millis(250)).await;
+        assert_eq!(w.left("e", &places[2]), Some(at(t, 200)));
+        assert_eq!(w.start("e", &behind), Some(at(t, 600)));
+        w.went("e", &behind);
+        for p in [&places[0], &other] {
             w.went("e", p);
         }
         w.went("f", &elsewhere);

@@ -687,7 +687,7 @@ pub async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnecti
 
 /// What `acquire.lua` calls asked Redis, from a MONITOR log:
 /// `(reservations, confirmations, script calls)`. A call is `EVALSHA <acquire sha> <n>
-/// <n keys> rate burst recovery ahead ahead_us replica ttl busy` followed by one `budget held` pair per ask
+/// <n keys> rate burst recovery ahead ahead_us replica ttl busy writes` followed by one `budget held` pair per ask
 /// (several when concurrent asks were batched); a confirmation carries a held
 /// generation, a reservation `""`.
 pub fn acquires(monitor: &str) -> (usize, usize, usize) {
@@ -704,7 +704,7 @@ pub fn acquires(monitor: &str) -> (usize, usize, usize) {
         }
         calls.2 += 1;
         let keys: usize = words[2].trim_matches('"').parse().unwrap();
-        for pair in words[3 + keys + 8..].chunks(2) {
+        for pair in words[3 + keys + 9..].chunks(2) {
             if pair.get(1) == Some(&"\"\"") {
                 calls.0 += 1;
             } else {
