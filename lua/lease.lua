@@ -7,11 +7,16 @@
 -- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
 -- ARGV[4]  budget: longest acceptable wait for the token (µs)
 -- ARGV[5]  max_in_flight   ARGV[6] lease ttl (µs)   ARGV[7] lease member (replica:id)
--- Returns  { code, wait_us or retry_us (string), generation, cooldown 0|1 }
+-- ARGV[8], ARGV[9]  how long this replica knows the bucket stays busy (µs) and the
+--          highest write count it heard: a lost key, or one gone back in time, is
+--          rebuilt as acquire.lua does (see its ARGV[8] and ARGV[9]).
+-- Returns  { code, wait_us or retry_us (string), generation, cooldown 0|1, busy, n }
 --          code=1: token reserved (start after wait_us) and the slot leased until
 --                  now + ttl; code=0: refused as acquire.lua refuses, nothing taken;
 --          code=2: every slot is leased, nothing taken; retry_us = until the soonest
 --                  lease expires (a release may come sooner).
+--          busy, n: acquire.lua's <busy> (a string) and <n>; busy "-1" when the bucket
+--          was not read (code 2) or no key is left.
 --
 -- Why atomic: counting live leases, taking the token and adding the lease must be one
 -- step, or two replicas could both see the last free slot. Expired leases (of a replica
@@ -21,18 +26,36 @@ local leases = KEYS[2]
 local budget = tonumber(ARGV[4])
 local max = tonumber(ARGV[5])
 local ttl = tonumber(ARGV[6])
+local known, seen = tonumber(ARGV[8] or '0'), tonumber(ARGV[9] or '0')
 redis.call('ZREMRANGEBYSCORE', leases, '-inf', str(now))
 if redis.call('ZCARD', leases) >= max then
   local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
-  return { 2, str(math.max(tonumber(first[2]) - now, 0)), 0, 0 }
+  return { 2, str(math.max(tonumber(first[2]) - now, 0)), 0, 0, '-1', 0 }
 end
-local s = load() or fresh()
+local s = load()
+local lost = false
+if not s then
+  s = fresh()
+  lost = known > 0
+elseif s.n < seen then
+  lost = true
+end
 refill(s)
+if lost then
+  s.tk = math.min(s.tk, burst - known / MICROS * rate)
+  s.n = math.max(s.n, seen)
+end
 local granted, us, cooldown = reserve(s, budget)
 if not granted then
-  return { 0, str(us), s.g, cooldown }
+  local busy = '-1'
+  if lost then
+    busy = tostring(math.floor(busy_for(s, save(s))))
+  elseif loaded then
+    busy = tostring(math.floor(busy_for(s, time_to_idle(s, s.fl or rate))))
+  end
+  return { 0, str(us), s.g, cooldown, busy, s.n }
 end
-save(s)
+local busy = tostring(math.floor(busy_for(s, save(s))))
 redis.call('ZADD', leases, str(now + ttl), ARGV[7])
 redis.call('PEXPIRE', leases, math.ceil(ttl / 1000) + 1000)
-return { 1, str(us), s.g, 0 }
+return { 1, str(us), s.g, 0, busy, s.n }

@@ -1066,12 +1066,20 @@ impl BucketStore for RedisStore {
             let leases = self.leases_key(endpoint);
             let mut inv =
                 self.calls
-                    .invocation(&self.calls.scripts.lease, endpoint, Some(&leases), &ask, 4);
+                    .invocation(&self.calls.scripts.lease, endpoint, Some(&leases), &ask, 6);
+            let (busy_us, writes) = self.calls.busy.known(endpoint, Instant::now());
             inv.arg(Num::whole_micros(ask.budget_us))
                 .arg(lease.max)
                 .arg(lease.ttl_us)
-                .arg(self.member(lease.id));
-            let f = fields(self.calls.run(inv).await?, 4)?;
+                .arg(self.member(lease.id))
+                .arg(Num::whole_micros(busy_us))
+                .arg(writes);
+            let f = fields(self.calls.run(inv).await?, 6)?;
+            if f[4] >= 0.0 {
+                self.calls
+                    .busy
+                    .heard(endpoint, Instant::now(), f[4], f[5] as u64);
+            }
             let generation = f[2] as u64;
             Ok(match f[0] as u8 {
                 1 => Leased::Took(Outcome::Granted {
