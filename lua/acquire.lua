@@ -52,24 +52,7 @@
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
 
-local s = load()
-local known, seen = tonumber(ARGV[8]), tonumber(ARGV[9])
--- Lost (no key while a replica knows the bucket busy) or gone back in time (a write
--- count below one a replica heard): rebuilt as a bucket full again only `known` from
--- now at the configured rate (the fastest it could refill), so the starts handed out
--- before come before any new one.
-local lost = false
-if not s then
-  s = fresh()
-  lost = known > 0
-elseif s.n < seen then
-  lost = true
-end
-refill(s)
-if lost then
-  s.tk = math.min(s.tk, burst - known / MICROS * rate)
-  s.n = math.max(s.n, seen)
-end
+local s, lost = load_known(tonumber(ARGV[8]), tonumber(ARGV[9]))
 local taken = false
 local all_now = true
 local asks = (#ARGV - 9) / 2

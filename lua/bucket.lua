@@ -122,6 +122,29 @@ local function refill(s)
   end
 end
 
+--- The state brought to now (refilled), for a script a replica sends what it
+--- heard of the bucket: `known`, how long (µs) it stays busy, and `seen`, the highest
+--- write count. Lost (no key while `known` lasts) or gone back in time (a write count
+--- below `seen`), it is rebuilt as a bucket full again only `known` from now at the
+--- configured rate (the fastest it could refill), so the starts handed out before come
+--- before any new one. Returns the state and whether it was rebuilt (then to be saved).
+local function load_known(known, seen)
+  local s = load()
+  local lost = false
+  if not s then
+    s = fresh()
+    lost = known > 0
+  elseif s.n < seen then
+    lost = true
+  end
+  refill(s)
+  if lost then
+    s.tk = math.min(s.tk, burst - known / MICROS * rate)
+    s.n = math.max(s.n, seen)
+  end
+  return s, lost
+end
+
 --- bucket::near_floor
 local function near_floor(r, floor)
   return r <= floor + 0.1 * math.max(rate - floor, 0) + 1e-9

@@ -26,25 +26,12 @@ local leases = KEYS[2]
 local budget = tonumber(ARGV[4])
 local max = tonumber(ARGV[5])
 local ttl = tonumber(ARGV[6])
-local known, seen = tonumber(ARGV[8] or '0'), tonumber(ARGV[9] or '0')
 redis.call('ZREMRANGEBYSCORE', leases, '-inf', str(now))
 if redis.call('ZCARD', leases) >= max then
   local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
   return { 2, str(math.max(tonumber(first[2]) - now, 0)), 0, 0, '-1', 0 }
 end
-local s = load()
-local lost = false
-if not s then
-  s = fresh()
-  lost = known > 0
-elseif s.n < seen then
-  lost = true
-end
-refill(s)
-if lost then
-  s.tk = math.min(s.tk, burst - known / MICROS * rate)
-  s.n = math.max(s.n, seen)
-end
+local s, lost = load_known(tonumber(ARGV[8]), tonumber(ARGV[9]))
 local granted, us, cooldown = reserve(s, budget)
 if not granted then
   local busy = '-1'

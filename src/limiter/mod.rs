@@ -700,17 +700,22 @@ mod tests {
         assert!(from_micros(1e300) > Duration::from_secs(86_400 * 365));
     }
 
-    /// Sleeps and bucket refill share tokio's clock: in virtual time the waits are exact.
-    #[tokio::test(start_paused = true)]
-    async fn waits_are_exact_in_virtual_time() {
-        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
-        let policy = Policy {
+    /// 4 tokens a second, a burst of 1, waits of up to 10 s, no adaptation.
+    fn a_quarter_second_apart() -> Policy {
+        Policy {
             rate: 4.0,
             burst: 1.0,
             max_wait: Duration::from_secs(10),
             adaptive: None,
             ..Policy::default()
-        };
+        }
+    }
+
+    /// Sleeps and bucket refill share tokio's clock: in virtual time the waits are exact.
+    #[tokio::test(start_paused = true)]
+    async fn waits_are_exact_in_virtual_time() {
+        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
+        let policy = a_quarter_second_apart();
         let mut waits = Vec::new();
         for _ in 0..3 {
             waits.push(limiter.admit("v", &policy).await.map(|g| g.waited));
@@ -728,13 +733,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn senders_behind_ones_that_leave_move_up_in_their_order() {
         let limiter = Limiter::new(Arc::new(MemoryStore::new()));
-        let policy = Policy {
-            rate: 4.0,
-            burst: 1.0,
-            max_wait: Duration::from_secs(10),
-            adaptive: None,
-            ..Policy::default()
-        };
+        let policy = a_quarter_second_apart();
         let t0 = Instant::now();
         let admit = |limiter: &Limiter| {
             let (limiter, policy) = (limiter.clone(), policy.clone());

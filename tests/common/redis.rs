@@ -691,17 +691,8 @@ pub async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnecti
 /// (several when concurrent asks were batched); a confirmation carries a held
 /// generation, a reservation `""`.
 pub fn acquires(monitor: &str) -> (usize, usize, usize) {
-    let sha = acquire_script().get_hash().to_owned();
-    let quoted = format!("\"{sha}\"");
     let mut calls = (0, 0, 0);
-    for line in monitor.lines().filter(|l| !l.contains("lua]")) {
-        let Some(cmd) = line.split_once("] ").map(|(_, c)| c) else {
-            continue;
-        };
-        let words: Vec<&str> = cmd.split_whitespace().collect();
-        if words.first() != Some(&"\"EVALSHA\"") || words.get(1) != Some(&quoted.as_str()) {
-            continue;
-        }
+    for words in calls_of(monitor, &acquire_script()) {
         calls.2 += 1;
         let keys: usize = words[2].trim_matches('"').parse().unwrap();
         for pair in words[3 + keys + 9..].chunks(2) {
@@ -719,20 +710,25 @@ pub fn acquires(monitor: &str) -> (usize, usize, usize) {
 /// the counts of `release.lua` calls that name a hold (`EVALSHA <release sha> 1 <key>
 /// rate burst recovery generation n hold`; a reservation's give-back names none).
 pub fn given_back_ahead(monitor: &str) -> u64 {
-    let quoted = format!("\"{}\"", release_script().get_hash());
     let mut n = 0;
-    for line in monitor.lines().filter(|l| !l.contains("lua]")) {
-        let Some(cmd) = line.split_once("] ").map(|(_, c)| c) else {
-            continue;
-        };
-        let words: Vec<&str> = cmd.split_whitespace().collect();
-        if words.first() != Some(&"\"EVALSHA\"") || words.get(1) != Some(&quoted.as_str()) {
-            continue;
-        }
+    for words in calls_of(monitor, &release_script()) {
         let hold = words.get(9).map(|w| w.trim_matches('"')).unwrap_or("");
         if !hold.is_empty() {
             n += words[8].trim_matches('"').parse::<u64>().unwrap_or(0);
         }
     }
     n
+}
+
+/// The `EVALSHA` calls of `script` in a MONITOR log (not those made from Lua), each as
+/// its words (quoted as MONITOR quotes them).
+fn calls_of<'a>(monitor: &'a str, script: &redis::Script) -> Vec<Vec<&'a str>> {
+    let quoted = format!("\"{}\"", script.get_hash());
+    monitor
+        .lines()
+        .filter(|l| !l.contains("lua]"))
+        .filter_map(|line| line.split_once("] ").map(|(_, c)| c))
+        .map(|cmd| cmd.split_whitespace().collect::<Vec<&str>>())
+        .filter(|w| w.first() == Some(&"\"EVALSHA\"") && w.get(1) == Some(&quoted.as_str()))
+        .collect()
 }
