@@ -724,6 +724,68 @@ mod tests {
         assert_eq!(waits, [Ok(Duration::ZERO), Ok(quarter), Ok(quarter)]);
     }
 
+    /// (Review, 2026-12-07, the session after the later one) A queued request's start
+    /// is counted from the call that reserved it, not from before its wait for a slot:
+    /// when it leaves with others behind it, the start it leaves for the next sender is
+    /// its own. Before, X waited 0.4 s for a slot, was given the start at 1.05 s, and
+    /// leaving left another one: the next sender started at 0.999 s, 0.05 s after
+    /// another request's start (at 10/s, two within half a slot).
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_request_leaving_leaves_its_own_start() {
+        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
+        let policy = Policy {
+            rate: 10.0,
+            burst: 1.0,
+            max_wait: Duration::from_secs(10),
+            adaptive: None,
+            max_in_flight: Some(1),
+            ..Policy::default()
+        };
+        let ep: Arc<str> = Arc::from("q");
+        let place = || queue::Place {
+            class: 1,
+            sender: None,
+        };
+        let t0 = Instant::now();
+        // A holds the one slot until 0.4 s.
+        let a = limiter.admit_queued(&ep, &policy, place()).await.unwrap();
+        let x = {
+            let (limiter, policy, ep) = (limiter.clone(), policy.clone(), Arc::clone(&ep));
+            tokio::spawn(async move { limiter.admit_queued(&ep, &policy, place()).await })
+        };
+        // Others (another replica's, say) take starts at 0.35 s to 0.95 s.
+        tokio::time::advance(Duration::from_millis(350)).await;
+        let direct = Ask::new(&policy, 10e6, None);
+        for _ in 0..7 {
+            limiter.store.acquire("q", direct).await.unwrap();
+        }
+        tokio::time::advance(Duration::from_millis(50)).await;
+        drop(a);
+        // X takes the slot, and the start at 1.05 s.
+        while limiter.waiting.count("q") == 0 {
+            tokio::time::advance(Duration::from_millis(1)).await;
+        }
+        // One more start behind X's (1.15 s), then X leaves at 0.5 s.
+        limiter.store.acquire("q", direct).await.unwrap();
+        tokio::time::sleep_until(t0 + Duration::from_millis(500)).await;
+        x.abort();
+        assert!(x.await.is_err_and(|e| e.is_cancelled()));
+        // The give-back runs on its own task.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        // The next sender gets X's start.
+        let next = limiter.store.acquire("q", direct).await.unwrap();
+        let Outcome::Granted { wait_us, .. } = next else {
+            panic!("{next:?}");
+        };
+        let at = (Instant::now() - t0).as_secs_f64() + wait_us / 1e6;
+        assert!(
+            (at - 1.05).abs() < 0.005,
+            "the next sender starts at {at:.3} s"
+        );
+    }
+
     /// (2026-12-07, the session after the later one) Senders waiting behind ones that
     /// leave move up a start each, in their order, and the starts left over go back:
     /// four of eight waiters hang up, the other four leave at the first four starts (a
