@@ -329,7 +329,7 @@ impl Limiter {
                         due: asked + wait,
                         wake: Instant::now() + wait,
                     };
-                    let place = self.waiting.join(endpoint, generation, start);
+                    let spot = self.waiting.join(endpoint, generation, start);
                     let mut guard = Reservation {
                         store: Arc::clone(&self.store),
                         endpoint: endpoint.to_owned(),
@@ -337,7 +337,8 @@ impl Limiter {
                         generation,
                         start,
                         armed: true,
-                        place: Some((Arc::clone(&self.waiting), place)),
+                        waiting: Arc::clone(&self.waiting),
+                        spot,
                     };
                     guard.wait().await;
                     guard.disarm();
@@ -533,9 +534,8 @@ pub fn from_micros(us: f64) -> Duration {
     }
 }
 
-/// A reservation held by a waiting request; dropped while armed, it is given back
-/// (with a place among the waiting requests, the start left over once the ones behind
-/// it moved up).
+/// A reservation held by a waiting request; dropped while armed, the ones waiting
+/// behind it move up and the start left over is given back.
 struct Reservation {
     store: Arc<dyn BucketStore>,
     endpoint: String,
@@ -544,23 +544,20 @@ struct Reservation {
     /// When the reservation starts.
     start: Start,
     armed: bool,
-    /// Its place among this replica's waiting requests, where one ahead that leaves
-    /// moves it up.
-    place: Option<(Arc<Waiting>, Spot)>,
+    /// This replica's waiting requests, where one ahead that leaves moves it up...
+    waiting: Arc<Waiting>,
+    /// ...and its place among them.
+    spot: Spot,
 }
 
 impl Reservation {
     /// Sleeps until the start, following it when it moves up.
     async fn wait(&mut self) {
-        let Some((waiting, place)) = &self.place else {
-            tokio::time::sleep_until(self.start.wake).await;
-            return;
-        };
         loop {
             tokio::select! {
                 () = tokio::time::sleep_until(self.start.wake) => return,
-                () = place.moved() => {
-                    if let Some(start) = waiting.start(&self.endpoint, place) {
+                () = self.spot.moved() => {
+                    if let Some(start) = self.waiting.start(&self.endpoint, &self.spot) {
                         self.start = start;
                     }
                 }
@@ -570,9 +567,7 @@ impl Reservation {
 
     /// The request leaves on this reservation: nothing is given back.
     fn disarm(mut self) {
-        if let Some((waiting, place)) = &self.place {
-            waiting.went(&self.endpoint, place);
-        }
+        self.waiting.went(&self.endpoint, &self.spot);
         self.armed = false;
     }
 }
@@ -583,12 +578,10 @@ impl Drop for Reservation {
             return;
         }
         // The ones waiting behind move up; what is left goes back.
-        let due = match &self.place {
-            Some((waiting, place)) => waiting
-                .left(&self.endpoint, place)
-                .map_or(self.start.due, |s| s.due),
-            None => self.start.due,
-        };
+        let due = self
+            .waiting
+            .left(&self.endpoint, &self.spot)
+            .map_or(self.start.due, |s| s.due);
         let store = Arc::clone(&self.store);
         let endpoint = std::mem::take(&mut self.endpoint);
         let unused = Unused {

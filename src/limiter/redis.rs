@@ -767,23 +767,10 @@ impl Calls {
     /// (a give-back can make that shorter): `"<busy> <n>"`, or -1 (nothing given back,
     /// nothing learnt).
     async fn given_back(&self, endpoint: &str, inv: ScriptCall<'_>) -> Result<(), StoreError> {
-        let answer = self.run::<Value>(inv).await?;
-        if let Value::BulkString(text) = &answer {
-            let mut words = text.split(|&b| b == b' ').map(whole);
-            if let (Some(Some(busy)), Some(Some(writes)), None) =
-                (words.next(), words.next(), words.next())
-            {
-                self.busy
-                    .heard(endpoint, Instant::now(), busy, writes as u64);
-                return Ok(());
-            }
+        if let Some((busy, writes)) = release_answer(&self.run::<Value>(inv).await?)? {
+            self.busy.heard(endpoint, Instant::now(), busy, writes);
         }
-        match num(&answer) {
-            Ok(-1.0) => Ok(()),
-            _ => Err(StoreError::Protocol(format!(
-                "unexpected release reply {answer:?}"
-            ))),
-        }
+        Ok(())
     }
 }
 
@@ -952,6 +939,25 @@ fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
         return Err(bad());
     }
     Ok((outcomes, ahead, generation, hold, (busy, writes)))
+}
+
+/// The answer of `lua/release.lua`: `"<busy> <writes>"` after a give-back, `-1` when
+/// nothing was given back (`None`: nothing learnt).
+fn release_answer(v: &Value) -> Result<Option<(f64, u64)>, StoreError> {
+    if let Value::BulkString(text) = v {
+        let mut words = text.split(|&b| b == b' ').map(whole);
+        if let (Some(Some(busy)), Some(Some(writes)), None) =
+            (words.next(), words.next(), words.next())
+        {
+            return Ok(Some((busy, writes as u64)));
+        }
+    }
+    match num(v) {
+        Ok(-1.0) => Ok(None),
+        _ => Err(StoreError::Protocol(format!(
+            "unexpected release reply {v:?}"
+        ))),
+    }
 }
 
 /// A whole number as Lua writes one: digits, or an exponent form from 1e14 on.
@@ -1198,13 +1204,26 @@ mod tests {
             assert!(decisions(&v(bad), 2).is_err(), "{bad:?} accepted");
         }
         assert!(decisions(&Value::Array(vec![Value::Int(1)]), 1).is_err());
-        // A top-up (no asks): the generation, the tokens ahead, their hold and the time
-        // to idle, nothing else.
+        // A top-up (no asks): the generation, the tokens ahead, their hold, how long the
+        // bucket stays busy and the key's write count, nothing else.
         assert_eq!(
             decisions(&v("9 40 12 300 5 "), 0).unwrap(),
             (Vec::new(), 40.0, 9, 12, (300.0, 5))
         );
         assert!(decisions(&v("9 40 12 300 5 G"), 0).is_err());
+    }
+
+    /// `release.lua`'s answer: how long the bucket stays busy and its write count, or
+    /// -1 (nothing given back); anything else refused.
+    #[test]
+    fn release_answers_are_read_and_checked() {
+        let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        assert_eq!(release_answer(&v("1500000 7")).unwrap(), Some((1.5e6, 7)));
+        assert_eq!(release_answer(&Value::Int(-1)).unwrap(), None);
+        for bad in ["1500000", "1500000 7 8", "x 7", "-5 7", ""] {
+            assert!(release_answer(&v(bad)).is_err(), "{bad:?} accepted");
+        }
+        assert!(release_answer(&Value::Int(1)).is_err());
     }
 
     /// Whole numbers go as integers, others keep every digit a float has.

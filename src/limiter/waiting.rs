@@ -90,17 +90,17 @@ impl Waiting {
         Spot { id, moved }
     }
 
-    /// The start `place` waits for now (it only ever moves earlier).
-    pub(super) fn start(&self, endpoint: &str, place: &Spot) -> Option<Start> {
+    /// The start `spot` waits for now (it only ever moves earlier).
+    pub(super) fn start(&self, endpoint: &str, spot: &Spot) -> Option<Start> {
         let map = self.lock();
         let v = map.get(endpoint)?;
-        v.iter().find(|e| e.id == place.id).map(|e| e.start)
+        v.iter().find(|e| e.id == spot.id).map(|e| e.start)
     }
 
     /// The request leaves at its start: it is no longer among the waiting ones.
-    pub(super) fn went(&self, endpoint: &str, place: &Spot) {
+    pub(super) fn went(&self, endpoint: &str, spot: &Spot) {
         let mut map = self.lock();
-        Self::remove(&mut map, endpoint, place.id);
+        Self::remove(&mut map, endpoint, spot.id);
     }
 
     /// The request gives its start up before it came: the requests behind it (of its
@@ -108,10 +108,10 @@ impl Waiting {
     /// with none behind, its own, is returned for the store. A start already past moves
     /// nobody: a request behind it whose timer lags would leave at once, beside the one
     /// whose start it takes (a timer late by a slot would put two out together).
-    pub(super) fn left(&self, endpoint: &str, place: &Spot) -> Option<Start> {
+    pub(super) fn left(&self, endpoint: &str, spot: &Spot) -> Option<Start> {
         let now = Instant::now();
         let mut map = self.lock();
-        let (generation, mut free) = Self::remove(&mut map, endpoint, place.id)?;
+        let (generation, mut free) = Self::remove(&mut map, endpoint, spot.id)?;
         let Some(v) = map.get_mut(endpoint) else {
             return Some(free);
         };
