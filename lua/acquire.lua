@@ -31,7 +31,7 @@
 --          No ask at all: a top-up, asking only for tokens ahead (ARGV[4]).
 -- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
 --          here, where turning a number into text is the costly part):
---            "<generation> <ahead> <hold> <busy> <n> <ask 1> <ask 2> ..."
+--            "<generation> <ahead> <hold> <busy> <n> <now> <ask 1> <ask 2> ..."
 --          each ask one word: "G" granted now, "G<µs>" granted to start after <µs>, "R<µs>"
 --          refused by the rate, retry after <µs>, "C<µs>" refused because of a cooldown
 --          (whole µs, rounded up: never early). A granted reservation belongs to
@@ -48,6 +48,9 @@
 --          past its latest start, at most its time to idle (bucket.lua's `busy_for`;
 --          whole µs rounded down, from 1e14 on in exponent form), 0 when no key is left:
 --          what the replica sends back as ARGV[8]. <n>: the key's write count (ARGV[9]).
+--          <now>: this call's instant on the store's clock (µs): a granted ask starts at
+--          <now> plus its wait, which is what a give-back names (release.lua's ARGV[8]),
+--          however long this call and the give-back each took to arrive.
 --
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
@@ -142,4 +145,4 @@ end
 busy = math.floor(busy)
 local hold = ahead > 0 and str(s.cs) or '0'
 return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. tostring(busy) .. ' ' .. tostring(s.n)
-  .. ' ' .. answers
+  .. ' ' .. str(now) .. ' ' .. answers

@@ -10,7 +10,14 @@
 --          as held ahead; once it is over they already do not, and the count belongs to
 --          whatever hold came after (other tokens, still spendable): it is left alone.
 --          Empty for a reservation.
--- ARGV[7]  a reservation's start, in µs from now (negative: due already).
+-- ARGV[7]  a reservation's start, in µs from now (negative: due already), where ARGV[8]
+--          is absent or empty.
+-- ARGV[8]  a reservation's start on this store's clock (µs; acquire.lua's <now> plus the
+--          ask's wait, lease.lua's <at>): exact, where ARGV[7] is off by how much longer
+--          one of the two calls took to arrive than the other. A replica counts ARGV[7]
+--          from when its acquire was sent; an acquire held up in Redis (a fork, a slow
+--          command, a pause) would put the start it leaves for the next sender that much
+--          early, beside the one before it.
 -- Returns  when given back (wholly, in part or, with reservations behind it, not at
 --          all): "<busy> <n>", acquire.lua's <busy> and <n> after it (a give-back can
 --          shorten the first); -1 when a cooldown voided it (other generation) or the key
@@ -45,7 +52,7 @@ else
   local base = math.max(s.ts, now)
   local r = effective(s, base)
   local latest = math.max(base + math.max(-s.tk, 0) / r * MICROS, s.la)
-  local due = now + tonumber(ARGV[7] or '0')
+  local due = tonumber(ARGV[8] or '') or (now + tonumber(ARGV[7] or '0'))
   local behind = math.max(latest - due, 0) / MICROS * r
   back = math.min(math.max(1 - behind, 0), 1)
   if behind < 0.5 then

@@ -1414,3 +1414,114 @@ async fn a_redis_that_goes_back_in_time_gives_no_second_burst() {
     assert_no_overdraw(&times, rate, burst);
     s.stop().await;
 }
+
+/// (Named by a review the session before, fixed 2026-12-07, the session after it) A
+/// reservation given back on a shared store is named by its start on the store's own
+/// clock. It used to be named in µs from when the give-back was sent, counted from
+/// when its acquire was *sent*: an acquire that waited in Redis (a `CLIENT PAUSE` here;
+/// a fork, a slow command or a failover in production) put the start it left for the
+/// next sender that long early, beside the one before it. Here the sender on another
+/// replica that took it arrived 0.15 s after the one before it, at 2 requests/s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_given_back_stays_where_the_store_put_it_however_long_its_call_waited() {
+    start_given_back_after_a_call_held_up_in_redis("").await;
+}
+
+/// The same with `max_in_flight`, whose slot and token `lease.lua` takes in one call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_start_given_back_stays_where_the_store_put_it() {
+    start_given_back_after_a_call_held_up_in_redis("max_in_flight = 10\n").await;
+}
+
+/// A (the burst) and B through one replica, C there during a `CLIENT PAUSE` of Redis,
+/// D through the other replica; C hangs up and E, through the other replica, takes the
+/// start C left. Every arrival within the contract's bound. `extra`: more `[defaults]`.
+async fn start_given_back_after_a_call_held_up_in_redis(extra: &str) {
+    use tokio::io::AsyncWriteExt;
+    let (rate, burst) = (2.0, 1.0);
+    const PAUSE_MS: u64 = 350;
+    let redis = common::redis::RedisServer::start();
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"3s\"\n\
+         [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n{extra}",
+        redis.url()
+    );
+    let rs = replicas(&store, "", 2).await;
+    let up = Upstream::start().await;
+    let key = "sluice:{paused}";
+    // Every script call that saves the bucket counts one write (field `n`).
+    async fn writes_reach(redis: &common::redis::RedisServer, key: &str, n: u64) {
+        let what = format!("{n} writes to {key}");
+        common::wait_for(&what, Duration::from_secs(5), || {
+            let got = redis
+                .cli(&["HGET", key, "n"])
+                .and_then(|v| v.parse::<u64>().ok());
+            async move { got.is_some_and(|got| got >= n) }
+        })
+        .await;
+    }
+    let open = |replica: usize, path: &str| {
+        let (proxy, url, host) = (rs[replica].proxy_addr, up.url(path), up.addr);
+        async move {
+            let mut t = tokio::net::TcpStream::connect(proxy).await.unwrap();
+            let req =
+                format!("GET {url} HTTP/1.1\r\nHost: {host}\r\nX-Endpoint-Id: paused\r\n\r\n");
+            t.write_all(req.as_bytes()).await.unwrap();
+            t
+        }
+    };
+    // The burst, then B reserved one slot on (0.5 s), both through the first replica.
+    let mut a = open(0, "/paused/a").await;
+    writes_reach(&redis, key, 1).await;
+    let mut b = open(0, "/paused/b").await;
+    writes_reach(&redis, key, 2).await;
+    // C's acquire waits in Redis for the pause: its start is two slots on (1 s), from
+    // when Redis ran the call.
+    assert_eq!(
+        redis
+            .cli(&["CLIENT", "PAUSE", &PAUSE_MS.to_string(), "WRITE"])
+            .as_deref(),
+        Some("OK")
+    );
+    let paused = Instant::now();
+    let mut c = open(0, "/paused/c").await;
+    writes_reach(&redis, key, 3).await;
+    assert!(
+        paused.elapsed() >= Duration::from_millis(PAUSE_MS - 50),
+        "C's call did not wait for the pause"
+    );
+    // D, through the other replica, three slots on (1.5 s); then C hangs up, leaving
+    // its start with D's behind it: the next sender's.
+    let mut d = open(1, "/paused/d").await;
+    writes_reach(&redis, key, 4).await;
+    c.shutdown().await.unwrap();
+    writes_reach(&redis, key, 5).await;
+    let mut e = open(1, "/paused/e").await;
+    for (name, t) in [("a", &mut a), ("b", &mut b), ("d", &mut d), ("e", &mut e)] {
+        let answer = common::read_response(t).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{name}: {answer}");
+    }
+    let arrivals = up.arrivals();
+    let mut paths: Vec<&str> = arrivals.iter().map(|a| a.path.as_str()).collect();
+    paths.sort();
+    assert_eq!(paths, ["/paused/a", "/paused/b", "/paused/d", "/paused/e"]);
+    // Arrivals in any window of w s: at most rate·(w + 50 ms of arrival jitter) + burst.
+    let mut t: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
+    t.sort();
+    let jitter = 0.05;
+    for i in 0..t.len() {
+        for j in i + 1..t.len() {
+            let w = (t[j] - t[i]).as_secs_f64();
+            let bound = rate * (w + jitter) + burst;
+            assert!(
+                (j - i + 1) as f64 <= bound,
+                "{} arrivals within {w:.3} s (bound {bound:.2}); from the first: {:?}",
+                j - i + 1,
+                t.iter().map(|x| *x - t[0]).collect::<Vec<_>>()
+            );
+        }
+    }
+    for r in rs {
+        r.stop().await;
+    }
+}

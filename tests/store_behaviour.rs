@@ -463,18 +463,20 @@ async fn a_waiter_with_others_behind_it_leaves_its_start_to_the_next_sender(s: S
             Outcome::Granted {
                 wait_us,
                 generation,
-            } => due.push((us(t0, Instant::now()) + wait_us, generation)),
+                at_us,
+            } => due.push((us(t0, Instant::now()) + wait_us, generation, at_us)),
             o => panic!("{o:?}"),
         }
     }
     let late = s.clock.late().as_secs_f64() * 1e6;
     let back = Ask::new(&p, 0.0, None);
-    let give_back = |(start, generation): (f64, u64)| {
+    let give_back = |(start, generation, at_us): (f64, u64, Option<f64>)| {
         let s = &s;
         async move {
             let unused = Unused {
                 generation,
                 due_in_us: start - us(t0, Instant::now()),
+                at_us,
             };
             s.store.release("behind", back, unused).await.unwrap();
         }
@@ -489,7 +491,8 @@ async fn a_waiter_with_others_behind_it_leaves_its_start_to_the_next_sender(s: S
                 Outcome::Granted {
                     wait_us,
                     generation,
-                } => (us(t0, Instant::now()) + wait_us, generation),
+                    at_us,
+                } => (us(t0, Instant::now()) + wait_us, generation, at_us),
                 o => panic!("{o:?}"),
             }
         }
@@ -1090,8 +1093,12 @@ async fn a_batch_decides_as_one_call_per_ask() {
     let asks = ["", "", "0", "", ""];
     let (batch, left) = call("b{quick}", &asks).await;
     // Generation 0, none ahead, no hold, full again in 4 s (4 tokens to refill at
-    // 1/s), the key's first write.
-    assert_eq!(batch, "0 0 0 4000000 1 G G G G G");
+    // 1/s), the key's first write, the store's time.
+    let (head, grants) = batch.split_at(batch.find(" G").unwrap());
+    let (head, now) = head.rsplit_once(' ').unwrap();
+    assert_eq!(head, "0 0 0 4000000 1");
+    assert!(now.parse::<f64>().unwrap() > 0.0, "{batch}");
+    assert_eq!(grants, " G G G G G");
     let mut singles = Vec::new();
     let mut single_left = 0.0;
     let singles_began = Instant::now();
@@ -1111,7 +1118,7 @@ async fn a_batch_decides_as_one_call_per_ask() {
     );
     // Three asks on two tokens: two now, the third waits about a second.
     let (batch, _) = call("b{quick}", &["", "", ""]).await;
-    let words: Vec<&str> = batch.split(' ').skip(5).collect();
+    let words: Vec<&str> = batch.split(' ').skip(6).collect();
     assert_eq!(&words[..2], ["G", "G"]);
     let wait: f64 = words[2].strip_prefix('G').unwrap().parse().unwrap();
     assert!((900_000.0..=1_000_000.0).contains(&wait), "{batch}");

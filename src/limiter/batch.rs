@@ -213,6 +213,7 @@ impl Lanes {
                 .map(|generation| Outcome::Granted {
                     wait_us: 0.0,
                     generation,
+                    at_us: None,
                 })
                 .take(MAX_BATCH)
                 .collect::<Vec<_>>();
@@ -283,6 +284,7 @@ pub(super) async fn acquire(
             return Ok(Outcome::Granted {
                 wait_us: 0.0,
                 generation,
+                at_us: None,
             });
         }
         Admit::Queued(outcome) => {
@@ -490,14 +492,16 @@ async fn give_back(calls: &Calls, endpoint: &str, ask: &Ask, outcome: Outcome) {
     if let Outcome::Granted {
         generation,
         wait_us,
+        at_us,
     } = outcome
     {
-        // Its start, counted from now, would be later than Redis's by the time the
-        // answer took to come: due now instead, so what comes back is never too much
-        // (a reservation still ahead may then give back less than its slot).
+        // Its start on Redis's clock, where the answer said it. (Counted from now, it
+        // would be later than Redis's by the time the answer took to come: due now
+        // instead, so what comes back is never too much.)
         let unused = Unused {
             generation,
             due_in_us: wait_us.min(0.0),
+            at_us,
         };
         if let Err(e) = calls.release(endpoint, ask, unused).await {
             tracing::debug!(endpoint, error = %e, "could not give back an abandoned reservation");

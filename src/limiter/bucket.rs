@@ -79,6 +79,10 @@ pub enum Outcome {
         wait_us: f64,
         /// Generation the reservation belongs to (for refunds and re-checks).
         generation: u64,
+        /// Its start on the store's own clock (µs), where the store keeps time apart
+        /// from the replica (Redis): a give-back names it ([`Unused::at_us`]). `None`
+        /// where the replica's clock is the store's (the memory store).
+        at_us: Option<f64>,
     },
     /// No token within the budget; nothing was consumed.
     Refused {
@@ -167,6 +171,7 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
         return Outcome::Granted {
             wait_us: 0.0,
             generation: s.generation,
+            at_us: None,
         };
     }
     // A start a sender gave up comes first: those behind it keep theirs, and the
@@ -176,6 +181,7 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
             return Outcome::Granted {
                 wait_us,
                 generation: s.generation,
+                at_us: None,
             };
         }
     }
@@ -211,6 +217,7 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
     Outcome::Granted {
         wait_us: wait.max(0.0),
         generation: s.generation,
+        at_us: None,
     }
 }
 
@@ -241,6 +248,11 @@ pub struct Unused {
     pub generation: u64,
     /// Microseconds from now until it was due to start (zero or less: due already).
     pub due_in_us: f64,
+    /// Its start on the store's own clock (`at_us` of [`Outcome::Granted`]), where the
+    /// store has one: used instead of `due_in_us`, which a store apart from the replica
+    /// can only read against its own clock when the give-back arrives, off by how much
+    /// longer one of the two calls took to arrive than the other.
+    pub at_us: Option<f64>,
 }
 
 /// Gives back a reservation whose sender went away, if no cooldown voided it.
@@ -417,7 +429,8 @@ mod tests {
                 acquire(&mut s, &ask, 0.0),
                 Outcome::Granted {
                     wait_us: 0.0,
-                    generation: 0
+                    generation: 0,
+                    at_us: None,
                 }
             );
         }
@@ -465,6 +478,7 @@ mod tests {
         let latest = Unused {
             generation: 0,
             due_in_us: S,
+            at_us: None,
         };
         release(&mut s, &ask, latest, 0.0);
         assert!(s.tokens.abs() < 1e-9);
@@ -544,6 +558,7 @@ mod tests {
             let unused = Unused {
                 generation: 0,
                 due_in_us: due * S - 0.1 * S,
+                at_us: None,
             };
             release(&mut s, &ask, unused, 0.1 * S);
         }
@@ -563,6 +578,7 @@ mod tests {
             let unused = Unused {
                 generation: 0,
                 due_in_us: due * S - 0.1 * S,
+                at_us: None,
             };
             release(&mut s, &ask, unused, 0.1 * S);
         }
@@ -574,6 +590,7 @@ mod tests {
         let unused = Unused {
             generation: 0,
             due_in_us: 0.9 * S,
+            at_us: None,
         };
         release(&mut s, &ask, unused, 0.1 * S);
         match acquire(&mut s, &ask, 1.2 * S) {
@@ -602,6 +619,7 @@ mod tests {
             Outcome::Granted {
                 wait_us,
                 generation,
+                at_us: None,
             } => {
                 assert_eq!(generation, 1);
                 assert!((wait_us - (1.5 + 0.2) * S).abs() < 10.0, "{wait_us}");
@@ -670,6 +688,7 @@ mod tests {
             Outcome::Granted {
                 wait_us,
                 generation,
+                at_us: None,
             } => {
                 assert_eq!(generation, 1);
                 assert!(wait_us >= 1.0 * S);
@@ -701,9 +720,9 @@ mod tests {
                 let waiting: Vec<usize> = (0..starts.len()).filter(|&k| starts[k].0 > now).collect();
                 if leaves && !waiting.is_empty() {
                     let (start, generation) = starts.remove(waiting[which % waiting.len()]);
-                    release(&mut s, &ask, Unused { generation, due_in_us: start - now }, now);
+                    release(&mut s, &ask, Unused { generation, due_in_us: start - now, at_us: None }, now);
                 }
-                if let Outcome::Granted { wait_us, generation } = acquire(&mut s, &ask, now) {
+                if let Outcome::Granted { wait_us, generation, .. } = acquire(&mut s, &ask, now) {
                     starts.push((now + wait_us, generation));
                 }
             }

@@ -81,8 +81,10 @@ impl Local {
             Outcome::Granted {
                 wait_us,
                 generation,
+                at_us,
             } => Outcome::Granted {
                 wait_us,
+                at_us,
                 generation: LOCAL_GENERATION
                     | (self.outage << 32) & OUTAGE_NUMBER
                     | generation & LOCAL_BUCKET_GENERATION,
@@ -261,6 +263,7 @@ impl Resilient {
             Outcome::Granted {
                 wait_us,
                 generation,
+                ..
             } if wait_us > 0.0 && !is_local(generation) => h.spoken_for(endpoint, ask, at(wait_us)),
             Outcome::Refused {
                 cooldown: true,
@@ -373,6 +376,7 @@ impl BucketStore for Resilient {
                                 Outcome::Granted {
                                     wait_us: 0.0,
                                     generation,
+                                    at_us: None,
                                 }
                             }
                             None => l.tag(l.store.acquire_now(endpoint, share)),
@@ -381,6 +385,7 @@ impl BucketStore for Resilient {
                     Outcome::Granted {
                         wait_us: 0.0,
                         generation: u64::MAX,
+                        at_us: None,
                     },
                 )
                 .await?;
@@ -521,6 +526,7 @@ impl BucketStore for Resilient {
                     Leased::Took(Outcome::Granted {
                         wait_us: 0.0,
                         generation: u64::MAX,
+                        at_us: None,
                     }),
                 )
                 .await?;
@@ -822,6 +828,7 @@ mod tests {
         let granted = Outcome::Granted {
             wait_us: 5.0,
             generation: 3,
+            at_us: None,
         };
         let Outcome::Granted { generation, .. } = local(1).tag(granted) else {
             panic!()

@@ -269,6 +269,7 @@ impl Limiter {
             Outcome::Granted {
                 wait_us,
                 generation,
+                ..
             },
         )) = first
         {
@@ -312,6 +313,7 @@ impl Limiter {
                 Outcome::Granted {
                     wait_us,
                     generation,
+                    ..
                 } if wait_us <= 0.0 => {
                     return Ok(Grant {
                         waited: started.elapsed(),
@@ -321,6 +323,7 @@ impl Limiter {
                 Outcome::Granted {
                     wait_us,
                     generation,
+                    at_us,
                 } => {
                     let wait = from_micros(wait_us);
                     let start = Start {
@@ -328,6 +331,7 @@ impl Limiter {
                         // than the store's start, so what comes back is never more.
                         due: asked + wait,
                         wake: Instant::now() + wait,
+                        at_us,
                     };
                     let spot = self.waiting.join(endpoint, generation, start);
                     let mut guard = Reservation {
@@ -478,6 +482,7 @@ impl Limiter {
             Ok(Outcome::Granted {
                 wait_us,
                 generation,
+                ..
             }) => Shadow::Wait(Grant {
                 waited: from_micros(wait_us),
                 generation,
@@ -501,6 +506,7 @@ impl Limiter {
         let unused = Unused {
             generation: grant.generation,
             due_in_us: 0.0,
+            at_us: None,
         };
         if let Err(e) = self.store.release(endpoint, ask, unused).await {
             tracing::debug!(endpoint, error = %e, "could not refund a token");
@@ -578,19 +584,20 @@ impl Drop for Reservation {
             return;
         }
         // The ones waiting behind move up; what is left goes back.
-        let due = self
+        let free = self
             .waiting
             .left(&self.endpoint, &self.spot)
-            .map_or(self.start.due, |s| s.due);
+            .unwrap_or(self.start);
         let store = Arc::clone(&self.store);
         let endpoint = std::mem::take(&mut self.endpoint);
         let unused = Unused {
             generation: self.generation,
             due_in_us: {
                 let now = Instant::now();
-                micros(due.saturating_duration_since(now))
-                    - micros(now.saturating_duration_since(due))
+                micros(free.due.saturating_duration_since(now))
+                    - micros(now.saturating_duration_since(free.due))
             },
+            at_us: free.at_us,
         };
         let ask = self.ask;
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -674,7 +681,7 @@ mod tests {
                         Outcome::Refused { retry_us, .. } => { from_micros(retry_us); }
                     },
                     2 => {
-                        let unused = Unused { generation: s.generation, due_in_us: 0.0 };
+                        let unused = Unused { generation: s.generation, due_in_us: 0.0, at_us: None };
                         bucket::release(&mut s, &ask, unused, now)
                     }
                     _ => bucket::feedback(&mut s, &ask, &adaptive, pause_s * 1e6, true, now),

@@ -741,13 +741,17 @@ impl Calls {
         ask: &Ask,
         unused: Unused,
     ) -> Result<(), StoreError> {
-        let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 4);
-        // One token, no hold, due this many µs from Redis's now (the offset is the
-        // same on every clock; the replica's own time never reaches the script).
+        let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 5);
+        // One token, no hold, due at its start on Redis's clock where the grant said it
+        // (else this many µs from Redis's now: the replica's own time never reaches
+        // the script).
         inv.arg(unused.generation)
             .arg(1)
             .arg("")
             .arg(unused.due_in_us.round() as i64);
+        if let Some(at) = unused.at_us {
+            inv.arg(Num(at));
+        }
         self.given_back(endpoint, inv).await
     }
 
@@ -901,8 +905,9 @@ fn num(v: &Value) -> Result<f64, StoreError> {
 type Decisions = (Vec<Outcome>, f64, u64, u64, (f64, u64));
 
 /// The answer of `lua/acquire.lua` for `n` asks,
-/// `"<generation> <ahead> <hold> <busy> <writes> <ask>..."` with one word per ask (`G`,
-/// `G<µs>`, `R<µs>`, `C<µs>`).
+/// `"<generation> <ahead> <hold> <busy> <writes> <now> <ask>..."` with one word per ask
+/// (`G`, `G<µs>`, `R<µs>`, `C<µs>`); a grant starts at `<now>` plus its wait on the
+/// store's clock.
 fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     let bad = || StoreError::Protocol(format!("unexpected acquire reply {v:?}"));
     let Value::BulkString(text) = v else {
@@ -915,8 +920,9 @@ fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     let hold = number(words.next())? as u64;
     let busy = number(words.next())?;
     let writes = number(words.next())? as u64;
+    let now = number(words.next())?;
     let mut outcomes = Vec::with_capacity(n);
-    // No asks (a top-up): the answer ends with the separator after `<writes>`.
+    // No asks (a top-up): the answer ends with the separator after `<now>`.
     for word in words.filter(|w| n > 0 || !w.is_empty()) {
         let (&kind, us) = word.split_first().ok_or_else(bad)?;
         let us = match (kind, us) {
@@ -927,6 +933,7 @@ fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
             b'G' => Outcome::Granted {
                 wait_us: us,
                 generation,
+                at_us: Some(now + us),
             },
             b'R' | b'C' => Outcome::Refused {
                 cooldown: kind == b'C',
@@ -1080,7 +1087,7 @@ impl BucketStore for RedisStore {
                 .arg(self.member(lease.id))
                 .arg(Num::whole_micros(busy_us))
                 .arg(writes);
-            let f = fields(self.calls.run(inv).await?, 6)?;
+            let f = fields(self.calls.run(inv).await?, 7)?;
             if f[4] >= 0.0 {
                 self.calls
                     .busy
@@ -1091,6 +1098,7 @@ impl BucketStore for RedisStore {
                 1 => Leased::Took(Outcome::Granted {
                     wait_us: f[1],
                     generation,
+                    at_us: Some(f[6]),
                 }),
                 2 => Leased::Busy { retry_us: f[1] },
                 _ => Leased::Took(Outcome::Refused {
@@ -1156,12 +1164,15 @@ mod tests {
     use redis::ToRedisArgs;
 
     /// The one-string answer of `acquire.lua`: every kind of word, Lua's exponent
-    /// form, and malformed answers refused.
+    /// form, a grant's start on the store's clock, and malformed answers refused.
     #[test]
     fn acquire_answers_are_read_in_order_and_checked() {
         let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        let (outcomes, ahead, generation, hold, busy) =
-            decisions(&v("7 3 95012345678901 2500000 42 G G1500 R20 C1e+15"), 4).unwrap();
+        let (outcomes, ahead, generation, hold, busy) = decisions(
+            &v("7 3 95012345678901 2500000 42 95012345678999 G G1500 R20 C1e+15"),
+            4,
+        )
+        .unwrap();
         assert_eq!(generation, 7);
         assert_eq!(ahead, 3.0);
         assert_eq!(hold, 95_012_345_678_901);
@@ -1171,11 +1182,13 @@ mod tests {
             vec![
                 Outcome::Granted {
                     wait_us: 0.0,
-                    generation: 7
+                    generation: 7,
+                    at_us: Some(95_012_345_678_999.0),
                 },
                 Outcome::Granted {
                     wait_us: 1500.0,
-                    generation: 7
+                    generation: 7,
+                    at_us: Some(95_012_345_680_499.0),
                 },
                 Outcome::Refused {
                     cooldown: false,
@@ -1188,16 +1201,17 @@ mod tests {
             ]
         );
         for bad in [
-            "7 0 0 0 1 G",
-            "7 0 0 0 1 G G G",
-            "7 0 0 0 1 X1 G",
-            "7 0 0 0 1 R G",
-            "7 0 0 0 1 G  G",
-            "7 0 0 0 1 G -5",
-            "7 0 0 0 1 Gx G",
-            "x 0 0 0 1 G G",
-            "7 0 0 0 G G",
-            "7 0 0 -1 1 G G",
+            "7 0 0 0 1 9 G",
+            "7 0 0 0 1 9 G G G",
+            "7 0 0 0 1 9 X1 G",
+            "7 0 0 0 1 9 R G",
+            "7 0 0 0 1 9 G  G",
+            "7 0 0 0 1 9 G -5",
+            "7 0 0 0 1 9 Gx G",
+            "x 0 0 0 1 9 G G",
+            "7 0 0 0 1 G G",
+            "7 0 0 0 1 x G G",
+            "7 0 0 -1 1 9 G G",
             "7",
             "",
         ] {
@@ -1205,12 +1219,12 @@ mod tests {
         }
         assert!(decisions(&Value::Array(vec![Value::Int(1)]), 1).is_err());
         // A top-up (no asks): the generation, the tokens ahead, their hold, how long the
-        // bucket stays busy and the key's write count, nothing else.
+        // bucket stays busy, the key's write count and the store's time, nothing else.
         assert_eq!(
-            decisions(&v("9 40 12 300 5 "), 0).unwrap(),
+            decisions(&v("9 40 12 300 5 77 "), 0).unwrap(),
             (Vec::new(), 40.0, 9, 12, (300.0, 5))
         );
-        assert!(decisions(&v("9 40 12 300 5 G"), 0).is_err());
+        assert!(decisions(&v("9 40 12 300 5 77 G"), 0).is_err());
     }
 
     /// `release.lua`'s answer: how long the bucket stays busy and its write count, or

@@ -15,7 +15,9 @@
 //! A start is two instants: `due`, from when its call was sent (never later than the
 //! store's start: a give-back counted from it is never more than it should be), and
 //! `wake`, from when its answer came (never earlier than the store's start: a sender
-//! leaving then never leaves early). A start moves with both.
+//! leaving then never leaves early); and, from a store with a clock of its own (Redis),
+//! the store's start itself, which a give-back names instead of `due`. A start moves
+//! with all three.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,12 +26,15 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// A reserved start (see the module doc).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Start {
     /// No later than the store's start (from when the call was sent).
     pub due: Instant,
     /// No earlier than the store's start (from when the answer came): when to leave.
     pub wake: Instant,
+    /// The store's start on its own clock, where it has one (`Outcome::Granted`'s
+    /// `at_us`): exact, where `due` is early by the time the call took to arrive.
+    pub at_us: Option<f64>,
 }
 
 /// One waiting request.
@@ -166,7 +171,11 @@ mod tests {
 
     fn at(base: Instant, ms: u64) -> Start {
         let t = base + Duration::from_millis(ms);
-        Start { due: t, wake: t }
+        Start {
+            due: t,
+            wake: t,
+            at_us: None,
+        }
     }
 
     /// The ones behind a leaver move up one start each, in order; the last start is
