@@ -1505,23 +1505,57 @@ async fn start_given_back_after_a_call_held_up_in_redis(extra: &str) {
     let mut paths: Vec<&str> = arrivals.iter().map(|a| a.path.as_str()).collect();
     paths.sort();
     assert_eq!(paths, ["/paused/a", "/paused/b", "/paused/d", "/paused/e"]);
-    // Arrivals in any window of w s: at most rate·(w + 50 ms of arrival jitter) + burst.
-    let mut t: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
-    t.sort();
-    let jitter = 0.05;
-    for i in 0..t.len() {
-        for j in i + 1..t.len() {
-            let w = (t[j] - t[i]).as_secs_f64();
-            let bound = rate * (w + jitter) + burst;
-            assert!(
-                (j - i + 1) as f64 <= bound,
-                "{} arrivals within {w:.3} s (bound {bound:.2}); from the first: {:?}",
-                j - i + 1,
-                t.iter().map(|x| *x - t[0]).collect::<Vec<_>>()
-            );
-        }
-    }
+    let times: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
+    common::assert_within_bound(&times, rate, burst, 0.05);
     for r in rs {
         r.stop().await;
     }
+}
+
+/// (2026-12-07, the session after that one) A loss after a burst of immediate grants
+/// alone, no reservation among them, gives no second burst either: the answers of
+/// those grants said how long the bucket stays busy, and the replica rebuilds from
+/// that. (The docs said until now that such a loss gave one more burst.) Without the
+/// rebuild: 6 arrivals within 0.014 s, against a bound of 5.32 with 50 ms of jitter
+/// (`assert_no_overdraw`'s token of slack hid it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_loses_its_state_after_a_burst_of_immediate_grants_gives_no_second_burst() {
+    let (rate, burst) = (5.0, 5.0);
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n\
+         [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n",
+        redis.url()
+    ))
+    .await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let send = |path: String| {
+        let (c, url) = (c.clone(), up.url(&path));
+        tokio::spawn(async move {
+            let r = c
+                .get(url)
+                .header("x-endpoint-id", "lost")
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        })
+    };
+    let burst_of = |tag: &str| {
+        (0..burst as usize)
+            .map(|i| send(format!("/lost/{tag}/{i}")))
+            .collect::<Vec<_>>()
+    };
+    for r in burst_of("before") {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    assert_eq!(redis.cli(&["FLUSHALL"]).as_deref(), Some("OK"));
+    for r in burst_of("after") {
+        assert_eq!(r.await.unwrap(), 200, "nothing is refused or lost");
+    }
+    let times = times_of(&up, "lost");
+    assert_eq!(times.len(), 10, "each request arrived once");
+    common::assert_within_bound(&times, rate, burst, 0.05);
+    s.stop().await;
 }

@@ -274,6 +274,28 @@ pub fn assert_no_overdraw(times: &[Instant], rate: f64, burst: f64) {
     }
 }
 
+/// Asserts the overdraw bound with no token of slack, for tests with few arrivals far
+/// apart: every run of arrivals, from the i-th to the j-th in time, numbers at most
+/// `rate·(t_j − t_i + jitter) + burst`, where `jitter` (seconds) is what delivery
+/// between sluice's send and the upstream's accept may add to one gap.
+pub fn assert_within_bound(times: &[Instant], rate: f64, burst: f64, jitter: f64) {
+    let mut t: Vec<Instant> = times.to_vec();
+    t.sort();
+    for i in 0..t.len() {
+        for j in i + 1..t.len() {
+            let w = (t[j] - t[i]).as_secs_f64();
+            let bound = rate * (w + jitter) + burst;
+            assert!(
+                (j - i + 1) as f64 <= bound,
+                "{} arrivals within {w:.3} s (bound {bound:.2}: rate {rate}, burst {burst}, \
+                 {jitter} s of jitter); from the first: {:?}",
+                j - i + 1,
+                t.iter().map(|x| *x - t[0]).collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
 /// The most arrivals in any window of `w` seconds of the sorted `t`, and the index of
 /// the first arrival of that window.
 fn most_in_window(t: &[Instant], w: f64) -> (usize, usize) {
