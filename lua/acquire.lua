@@ -31,7 +31,7 @@
 --          No ask at all: a top-up, asking only for tokens ahead (ARGV[4]).
 -- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
 --          here, where turning a number into text is the costly part):
---            "<generation> <ahead> <hold> <busy> <n> <now> <ask 1> <ask 2> ..."
+--            "<generation> <ahead> <hold> <busy> <n> <now> <rebuilt> <ask 1> <ask 2> ..."
 --          each ask one word: "G" granted now, "G<µs>" granted to start after <µs>, "R<µs>"
 --          refused by the rate, retry after <µs>, "C<µs>" refused because of a cooldown
 --          (whole µs, rounded up: never early). A granted reservation belongs to
@@ -51,6 +51,8 @@
 --          <now>: this call's instant on the store's clock (µs): a granted ask starts at
 --          <now> plus its wait, which is what a give-back names (release.lua's ARGV[8]),
 --          however long this call and the give-back each took to arrive.
+--          <rebuilt>: 1 when this call found the key lost or gone back in time and
+--          rebuilt it (ARGV[8], ARGV[9]), else 0: the replica counts and logs it.
 --
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
@@ -145,4 +147,4 @@ end
 busy = math.floor(busy)
 local hold = ahead > 0 and str(s.cs) or '0'
 return s.g .. ' ' .. ahead .. ' ' .. hold .. ' ' .. tostring(busy) .. ' ' .. tostring(s.n)
-  .. ' ' .. str(now) .. ' ' .. answers
+  .. ' ' .. str(now) .. (lost and ' 1 ' or ' 0 ') .. answers

@@ -134,7 +134,8 @@ local function load_known(known, seen)
   if not s then
     s = fresh()
     lost = known > 0
-  elseif s.n < seen then
+  elseif known > 0 and s.n < seen then
+    -- (Once `known` is over the bucket is full again: an older copy is no fuller.)
     lost = true
   end
   refill(s)

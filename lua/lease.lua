@@ -10,7 +10,8 @@
 -- ARGV[8], ARGV[9]  how long this replica knows the bucket stays busy (µs) and the
 --          highest write count it heard: a lost key, or one gone back in time, is
 --          rebuilt as acquire.lua does (see its ARGV[8] and ARGV[9]).
--- Returns  { code, wait_us or retry_us (string), generation, cooldown 0|1, busy, n, at }
+-- Returns  { code, wait_us or retry_us (string), generation, cooldown 0|1, busy, n, at,
+--            rebuilt }
 --          code=1: token reserved (start after wait_us) and the slot leased until
 --                  now + ttl; code=0: refused as acquire.lua refuses, nothing taken;
 --          code=2: every slot is leased, nothing taken; retry_us = until the soonest
@@ -18,7 +19,8 @@
 --          busy, n: acquire.lua's <busy> (a string) and <n>; busy "-1" when the bucket
 --          was not read (code 2) or no key is left. at (a string): with code=1, the
 --          reservation's start on the store's clock (µs), which a give-back names
---          (release.lua's ARGV[8]); else "0".
+--          (release.lua's ARGV[8]); else "0". rebuilt: 1 when the key was found lost or
+--          gone back in time and rebuilt (acquire.lua's <rebuilt>), else 0.
 --
 -- Why atomic: counting live leases, taking the token and adding the lease must be one
 -- step, or two replicas could both see the last free slot. Expired leases (of a replica
@@ -31,7 +33,7 @@ local ttl = tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', leases, '-inf', str(now))
 if redis.call('ZCARD', leases) >= max then
   local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
-  return { 2, str(math.max(tonumber(first[2]) - now, 0)), 0, 0, '-1', 0, '0' }
+  return { 2, str(math.max(tonumber(first[2]) - now, 0)), 0, 0, '-1', 0, '0', 0 }
 end
 local s, lost = load_known(tonumber(ARGV[8]), tonumber(ARGV[9]))
 local granted, us, cooldown = reserve(s, budget)
@@ -42,9 +44,9 @@ if not granted then
   elseif loaded then
     busy = tostring(math.floor(busy_for(s, time_to_idle(s, s.fl or rate))))
   end
-  return { 0, str(us), s.g, cooldown, busy, s.n, '0' }
+  return { 0, str(us), s.g, cooldown, busy, s.n, '0', lost and 1 or 0 }
 end
 local busy = tostring(math.floor(busy_for(s, save(s))))
 redis.call('ZADD', leases, str(now + ttl), ARGV[7])
 redis.call('PEXPIRE', leases, math.ceil(ttl / 1000) + 1000)
-return { 1, str(us), s.g, 0, busy, s.n, str(now + us) }
+return { 1, str(us), s.g, 0, busy, s.n, str(now + us), lost and 1 or 0 }

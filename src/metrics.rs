@@ -296,6 +296,11 @@ impl Metrics {
             m.store.notices.clone(),
         );
         registry.register(
+            "store_rebuilds",
+            "Buckets the store had lost or rolled back, rebuilt from what this replica heard",
+            m.store.rebuilds.clone(),
+        );
+        registry.register(
             "build_info",
             "The running build: version and git commit; always 1",
             m.build_info.clone(),

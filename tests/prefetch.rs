@@ -683,14 +683,15 @@ async fn a_call_with_no_asks_takes_tokens_ahead_down_to_half_the_burst() {
             .await
             .unwrap()
     };
-    // "<generation> <ahead> <hold> <busy> <writes> <now> " (no asks): how long the
-    // bucket stays busy, its write count and the store's time aside, which change from
-    // call to call.
+    // "<generation> <ahead> <hold> <busy> <writes> <now> <rebuilt> " (no asks): how
+    // long the bucket stays busy, its write count and the store's time aside, which
+    // change from call to call; nothing was rebuilt.
     let without_busy = |reply: String| -> String {
         let mut words: Vec<&str> = reply.split(' ').collect();
         let busy: f64 = words.remove(3).parse().unwrap();
         let _writes: u64 = words.remove(3).parse().unwrap();
         let _now: f64 = words.remove(3).parse().unwrap();
+        assert_eq!(words.remove(3), "0", "nothing rebuilt: {reply}");
         assert!(busy > 0.0, "busy while tokens are held: {reply}");
         words.join(" ")
     };

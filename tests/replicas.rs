@@ -1281,6 +1281,15 @@ async fn requests_waiting_when_a_cooldown_starts_hold_it_through_a_stall() {
     s.stop().await;
 }
 
+/// `sluice_store_rebuilds_total` of a replica.
+async fn rebuilds(s: &sluice::app::Running) -> u64 {
+    let m = common::metrics(s.admin_addr).await;
+    m.lines()
+        .find_map(|l| l.strip_prefix("sluice_store_rebuilds_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("sluice_store_rebuilds_total in /metrics")
+}
+
 /// (Found 2026-12-07, later session; fixed in the session after) A Redis that loses its
 /// state between two requests, with no failed call for sluice to notice (an operator's
 /// `FLUSHALL`, a restart between two calls, an eviction, a failover before the last
@@ -1327,6 +1336,8 @@ async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst
     let times = times_of(&up, "lost");
     assert_eq!(times.len(), 15, "each request arrived once");
     assert_no_overdraw(&times, rate, burst);
+    // The operator sees it: one bucket rebuilt (the first call after the loss).
+    assert_eq!(rebuilds(&s).await, 1);
 
     // A bucket that went idle and expired (its 1 s margin after the refill) is new
     // again: its burst goes at once (`max_wait = 0` would refuse a bucket rebuilt busy).
@@ -1355,6 +1366,11 @@ async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst
             "an idle bucket's burst is not refused"
         );
     }
+    assert_eq!(
+        rebuilds(&s).await,
+        1,
+        "a key that expired on its own is no rebuild"
+    );
     s.stop().await;
 }
 
@@ -1412,10 +1428,11 @@ async fn a_redis_that_goes_back_in_time_gives_no_second_burst() {
     let times = times_of(&up, "older");
     assert_eq!(times.len(), 15, "each request arrived once");
     assert_no_overdraw(&times, rate, burst);
+    assert_eq!(rebuilds(&s).await, 1, "the older copy, rebuilt once");
     s.stop().await;
 }
 
-/// (Named by a review the session before, fixed 2026-12-07, the session after it) A
+/// (Named by a review the session before, fixed 2026-12-07, fourth session) A
 /// reservation given back on a shared store is named by its start on the store's own
 /// clock. It used to be named in µs from when the give-back was sent, counted from
 /// when its acquire was *sent*: an acquire that waited in Redis (a `CLIENT PAUSE` here;
@@ -1512,7 +1529,7 @@ async fn start_given_back_after_a_call_held_up_in_redis(extra: &str) {
     }
 }
 
-/// (2026-12-07, the session after that one) A loss after a burst of immediate grants
+/// (2026-12-07, fourth session) A loss after a burst of immediate grants
 /// alone, no reservation among them, gives no second burst either: the answers of
 /// those grants said how long the bucket stays busy, and the replica rebuilds from
 /// that. (The docs said until now that such a loss gave one more burst.) Without the

@@ -622,6 +622,9 @@ pub struct StoreStats {
     /// `sluice_store_cooldown_notices_total`: cooldown notices this replica heard over
     /// Redis pub/sub (single Redis; its own 429s' included).
     pub notices: prometheus_client::metrics::counter::Counter,
+    /// `sluice_store_rebuilds_total`: buckets the store had lost (or held only an older
+    /// copy of) that a script of this replica rebuilt from what it heard.
+    pub rebuilds: prometheus_client::metrics::counter::Counter,
 }
 
 impl Default for StoreStats {
@@ -633,6 +636,7 @@ impl Default for StoreStats {
             ),
             degraded: Default::default(),
             notices: Default::default(),
+            rebuilds: Default::default(),
         }
     }
 }

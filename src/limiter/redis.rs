@@ -241,18 +241,24 @@ impl Busy {
     const MAX: usize = 100_000;
 
     /// µs left at `now` of how long `endpoint`'s bucket is known to stay busy, and the
-    /// highest write count heard (0 and 0: nothing known).
+    /// highest write count heard (0 and 0: nothing known). Once that time is over, 0 and
+    /// 0: the bucket is full again by then, so an older copy of it is no fuller, and its
+    /// key may have expired and been made afresh, counting its writes from 1 (until
+    /// 2026-12-07 the count stayed, and the next call after an expiry "rebuilt" a bucket
+    /// nothing had happened to).
     fn known(&self, endpoint: &str, now: Instant) -> (f64, u64) {
         let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(endpoint).map_or((0.0, 0), |h| {
-            (micros(h.until.saturating_duration_since(now)), h.writes)
-        })
+        match map.get(endpoint) {
+            Some(h) if h.until > now => (micros(h.until - now), h.writes),
+            _ => (0.0, 0),
+        }
     }
 
     /// Records an answer: the bucket stays busy for `us` µs from `at` (when the answer
     /// came, so what is sent back next is never short of it by the call's latency), at
     /// write count `writes`. An answer of a lower count than one already heard is older
-    /// news (answers of concurrent calls arrive in any order) and changes nothing.
+    /// news (answers of concurrent calls arrive in any order) and changes nothing, unless
+    /// what was heard before is over: the key may have expired and been made afresh.
     fn heard(&self, endpoint: &str, at: Instant, us: f64, writes: u64) {
         let heard = Heard {
             until: at + Duration::from_micros(us.max(0.0) as u64),
@@ -260,7 +266,7 @@ impl Busy {
         };
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(h) = map.get_mut(endpoint) {
-            if writes >= h.writes {
+            if writes >= h.writes || h.until <= at {
                 *h = heard;
             }
             return;
@@ -690,8 +696,18 @@ impl Calls {
             };
         }
         let answer = self.run(inv).await?;
-        let (outcomes, got, generation, hold, (busy, writes)) = decisions(&answer, asks.len())?;
+        let Decisions {
+            outcomes,
+            ahead: got,
+            generation,
+            hold,
+            busy: (busy, writes),
+            rebuilt,
+        } = decisions(&answer, asks.len())?;
         self.busy.heard(endpoint, Instant::now(), busy, writes);
+        if rebuilt {
+            self.rebuilt(endpoint, busy);
+        }
         if !(0.0..=f64::from(ahead)).contains(&got) {
             return Err(StoreError::Protocol(format!(
                 "acquire handed out {got} tokens ahead, {ahead} were asked"
@@ -703,6 +719,20 @@ impl Calls {
             hold,
         };
         Ok((outcomes, taken))
+    }
+
+    /// Records a bucket the store had lost (or kept only from before its latest writes)
+    /// and a script rebuilt from what this replica heard: `sluice_store_rebuilds_total`,
+    /// and a warning naming the endpoint, as the operator's Redis lost state sluice
+    /// relies on (restarted empty, flushed, evicted, or failed over to a replica the
+    /// last writes had not reached).
+    fn rebuilt(&self, endpoint: &str, busy_us: f64) {
+        self.stats.rebuilds.inc();
+        tracing::warn!(
+            endpoint,
+            busy_for_ms = (busy_us / 1000.0).round(),
+            "the store had lost this endpoint's bucket, or held an older copy (Redis restarted empty, flushed, evicted or failed over): rebuilt it as busy as this replica last heard, so no second burst goes out"
+        );
     }
 
     /// Runs one plain command (not a script), bounded and recorded like the scripts;
@@ -899,15 +929,27 @@ fn num(v: &Value) -> Result<f64, StoreError> {
         .ok_or_else(|| StoreError::Protocol(format!("script answered {v:?}, not a number")))
 }
 
-/// The outcomes of one acquire call in order, the tokens taken ahead, the bucket's
-/// generation, the hold of the tokens ahead, and how long (µs) the bucket stays busy
-/// with the key's write count.
-type Decisions = (Vec<Outcome>, f64, u64, u64, (f64, u64));
+/// What one acquire call decided (`lua/acquire.lua`'s answer, read by [`decisions`]).
+#[derive(Debug, PartialEq)]
+struct Decisions {
+    /// The asks' outcomes, in order.
+    outcomes: Vec<Outcome>,
+    /// Tokens taken ahead.
+    ahead: f64,
+    /// The bucket's generation.
+    generation: u64,
+    /// The hold the tokens ahead joined (0: none).
+    hold: u64,
+    /// How long (µs) the bucket stays busy, and the key's write count.
+    busy: (f64, u64),
+    /// The call found the key lost or gone back in time, and rebuilt it.
+    rebuilt: bool,
+}
 
 /// The answer of `lua/acquire.lua` for `n` asks,
-/// `"<generation> <ahead> <hold> <busy> <writes> <now> <ask>..."` with one word per ask
-/// (`G`, `G<µs>`, `R<µs>`, `C<µs>`); a grant starts at `<now>` plus its wait on the
-/// store's clock.
+/// `"<generation> <ahead> <hold> <busy> <writes> <now> <rebuilt> <ask>..."` with one
+/// word per ask (`G`, `G<µs>`, `R<µs>`, `C<µs>`); a grant starts at `<now>` plus its
+/// wait on the store's clock.
 fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     let bad = || StoreError::Protocol(format!("unexpected acquire reply {v:?}"));
     let Value::BulkString(text) = v else {
@@ -921,8 +963,13 @@ fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     let busy = number(words.next())?;
     let writes = number(words.next())? as u64;
     let now = number(words.next())?;
+    let rebuilt = match words.next() {
+        Some(b"0") => false,
+        Some(b"1") => true,
+        _ => return Err(bad()),
+    };
     let mut outcomes = Vec::with_capacity(n);
-    // No asks (a top-up): the answer ends with the separator after `<now>`.
+    // No asks (a top-up): the answer ends with the separator after `<rebuilt>`.
     for word in words.filter(|w| n > 0 || !w.is_empty()) {
         let (&kind, us) = word.split_first().ok_or_else(bad)?;
         let us = match (kind, us) {
@@ -945,7 +992,14 @@ fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     if outcomes.len() != n {
         return Err(bad());
     }
-    Ok((outcomes, ahead, generation, hold, (busy, writes)))
+    Ok(Decisions {
+        outcomes,
+        ahead,
+        generation,
+        hold,
+        busy: (busy, writes),
+        rebuilt,
+    })
 }
 
 /// The answer of `lua/release.lua`: `"<busy> <writes>"` after a give-back, `-1` when
@@ -1087,11 +1141,14 @@ impl BucketStore for RedisStore {
                 .arg(self.member(lease.id))
                 .arg(Num::whole_micros(busy_us))
                 .arg(writes);
-            let f = fields(self.calls.run(inv).await?, 7)?;
+            let f = fields(self.calls.run(inv).await?, 8)?;
             if f[4] >= 0.0 {
                 self.calls
                     .busy
                     .heard(endpoint, Instant::now(), f[4], f[5] as u64);
+            }
+            if f[7] == 1.0 {
+                self.calls.rebuilt(endpoint, f[4]);
             }
             let generation = f[2] as u64;
             Ok(match f[0] as u8 {
@@ -1164,21 +1221,23 @@ mod tests {
     use redis::ToRedisArgs;
 
     /// The one-string answer of `acquire.lua`: every kind of word, Lua's exponent
-    /// form, a grant's start on the store's clock, and malformed answers refused.
+    /// form, a grant's start on the store's clock, a rebuild, and malformed answers
+    /// refused.
     #[test]
     fn acquire_answers_are_read_in_order_and_checked() {
         let v = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        let (outcomes, ahead, generation, hold, busy) = decisions(
-            &v("7 3 95012345678901 2500000 42 95012345678999 G G1500 R20 C1e+15"),
+        let d = decisions(
+            &v("7 3 95012345678901 2500000 42 95012345678999 1 G G1500 R20 C1e+15"),
             4,
         )
         .unwrap();
-        assert_eq!(generation, 7);
-        assert_eq!(ahead, 3.0);
-        assert_eq!(hold, 95_012_345_678_901);
-        assert_eq!(busy, (2_500_000.0, 42));
+        assert_eq!(d.generation, 7);
+        assert_eq!(d.ahead, 3.0);
+        assert_eq!(d.hold, 95_012_345_678_901);
+        assert_eq!(d.busy, (2_500_000.0, 42));
+        assert!(d.rebuilt);
         assert_eq!(
-            outcomes,
+            d.outcomes,
             vec![
                 Outcome::Granted {
                     wait_us: 0.0,
@@ -1201,17 +1260,19 @@ mod tests {
             ]
         );
         for bad in [
-            "7 0 0 0 1 9 G",
-            "7 0 0 0 1 9 G G G",
-            "7 0 0 0 1 9 X1 G",
-            "7 0 0 0 1 9 R G",
-            "7 0 0 0 1 9 G  G",
-            "7 0 0 0 1 9 G -5",
-            "7 0 0 0 1 9 Gx G",
-            "x 0 0 0 1 9 G G",
-            "7 0 0 0 1 G G",
-            "7 0 0 0 1 x G G",
-            "7 0 0 -1 1 9 G G",
+            "7 0 0 0 1 9 0 G",
+            "7 0 0 0 1 9 0 G G G",
+            "7 0 0 0 1 9 0 X1 G",
+            "7 0 0 0 1 9 0 R G",
+            "7 0 0 0 1 9 0 G  G",
+            "7 0 0 0 1 9 0 G -5",
+            "7 0 0 0 1 9 0 Gx G",
+            "x 0 0 0 1 9 0 G G",
+            "7 0 0 0 1 0 G G",
+            "7 0 0 0 1 x 0 G G",
+            "7 0 0 0 1 9 2 G G",
+            "7 0 0 0 1 9 G G",
+            "7 0 0 -1 1 9 0 G G",
             "7",
             "",
         ] {
@@ -1219,12 +1280,41 @@ mod tests {
         }
         assert!(decisions(&Value::Array(vec![Value::Int(1)]), 1).is_err());
         // A top-up (no asks): the generation, the tokens ahead, their hold, how long the
-        // bucket stays busy, the key's write count and the store's time, nothing else.
+        // bucket stays busy, the key's write count, the store's time and no rebuild,
+        // nothing else.
         assert_eq!(
-            decisions(&v("9 40 12 300 5 77 "), 0).unwrap(),
-            (Vec::new(), 40.0, 9, 12, (300.0, 5))
+            decisions(&v("9 40 12 300 5 77 0 "), 0).unwrap(),
+            Decisions {
+                outcomes: Vec::new(),
+                ahead: 40.0,
+                generation: 9,
+                hold: 12,
+                busy: (300.0, 5),
+                rebuilt: false,
+            }
         );
-        assert!(decisions(&v("9 40 12 300 5 77 G"), 0).is_err());
+        assert!(decisions(&v("9 40 12 300 5 77 0 G"), 0).is_err());
+    }
+
+    /// What a replica sends of a bucket: what it heard while that lasts, nothing once
+    /// it is over; and a key made afresh after that (writes counted from 1 again) is
+    /// heard again, where an older answer of a busy one is not.
+    #[test]
+    fn a_bucket_heard_busy_is_known_until_then_and_a_key_made_afresh_is_heard_again() {
+        let busy = Busy::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(busy.known("e", t0), (0.0, 0));
+        busy.heard("e", t0, 500_000.0, 7);
+        assert_eq!(busy.known("e", t0 + ms(100)), (400_000.0, 7));
+        // An older answer (a lower count) while it lasts changes nothing.
+        busy.heard("e", t0 + ms(100), 100_000.0, 6);
+        assert_eq!(busy.known("e", t0 + ms(200)), (300_000.0, 7));
+        // Over: nothing known, so a key that expired is no loss to rebuild.
+        assert_eq!(busy.known("e", t0 + ms(500)), (0.0, 0));
+        // The key, made afresh, counts from 1: heard.
+        busy.heard("e", t0 + ms(600), 200_000.0, 1);
+        assert_eq!(busy.known("e", t0 + ms(700)), (100_000.0, 1));
     }
 
     /// `release.lua`'s answer: how long the bucket stays busy and its write count, or
