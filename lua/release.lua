@@ -13,7 +13,8 @@
 -- ARGV[7]  a reservation's start, in µs from now (negative: due already), where ARGV[8]
 --          is absent or empty.
 -- ARGV[8]  a reservation's start on this store's clock (µs; acquire.lua's <now> plus the
---          ask's wait, lease.lua's <at>): exact, where ARGV[7] is off by how much longer
+--          ask's wait, lease.lua's <at>): right to the µs (acquire.lua rounds a wait up,
+--          so never early), where ARGV[7] is off by how much longer
 --          one of the two calls took to arrive than the other. A replica counts ARGV[7]
 --          from when its acquire was sent; an acquire held up in Redis (a fork, a slow
 --          command, a pause) would put the start it leaves for the next sender that much

@@ -1626,3 +1626,65 @@ async fn a_redis_that_loses_its_state_gives_a_leased_endpoint_no_second_burst() 
     assert!(rebuilds(&s).await >= 1);
     s.stop().await;
 }
+
+/// (2026-12-07, fourth session; item (29) of docs/BENCHMARKS.md said `/readyz` could
+/// end the degraded state while a cluster node was down) With one of a cluster's
+/// masters dead, `/readyz` says `degraded` at every look, while senders keep asking
+/// for an endpoint on that node and for one on a live node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_dead_cluster_master_keeps_readyz_degraded_while_it_is_down() {
+    let mut cluster = common::redis::RedisCluster::start();
+    let seeds = cluster
+        .urls()
+        .iter()
+        .map(|u| format!("\"{u}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{seeds}]\ntimeout = \"200ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 20.0\nburst = 2.0\nmax_wait = \"10s\"\n"
+    ))
+    .await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    // An endpoint whose key lives on the first master, and one on another.
+    let port_of = |ep: &str| cluster.node_for(&format!("sluice:{{{ep}}}")).port();
+    let dead_port = cluster.nodes[0].port();
+    let names: Vec<String> = (0..200).map(|i| format!("ep{i}")).collect();
+    let on_dead = names
+        .iter()
+        .find(|n| port_of(n) == dead_port)
+        .unwrap()
+        .clone();
+    let on_live = names
+        .iter()
+        .find(|n| port_of(n) != dead_port)
+        .unwrap()
+        .clone();
+    let admin = format!("http://{}/readyz", s.admin_addr);
+    let store_state = || async {
+        let v: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
+        v["store"].as_str().unwrap_or_default().to_owned()
+    };
+    assert_eq!(store_state().await, "ok");
+    cluster.nodes[0].kill();
+    let mut seen = Vec::new();
+    for i in 0..20 {
+        for ep in [&on_dead, &on_live] {
+            let r = c
+                .get(up.url(&format!("/{ep}/{i}")))
+                .header("x-endpoint-id", ep.as_str())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "served, by the store or the fallback");
+        }
+        seen.push(store_state().await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        seen.iter().all(|s| s == "degraded"),
+        "/readyz while a master is down: {seen:?}"
+    );
+    s.stop().await;
+}

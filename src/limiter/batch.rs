@@ -495,9 +495,10 @@ async fn give_back(calls: &Calls, endpoint: &str, ask: &Ask, outcome: Outcome) {
         at_us,
     } = outcome
     {
-        // Its start on Redis's clock, where the answer said it. (Counted from now, it
+        // Its start on Redis's clock, where the answer said it (not for a confirmed
+        // reservation, whose start came before the call). Else, counted from now, it
         // would be later than Redis's by the time the answer took to come: due now
-        // instead, so what comes back is never too much.)
+        // instead, so what comes back is never too much.
         let unused = Unused {
             generation,
             due_in_us: wait_us.min(0.0),

@@ -81,7 +81,8 @@ pub enum Outcome {
         generation: u64,
         /// Its start on the store's own clock (µs), where the store keeps time apart
         /// from the replica (Redis): a give-back names it ([`Unused::at_us`]). `None`
-        /// where the replica's clock is the store's (the memory store).
+        /// where the replica's clock is the store's (the memory store), and for a
+        /// confirmed reservation (the answer does not say when it started).
         at_us: Option<f64>,
     },
     /// No token within the budget; nothing was consumed.

@@ -212,6 +212,10 @@ pub(super) struct Calls {
     alone: Option<Alone>,
     /// Until when each endpoint's bucket is known to stay busy.
     busy: Busy,
+    /// When a rebuild was last logged, and how many were not logged since: a Redis
+    /// restarted under thousands of busy endpoints logs one warning a second, not one
+    /// per endpoint.
+    rebuild_log: Mutex<(Option<Instant>, u64)>,
 }
 
 /// Until when each endpoint's bucket was last heard to stay busy (full again at the
@@ -516,6 +520,7 @@ impl RedisStore {
             stats,
             alone,
             busy: Busy::default(),
+            rebuild_log: Mutex::new((None, 0)),
         };
         // Top-ups keep a busy endpoint's held tokens from running out, so some stay
         // held for as long as its traffic lasts: only where no other replica could
@@ -708,6 +713,16 @@ impl Calls {
         if rebuilt {
             self.rebuilt(endpoint, busy);
         }
+        let mut outcomes = outcomes;
+        for (ask, outcome) in asks.iter().zip(&mut outcomes) {
+            if let Outcome::Granted { at_us, .. } = outcome {
+                if ask.held == Some(generation) {
+                    // A confirmed reservation started before this call's `<now>`: its
+                    // own start is not in the answer, so none is named.
+                    *at_us = None;
+                }
+            }
+        }
         if !(0.0..=f64::from(ahead)).contains(&got) {
             return Err(StoreError::Protocol(format!(
                 "acquire handed out {got} tokens ahead, {ahead} were asked"
@@ -728,10 +743,21 @@ impl Calls {
     /// last writes had not reached).
     fn rebuilt(&self, endpoint: &str, busy_us: f64) {
         self.stats.rebuilds.inc();
+        let now = Instant::now();
+        let unlogged = {
+            let mut log = self.rebuild_log.lock().unwrap_or_else(|e| e.into_inner());
+            if log.0.is_some_and(|t| now - t < Duration::from_secs(1)) {
+                log.1 += 1;
+                return;
+            }
+            log.0 = Some(now);
+            std::mem::take(&mut log.1)
+        };
         tracing::warn!(
             endpoint,
             busy_for_ms = (busy_us / 1000.0).round(),
-            "the store had lost this endpoint's bucket, or held an older copy (Redis restarted empty, flushed, evicted or failed over): rebuilt it as busy as this replica last heard, so no second burst goes out"
+            more_since_last_warning = unlogged,
+            "the store had lost this endpoint's bucket, or held an older copy (Redis restarted empty, flushed, evicted or failed over): rebuilt it as busy as this replica last heard, so no second burst goes out (sluice_store_rebuilds_total counts every one)"
         );
     }
 
@@ -962,7 +988,13 @@ fn decisions(v: &Value, n: usize) -> Result<Decisions, StoreError> {
     let hold = number(words.next())? as u64;
     let busy = number(words.next())?;
     let writes = number(words.next())? as u64;
-    let now = number(words.next())?;
+    // The store's clock counts from 2023-11-14 (bucket.lua's EPOCH_S): a host set
+    // before it answers a negative time, which works as well.
+    let now = match words.next() {
+        Some([b'-', digits @ ..]) => whole(digits).map(|t| -t),
+        w => w.and_then(whole),
+    }
+    .ok_or_else(bad)?;
     let rebuilt = match words.next() {
         Some(b"0") => false,
         Some(b"1") => true,
@@ -1294,6 +1326,17 @@ mod tests {
             }
         );
         assert!(decisions(&v("9 40 12 300 5 77 0 G"), 0).is_err());
+        // A store whose clock is before its epoch: a negative time, a start after it.
+        let d = decisions(&v("1 0 0 0 1 -5000 0 G2000"), 1).unwrap();
+        assert_eq!(
+            d.outcomes,
+            [Outcome::Granted {
+                wait_us: 2000.0,
+                generation: 1,
+                at_us: Some(-3000.0),
+            }]
+        );
+        assert!(decisions(&v("1 0 0 0 1 --5 0 G"), 1).is_err());
     }
 
     /// What a replica sends of a bucket: what it heard while that lasts, nothing once

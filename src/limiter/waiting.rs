@@ -33,7 +33,8 @@ pub(super) struct Start {
     /// No earlier than the store's start (from when the answer came): when to leave.
     pub wake: Instant,
     /// The store's start on its own clock, where it has one (`Outcome::Granted`'s
-    /// `at_us`): exact, where `due` is early by the time the call took to arrive.
+    /// `at_us`): right to the µs, where `due` is early by the time the call took to
+    /// arrive.
     pub at_us: Option<f64>,
 }
 
