@@ -242,7 +242,13 @@ local function save(s)
   end
   redis.call('HSET', key, unpack(fields))
   local idle = time_to_idle(s, s.fl or rate)
-  redis.call('PEXPIRE', key, math.ceil(idle / 1000) + 1000)
+  -- The key outlives what a replica hears (busy_for), tokens held ahead included.
+  local held = held_ahead(s)
+  local life = idle
+  if held > 0 then
+    life = math.max(idle, s.ce - now + held / rate * MICROS)
+  end
+  redis.call('PEXPIRE', key, math.ceil(life / 1000) + 1000)
   return idle
 end
 
@@ -250,9 +256,17 @@ end
 --- the configured rate, and at least a slot after its latest start; never past `idle`
 --- (the time to idle, from which the key's expiry is set, counted at the floor rate
 --- and through a recovery: a rebuild from that would refuse for minutes), so a key
---- missing while a replica's figure lasts was lost, not expired.
+--- missing while a replica's figure lasts was lost, not expired. With tokens held
+--- ahead, at least until their hold ends and they would have refilled: until then a
+--- replica may spend them, so a bucket rebuilt from this leaves them room (`save`
+--- keeps the key that long too).
 local function busy_for(s, idle)
   local full = math.max(s.ts - now, 0) + math.max(burst - s.tk, 0) / rate * MICROS
   local after_last = s.la - now + MICROS / rate
-  return math.min(idle, math.max(full, after_last, 0))
+  local busy = math.min(idle, math.max(full, after_last, 0))
+  local held = held_ahead(s)
+  if held > 0 then
+    busy = math.max(busy, s.ce - now + held / rate * MICROS)
+  end
+  return busy
 end

@@ -805,3 +805,66 @@ async fn a_late_give_back_lowers_no_later_hold() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// (A review, 2026-12-07, fourth session) Tokens a replica took ahead may be spent
+/// until their hold ends, which can be after the bucket is full again; what the replica
+/// heard of the bucket ended with that, so a store that lost its state then gave a
+/// fresh burst beside the held tokens. Now a replica hears the bucket busy until the
+/// hold ends and the held tokens would have refilled. Here (direct script calls, a hold
+/// stretched to 10 s so that the moment is not a matter of milliseconds) it came back
+/// a fresh bucket of 20 beside 9 held: 29 at once against a burst of 20.
+#[tokio::test]
+async fn a_lost_bucket_leaves_room_for_the_tokens_held_ahead() {
+    let server = common::redis::RedisServer::start();
+    let mut conn = common::redis::connection(&server).await;
+    let script = common::redis::acquire_script();
+    let (rate, burst) = (100.0, 20.0);
+    let key = "t{held}";
+    // One ask (budget `budget_us`), `ahead` tokens wanted ahead and held for 10 s,
+    // and what the replica heard: busy for `known` µs, `seen` writes.
+    let mut call = async |ahead: u32, known: u64, seen: u64, budget_us: u64| -> Vec<String> {
+        let reply: String = script
+            .key(key)
+            .arg(rate)
+            .arg(burst)
+            .arg(0)
+            .arg(ahead)
+            .arg(10_000_000)
+            .arg("")
+            .arg(0)
+            .arg(known)
+            .arg(seen)
+            .arg(budget_us)
+            .arg("")
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        reply.split(' ').map(str::to_owned).collect()
+    };
+    // "<generation> <ahead> <hold> <busy> <writes> <now> <rebuilt> <ask>"
+    let first = call(10, 0, 0, 1_000_000).await;
+    let asked = Instant::now();
+    let held: f64 = first[1].parse().unwrap();
+    assert_eq!(held, 9.0, "down to half the burst: {first:?}");
+    let busy: f64 = first[3].parse().unwrap();
+    let writes: u64 = first[4].parse().unwrap();
+    // The bucket is full again (but for the held tokens) after 0.1 s; the hold lasts.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let known = (busy - asked.elapsed().as_secs_f64() * 1e6).max(0.0) as u64;
+    assert_eq!(
+        server.cli(&["DEL", key]).as_deref(),
+        Some("1"),
+        "the store loses the key"
+    );
+    let after = call(0, known, writes, 0).await;
+    let tokens: f64 = server
+        .cli(&["HGET", key, "tk"])
+        .and_then(|t| t.parse().ok())
+        .unwrap();
+    let granted = f64::from(after[7].starts_with('G'));
+    assert!(
+        tokens + granted + held <= burst,
+        "{tokens} tokens left and {granted} granted beside {held} held ahead, against a \
+         burst of {burst} (answers {first:?}, then {after:?})"
+    );
+}
