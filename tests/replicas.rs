@@ -702,23 +702,29 @@ async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_d
     s.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_back() {
-    let mut cluster = common::redis::RedisCluster::start();
+/// A replica's config on `cluster` (every node a seed; `timeout = "200ms"`,
+/// `on_error = "local"`), its default limit 20/s with a burst of 2 and `max_wait = "10s"`.
+fn cluster_with_local_fallback(cluster: &common::redis::RedisCluster) -> String {
     let seeds = cluster
         .urls()
         .iter()
         .map(|u| format!("\"{u}\""))
         .collect::<Vec<_>>()
         .join(", ");
+    format!(
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{seeds}]\ntimeout = \"200ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 20.0\nburst = 2.0\nmax_wait = \"10s\"\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_down_at_start_is_served_by_the_local_fallback_until_it_is_back() {
+    let mut cluster = common::redis::RedisCluster::start();
+    let config = cluster_with_local_fallback(&cluster);
     for n in &mut cluster.nodes {
         n.kill();
     }
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis-cluster\"\nurls = [{seeds}]\ntimeout = \"200ms\"\non_error = \"local\"\n\
-         [defaults]\nrate = 20.0\nburst = 2.0\nmax_wait = \"10s\"\n"
-    ))
-    .await;
+    let s = common::sluice(&config).await;
     let up = Upstream::start().await;
     let c = client(s.proxy_addr);
     let admin = format!("http://{}/readyz", s.admin_addr);
@@ -1281,6 +1287,43 @@ async fn requests_waiting_when_a_cooldown_starts_hold_it_through_a_stall() {
     s.stop().await;
 }
 
+/// One sluice on a Redis of its own (`timeout = "500ms"`; `[defaults]` of `rate`,
+/// `burst` and `max_wait = "10s"`, then `extra`), an upstream, and a client through it.
+struct OnOwnRedis {
+    redis: common::redis::RedisServer,
+    s: sluice::app::Running,
+    up: Upstream,
+    c: reqwest::Client,
+}
+
+impl OnOwnRedis {
+    async fn start(rate: f64, burst: f64, extra: &str) -> OnOwnRedis {
+        let redis = common::redis::RedisServer::start();
+        let s = common::sluice(&format!(
+            "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n\
+             [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n{extra}",
+            redis.url()
+        ))
+        .await;
+        let up = Upstream::start().await;
+        let c = client(s.proxy_addr);
+        OnOwnRedis { redis, s, up, c }
+    }
+
+    async fn stop(self) {
+        self.s.stop().await;
+    }
+
+    /// Sends one request for endpoint `ep` to the upstream's `path`; yields its status.
+    fn send(&self, ep: &str, path: &str) -> tokio::task::JoinHandle<u16> {
+        let (c, url, ep) = (self.c.clone(), self.up.url(path), ep.to_owned());
+        tokio::spawn(async move {
+            let r = c.get(url).header("x-endpoint-id", ep).send().await.unwrap();
+            r.status().as_u16()
+        })
+    }
+}
+
 /// `sluice_store_rebuilds_total` of a replica.
 async fn rebuilds(s: &sluice::app::Running) -> u64 {
     let m = common::metrics(s.admin_addr).await;
@@ -1301,29 +1344,22 @@ async fn rebuilds(s: &sluice::app::Running) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst() {
     let (rate, burst) = (5.0, 5.0);
-    let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n\
-         [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n\
-         [[endpoints]]\nid = \"idle\"\nrate = {rate}\nburst = {burst}\nmax_wait = \"0s\"\n",
-        redis.url()
-    ))
+    let t = OnOwnRedis::start(
+        rate,
+        burst,
+        &format!(
+            "[[endpoints]]\nid = \"idle\"\nrate = {rate}\nburst = {burst}\nmax_wait = \"0s\"\n"
+        ),
+    )
     .await;
-    let up = Upstream::start().await;
-    let c = client(s.proxy_addr);
-    let send = |ep: &'static str, path: String| {
-        let (c, url) = (c.clone(), up.url(&path));
-        tokio::spawn(async move {
-            let r = c.get(url).header("x-endpoint-id", ep).send().await.unwrap();
-            r.status().as_u16()
-        })
-    };
+    let (redis, s, up) = (&t.redis, &t.s, &t.up);
+    let send = |ep: &str, path: String| t.send(ep, &path);
     // The burst, and five reservations behind it (the last starts a second later).
     let mut sent: Vec<_> = (0..10)
         .map(|i| send("lost", format!("/lost/before/{i}")))
         .collect();
     common::wait_for("the burst at the upstream", Duration::from_secs(5), || {
-        let n = times_of(&up, "lost").len();
+        let n = times_of(up, "lost").len();
         async move { n >= burst as usize }
     })
     .await;
@@ -1333,11 +1369,11 @@ async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst
     for r in sent {
         assert_eq!(r.await.unwrap(), 200, "nothing is refused or lost");
     }
-    let times = times_of(&up, "lost");
+    let times = times_of(up, "lost");
     assert_eq!(times.len(), 15, "each request arrived once");
     assert_no_overdraw(&times, rate, burst);
     // The operator sees it: one bucket rebuilt (the first call after the loss).
-    assert_eq!(rebuilds(&s).await, 1);
+    assert_eq!(rebuilds(s).await, 1);
 
     // A bucket that went idle and expired (its 1 s margin after the refill) is new
     // again: its burst goes at once (`max_wait = 0` would refuse a bucket rebuilt busy).
@@ -1367,11 +1403,11 @@ async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst
         );
     }
     assert_eq!(
-        rebuilds(&s).await,
+        rebuilds(s).await,
         1,
         "a key that expired on its own is no rebuild"
     );
-    s.stop().await;
+    t.stop().await;
 }
 
 /// (Review, 2026-12-07, the session after the later one) A Redis that goes back in time
@@ -1382,27 +1418,9 @@ async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_goes_back_in_time_gives_no_second_burst() {
     let (rate, burst) = (5.0, 5.0);
-    let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n\
-         [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n",
-        redis.url()
-    ))
-    .await;
-    let up = Upstream::start().await;
-    let c = client(s.proxy_addr);
-    let send = |path: String| {
-        let (c, url) = (c.clone(), up.url(&path));
-        tokio::spawn(async move {
-            let r = c
-                .get(url)
-                .header("x-endpoint-id", "older")
-                .send()
-                .await
-                .unwrap();
-            r.status().as_u16()
-        })
-    };
+    let t = OnOwnRedis::start(rate, burst, "").await;
+    let (redis, s, up) = (&t.redis, &t.s, &t.up);
+    let send = |path: String| t.send("older", &path);
     // One request, then a copy of the key as it is (the replica's copy, say).
     assert_eq!(send("/older/first".into()).await.unwrap(), 200);
     let key = "sluice:{older}";
@@ -1412,7 +1430,7 @@ async fn a_redis_that_goes_back_in_time_gives_no_second_burst() {
     // The rest of the burst, and five reservations behind it.
     let mut sent: Vec<_> = (0..9).map(|i| send(format!("/older/before/{i}"))).collect();
     common::wait_for("the burst at the upstream", Duration::from_secs(5), || {
-        let n = times_of(&up, "older").len();
+        let n = times_of(up, "older").len();
         async move { n >= burst as usize }
     })
     .await;
@@ -1425,11 +1443,11 @@ async fn a_redis_that_goes_back_in_time_gives_no_second_burst() {
     for r in sent {
         assert_eq!(r.await.unwrap(), 200, "nothing is refused or lost");
     }
-    let times = times_of(&up, "older");
+    let times = times_of(up, "older");
     assert_eq!(times.len(), 15, "each request arrived once");
     assert_no_overdraw(&times, rate, burst);
-    assert_eq!(rebuilds(&s).await, 1, "the older copy, rebuilt once");
-    s.stop().await;
+    assert_eq!(rebuilds(s).await, 1, "the older copy, rebuilt once");
+    t.stop().await;
 }
 
 /// (Named by a review the session before, fixed 2026-12-07, fourth session) A
@@ -1538,27 +1556,9 @@ async fn start_given_back_after_a_call_held_up_in_redis(extra: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_loses_its_state_after_a_burst_of_immediate_grants_gives_no_second_burst() {
     let (rate, burst) = (5.0, 5.0);
-    let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n\
-         [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\n",
-        redis.url()
-    ))
-    .await;
-    let up = Upstream::start().await;
-    let c = client(s.proxy_addr);
-    let send = |path: String| {
-        let (c, url) = (c.clone(), up.url(&path));
-        tokio::spawn(async move {
-            let r = c
-                .get(url)
-                .header("x-endpoint-id", "lost")
-                .send()
-                .await
-                .unwrap();
-            r.status().as_u16()
-        })
-    };
+    let t = OnOwnRedis::start(rate, burst, "").await;
+    let (redis, up) = (&t.redis, &t.up);
+    let send = |path: String| t.send("lost", &path);
     let burst_of = |tag: &str| {
         (0..burst as usize)
             .map(|i| send(format!("/lost/{tag}/{i}")))
@@ -1571,10 +1571,10 @@ async fn a_redis_that_loses_its_state_after_a_burst_of_immediate_grants_gives_no
     for r in burst_of("after") {
         assert_eq!(r.await.unwrap(), 200, "nothing is refused or lost");
     }
-    let times = times_of(&up, "lost");
+    let times = times_of(up, "lost");
     assert_eq!(times.len(), 10, "each request arrived once");
     common::assert_within_bound(&times, rate, burst, 0.05);
-    s.stop().await;
+    t.stop().await;
 }
 
 /// (2026-12-07, fourth session) The same loss on an endpoint with `max_in_flight`,
@@ -1585,33 +1585,15 @@ async fn a_redis_that_loses_its_state_after_a_burst_of_immediate_grants_gives_no
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_loses_its_state_gives_a_leased_endpoint_no_second_burst() {
     let (rate, burst) = (5.0, 5.0);
-    let redis = common::redis::RedisServer::start();
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"500ms\"\n\
-         [defaults]\nrate = {rate}\nburst = {burst}\nmax_wait = \"10s\"\nmax_in_flight = 50\n",
-        redis.url()
-    ))
-    .await;
-    let up = Upstream::start().await;
-    let c = client(s.proxy_addr);
-    let send = |path: String| {
-        let (c, url) = (c.clone(), up.url(&path));
-        tokio::spawn(async move {
-            let r = c
-                .get(url)
-                .header("x-endpoint-id", "leased")
-                .send()
-                .await
-                .unwrap();
-            r.status().as_u16()
-        })
-    };
+    let t = OnOwnRedis::start(rate, burst, "max_in_flight = 50\n").await;
+    let (redis, s, up) = (&t.redis, &t.s, &t.up);
+    let send = |path: String| t.send("leased", &path);
     // The burst, and five reservations behind it.
     let mut sent: Vec<_> = (0..10)
         .map(|i| send(format!("/leased/before/{i}")))
         .collect();
     common::wait_for("the burst at the upstream", Duration::from_secs(5), || {
-        let n = times_of(&up, "leased").len();
+        let n = times_of(up, "leased").len();
         async move { n >= burst as usize }
     })
     .await;
@@ -1620,11 +1602,11 @@ async fn a_redis_that_loses_its_state_gives_a_leased_endpoint_no_second_burst() 
     for r in sent {
         assert_eq!(r.await.unwrap(), 200, "nothing is refused or lost");
     }
-    let times = times_of(&up, "leased");
+    let times = times_of(up, "leased");
     assert_eq!(times.len(), 15, "each request arrived once");
     common::assert_within_bound(&times, rate, burst, 0.05);
-    assert!(rebuilds(&s).await >= 1);
-    s.stop().await;
+    assert!(rebuilds(s).await >= 1);
+    t.stop().await;
 }
 
 /// (2026-12-07, fourth session; item (29) of docs/BENCHMARKS.md said `/readyz` could
@@ -1634,17 +1616,7 @@ async fn a_redis_that_loses_its_state_gives_a_leased_endpoint_no_second_burst() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_dead_cluster_master_keeps_readyz_degraded_while_it_is_down() {
     let mut cluster = common::redis::RedisCluster::start();
-    let seeds = cluster
-        .urls()
-        .iter()
-        .map(|u| format!("\"{u}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let s = common::sluice(&format!(
-        "[store]\nbackend = \"redis-cluster\"\nurls = [{seeds}]\ntimeout = \"200ms\"\non_error = \"local\"\n\
-         [defaults]\nrate = 20.0\nburst = 2.0\nmax_wait = \"10s\"\n"
-    ))
-    .await;
+    let s = common::sluice(&cluster_with_local_fallback(&cluster)).await;
     let up = Upstream::start().await;
     let c = client(s.proxy_addr);
     // An endpoint whose key lives on the first master, and one on another.
