@@ -29,6 +29,13 @@ pub enum ProxyError {
     /// The request is malformed in a way hyper did not catch.
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// The request head is larger than sluice reads (answered 431).
+    #[error(
+        "request head too large: sluice reads at most {bytes} bytes and {headers} header lines before the body",
+        bytes = crate::conn::MAX_HEAD_BYTES,
+        headers = crate::lane::MAX_HEADERS
+    )]
+    HeadTooLarge,
     /// Proxy authentication is on and the credentials are missing or wrong.
     #[error(
         "proxy authentication required: send Proxy-Authorization: Basic with a user of security.auth_users_file"
@@ -101,7 +108,9 @@ impl ProxyError {
     /// The `X-Sluice-Reason` value (also the `outcome` metric label).
     pub fn reason(&self) -> &'static str {
         match self {
-            ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) | ProxyError::HeadTooLarge => {
+                "bad_request"
+            }
             ProxyError::ProxyAuthRequired => "proxy_auth_required",
             ProxyError::EndpointNotAllowed { .. } => "endpoint_not_allowed",
             ProxyError::UnknownEndpoint(_) => "unknown_endpoint",
@@ -120,6 +129,7 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::ProxyAuthRequired => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
             ProxyError::UnknownEndpoint(_)
             | ProxyError::EndpointNotAllowed { .. }

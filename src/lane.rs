@@ -24,10 +24,12 @@
 //! `https://` targets, chunked or
 //! upgrading requests, `Expect`, a `Connection` that names anything but `close` or
 //! `keep-alive`, a second `Content-Length` or
-//! `Host`, header bytes hyper's types refuse, more than [`MAX_HEADERS`] headers, a head
-//! over [`MAX_HEAD_BYTES`] or one `httparse` rejects. So every unusual request gets
+//! `Host`, header bytes hyper's types refuse. So every unusual request gets
 //! hyper's handling and answers exactly as before, and the lane only ever sees requests
-//! whose framing is unambiguous.
+//! whose framing is unambiguous. A head no HTTP/1.1 server would read (one `httparse`
+//! rejects, more than [`MAX_HEADERS`] headers, over [`MAX_HEAD_BYTES`]) is answered
+//! here, as hyper would (400 or 431, then the connection closes), but in sluice's own
+//! shape: `X-Sluice-Reason: bad_request` and a body saying what was wrong.
 //!
 //! `SLUICE_PLAIN_LANE=0` in the environment turns the lane off (every connection is
 //! hyper's): an operator's escape hatch, and the A/B of `bench/http.sh`.
@@ -55,6 +57,7 @@ use tokio::time::{Instant, Sleep};
 use crate::conn::{Activity, InFlight, MAX_HEAD_BYTES, Quiet, SendIo, Timeouts, Writes, watched};
 use crate::core::App;
 use crate::decision::{self, Trace};
+use crate::error::ProxyError;
 use crate::forward::{ForwardError, content_length, content_length_list, hop_by_hop_index};
 use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
 use crate::upload::{self, Progress, Stalled};
@@ -236,6 +239,8 @@ enum Next {
     Head(Head),
     /// Not the lane's: hyper serves the connection from here.
     Handoff,
+    /// A head no server would read: answered, then the connection ends.
+    Malformed(ProxyError),
     /// The sender closed, or shutdown began between requests.
     Closed,
 }
@@ -257,6 +262,10 @@ impl<S: SenderIo> Lane<S> {
             let head = match self.next_head(closing).await? {
                 Next::Head(h) => h,
                 Next::Handoff => return Ok(Some(self.inb.split().freeze())),
+                Next::Malformed(e) => {
+                    self.malformed(e).await?;
+                    return Ok(None);
+                }
                 Next::Closed => return Ok(None),
             };
             if !self.exchange(head).await? || closing.load(Ordering::Relaxed) {
@@ -271,10 +280,11 @@ impl<S: SenderIo> Lane<S> {
             if !self.inb.is_empty() {
                 match parse_request(&self.inb, self.in_tunnel) {
                     Parsed::Partial if self.inb.len() >= MAX_HEAD_BYTES => {
-                        return Ok(Next::Handoff);
+                        return Ok(Next::Malformed(ProxyError::HeadTooLarge));
                     }
                     Parsed::Partial => {}
                     Parsed::Handoff => return Ok(Next::Handoff),
+                    Parsed::Malformed(e) => return Ok(Next::Malformed(e)),
                     Parsed::Head(h) => return Ok(Next::Head(h)),
                 }
             }
@@ -291,6 +301,13 @@ impl<S: SenderIo> Lane<S> {
             }
             self.activity.read();
         }
+    }
+
+    /// Answers a head no server would read (see the module doc); the connection then
+    /// ends, as nothing after such a head can be framed.
+    async fn malformed(&mut self, e: ProxyError) -> io::Result<()> {
+        let resp = proxy::refuse(&self.app, e.into(), self.conn.peer, "-", &Trace::default());
+        self.refusal(resp, None).await.map(drop)
     }
 
     /// One request and its response. Whether the connection can carry another.
@@ -758,6 +775,8 @@ async fn read_answer(
 enum Parsed {
     Partial,
     Handoff,
+    /// No HTTP/1.1 server would read it: answered by the lane, then the connection ends.
+    Malformed(ProxyError),
     Head(Head),
 }
 
@@ -769,7 +788,11 @@ fn parse_request(buf: &[u8], in_tunnel: bool) -> Parsed {
     let len = match req.parse(buf) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) => return Parsed::Handoff,
+        Err(httparse::Error::TooManyHeaders) => return Parsed::Malformed(ProxyError::HeadTooLarge),
+        Err(e) => {
+            let why = format!("malformed request head ({e})");
+            return Parsed::Malformed(ProxyError::BadRequest(why));
+        }
     };
     let (Some(1), Some(method), Some(path)) = (req.version, req.method, req.path) else {
         return Parsed::Handoff;

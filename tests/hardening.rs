@@ -1310,3 +1310,73 @@ async fn senders_behind_ones_that_hang_up_move_up_into_their_starts() {
     );
     s.stop().await;
 }
+
+/// (2026-12-07, fourth session) A request head no HTTP/1.1 server would read gets
+/// sluice's own answer, like every other refusal: `X-Sluice-Reason: bad_request` and a
+/// JSON body saying what was wrong, then the connection closes. Before, hyper answered
+/// with a bare 400 or 431 and no body: nothing told the sender it was sluice, or why.
+#[tokio::test]
+async fn a_malformed_or_oversized_head_gets_a_clear_refusal() {
+    let up = Upstream::start().await;
+    let s = common::sluice("").await;
+    let target = up.url("/x");
+    let cases = [
+        ("garbage", "GARBAGE\r\n\r\n".to_string(), "400", "malformed"),
+        (
+            "a space in a header name",
+            format!("GET {target} HTTP/1.1\r\nHo st: x\r\n\r\n"),
+            "400",
+            "malformed",
+        ),
+        (
+            "an obsolete folded header",
+            format!("GET {target} HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n"),
+            "400",
+            "malformed",
+        ),
+        (
+            "a head over 64 KiB",
+            format!(
+                "GET {target} HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+                "a".repeat(70_000)
+            ),
+            "431",
+            "too large",
+        ),
+        (
+            "101 headers",
+            format!(
+                "GET {target} HTTP/1.1\r\n{}\r\n",
+                (0..101)
+                    .map(|i| format!("X-{i}: v\r\n"))
+                    .collect::<String>()
+            ),
+            "431",
+            "too large",
+        ),
+    ];
+    for (what, request, status, says) in cases {
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        t.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), t.read_to_end(&mut answer));
+        assert!(read.await.is_ok(), "{what}: the connection did not close");
+        let answer = String::from_utf8_lossy(&answer).to_lowercase();
+        assert!(
+            answer.starts_with(&format!("http/1.1 {status} ")),
+            "{what}: {answer}"
+        );
+        assert!(
+            answer.contains("x-sluice-reason: bad_request"),
+            "{what}: {answer}"
+        );
+        assert!(answer.contains("connection: close"), "{what}: {answer}");
+        let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+        assert!(
+            body.contains("\"reason\":\"bad_request\"") && body.contains(says),
+            "{what}: {body}"
+        );
+    }
+    assert!(up.arrivals().is_empty(), "nothing reached the receiver");
+    s.stop().await;
+}
