@@ -481,3 +481,58 @@ async fn an_h2_sender_that_stops_reading_frees_its_slot_after_idle_timeout() {
     drop(r);
     s.stop().await;
 }
+
+/// (2026-12-07, fourth session) Inside an intercepted tunnel too, a head no HTTP/1.1
+/// server would read gets sluice's own refusal (the lane reads those heads), and the
+/// TLS session then ends.
+#[tokio::test]
+async fn a_malformed_head_inside_an_intercepted_tunnel_gets_a_clear_refusal() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let st = setup();
+    let up = TlsUpstream::ok(&st.pki).await;
+    let s = common::sluice(&st.tls_config("")).await;
+    let url = up.url("/");
+    let authority = url
+        .strip_prefix("https://")
+        .and_then(|u| u.strip_suffix('/'))
+        .unwrap();
+    let mut tcp = tokio::net::TcpStream::connect(s.proxy_addr).await.unwrap();
+    let connect = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+    tcp.write_all(connect.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut b = [0u8; 1];
+        assert_eq!(tcp.read(&mut b).await.unwrap(), 1, "{head:?}");
+        head.push(b[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(&st.sluice_ca).unwrap();
+    for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    tls.write_all(b"GET / HTTP/1.1\r\nHo st: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut answer));
+    assert!(read.await.is_ok(), "the session did not end");
+    let answer = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(answer.starts_with("http/1.1 400 "), "{answer}");
+    assert!(answer.contains("x-sluice-reason: bad_request"), "{answer}");
+    assert!(answer.contains("malformed request head"), "{answer}");
+    assert!(up.arrivals().is_empty(), "nothing reached the receiver");
+    s.stop().await;
+}
