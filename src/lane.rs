@@ -1624,11 +1624,23 @@ mod tests {
             "GET http://a/ HTTP/1.1\r\nConnection: upgrade\r\n\r\n",
             "GET http://a/ HTTP/1.1\r\nUpgrade: websocket\r\n\r\n",
             "POST http://a/ HTTP/1.1\r\nExpect: 100-continue\r\n\r\n",
-            "GET http://a/ HTTP/1.1\r\nBad Name: x\r\n\r\n",
         ] {
             assert!(
                 matches!(parse_request(other.as_bytes(), false), Parsed::Handoff),
                 "{other:?}"
+            );
+        }
+        // Heads no server would read are answered here (400, 431), not handed on.
+        for malformed in [
+            "GET http://a/ HTTP/1.1\r\nBad Name: x\r\n\r\n",
+            "GARBAGE\r\n\r\n",
+        ] {
+            assert!(
+                matches!(
+                    parse_request(malformed.as_bytes(), false),
+                    Parsed::Malformed(ProxyError::BadRequest(_))
+                ),
+                "{malformed:?}"
             );
         }
         let many = format!(
@@ -1637,7 +1649,7 @@ mod tests {
         );
         assert!(matches!(
             parse_request(many.as_bytes(), false),
-            Parsed::Handoff
+            Parsed::Malformed(ProxyError::HeadTooLarge)
         ));
         assert!(matches!(
             parse_request(b"GET http://a/ HTTP/1.1\r\nHost: a\r\n", false),
