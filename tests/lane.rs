@@ -747,29 +747,8 @@ async fn a_one_shot_request_in_a_tunnel_ends_the_tls_session_cleanly() {
     let pki = TestPki::new(&["localhost"]);
     let up = TlsUpstream::ok(&pki).await;
     let (s, ca) = intercepting(dir.path(), &pki).await;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in rustls_pemfile::certs(&mut std::fs::read(&ca.cert).unwrap().as_slice()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     let host = format!("localhost:{}", up.addr.port());
-    let mut tcp = TcpStream::connect(s.proxy_addr).await.unwrap();
-    let connect = format!("CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n");
-    tcp.write_all(connect.as_bytes()).await.unwrap();
-    let mut buf = [0u8; 256];
-    let n = tcp.read(&mut buf).await.unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
-        .connect(name, tcp)
-        .await
-        .unwrap();
+    let mut tls = common::tls::tunnel_session(s.proxy_addr, &ca.cert, &host, "localhost").await;
     let req = format!("GET /once HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
     tls.write_all(req.as_bytes()).await.unwrap();
     let mut all = Vec::new();
@@ -1142,29 +1121,7 @@ async fn open_tunnel(
     authority: &str,
     server_name: &str,
 ) -> tokio_rustls::client::TlsStream<TcpStream> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in rustls_pemfile::certs(&mut std::fs::read(&ca.cert).unwrap().as_slice()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let mut tcp = TcpStream::connect(proxy).await.unwrap();
-    let connect = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
-    tcp.write_all(connect.as_bytes()).await.unwrap();
-    let mut buf = [0u8; 256];
-    let n = tcp.read(&mut buf).await.unwrap();
-    let answer = String::from_utf8_lossy(&buf[..n]);
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned()).unwrap();
-    tokio_rustls::TlsConnector::from(Arc::new(cfg))
-        .connect(name, tcp)
-        .await
-        .unwrap()
+    common::tls::tunnel_session(proxy, &ca.cert, authority, server_name).await
 }
 
 /// Reads one whole response from an intercepted session (head, then its

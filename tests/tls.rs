@@ -496,33 +496,8 @@ async fn a_malformed_head_inside_an_intercepted_tunnel_gets_a_clear_refusal() {
         .strip_prefix("https://")
         .and_then(|u| u.strip_suffix('/'))
         .unwrap();
-    let mut tcp = tokio::net::TcpStream::connect(s.proxy_addr).await.unwrap();
-    let connect = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
-    tcp.write_all(connect.as_bytes()).await.unwrap();
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        let mut b = [0u8; 1];
-        assert_eq!(tcp.read(&mut b).await.unwrap(), 1, "{head:?}");
-        head.push(b[0]);
-    }
-    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
-    let mut roots = rustls::RootCertStore::empty();
-    let pem = std::fs::read(&st.sluice_ca).unwrap();
-    for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
-        .connect(name, tcp)
-        .await
-        .unwrap();
+    let mut tls =
+        common::tls::tunnel_session(s.proxy_addr, &st.sluice_ca, authority, "localhost").await;
     tls.write_all(b"GET / HTTP/1.1\r\nHo st: x\r\n\r\n")
         .await
         .unwrap();

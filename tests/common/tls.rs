@@ -120,3 +120,42 @@ impl Drop for TlsUpstream {
         self.task.abort();
     }
 }
+
+/// A sender's HTTP/1.1 session inside an intercepted tunnel: `CONNECT authority`
+/// through the proxy at `proxy`, then TLS naming `server_name` (ALPN `http/1.1`),
+/// trusting only the CA certificate in the PEM file `ca`. Panics if the proxy refuses.
+#[allow(dead_code)]
+pub async fn tunnel_session(
+    proxy: SocketAddr,
+    ca: &Path,
+    authority: &str,
+    server_name: &str,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    let connect = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n");
+    tcp.write_all(connect.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut b = [0u8; 1];
+        assert_eq!(tcp.read(&mut b).await.unwrap(), 1, "{head:?}");
+        head.push(b[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut std::fs::read(ca).unwrap().as_slice()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned()).unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .unwrap()
+}
