@@ -668,20 +668,18 @@ async fn a_call_with_no_asks_takes_tokens_ahead_down_to_half_the_burst() {
     let script = common::redis::acquire_script();
     // rate 1/s, burst 100: under a token of refill between the calls.
     let mut top_up = async |ahead: u32| -> String {
-        script
-            .key("t{e}")
-            .arg(1)
-            .arg(100)
-            .arg(0)
-            .arg(ahead)
-            .arg(10_000)
-            .arg("")
-            .arg(0)
-            .arg(0)
-            .arg(0)
-            .invoke_async(&mut conn)
-            .await
-            .unwrap()
+        common::redis::AcquireArgs {
+            rate: 1.0,
+            burst: 100.0,
+            ahead,
+            held_for_us: 10_000,
+            known_us: 0,
+            seen: 0,
+        }
+        .call(&script, "t{e}")
+        .invoke_async(&mut conn)
+        .await
+        .unwrap()
     };
     // "<generation> <ahead> <hold> <busy> <writes> <now> <rebuilt> " (no asks): how
     // long the bucket stays busy, its write count and the store's time aside, which
@@ -823,22 +821,20 @@ async fn a_lost_bucket_leaves_room_for_the_tokens_held_ahead() {
     // One ask (budget `budget_us`), `ahead` tokens wanted ahead and held for 10 s,
     // and what the replica heard: busy for `known` µs, `seen` writes.
     let mut call = async |ahead: u32, known: u64, seen: u64, budget_us: u64| -> Vec<String> {
-        let reply: String = script
-            .key(key)
-            .arg(rate)
-            .arg(burst)
-            .arg(0)
-            .arg(ahead)
-            .arg(10_000_000)
-            .arg("")
-            .arg(0)
-            .arg(known)
-            .arg(seen)
-            .arg(budget_us)
-            .arg("")
-            .invoke_async(&mut conn)
-            .await
-            .unwrap();
+        let reply: String = common::redis::AcquireArgs {
+            rate,
+            burst,
+            ahead,
+            held_for_us: 10_000_000,
+            known_us: known,
+            seen,
+        }
+        .call(&script, key)
+        .arg(budget_us)
+        .arg("")
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
         reply.split(' ').map(str::to_owned).collect()
     };
     // "<generation> <ahead> <hold> <busy> <writes> <now> <rebuilt> <ask>"

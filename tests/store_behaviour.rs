@@ -1067,16 +1067,15 @@ async fn a_batch_decides_as_one_call_per_ask() {
     let script = common::redis::acquire_script();
     // 1 token a second, burst 6: under a token of refill over the test.
     let mut call = async |key: &str, asks: &[&str]| -> (String, f64) {
-        let mut inv = script.key(key);
-        inv.arg(1)
-            .arg(6)
-            .arg(0)
-            .arg(0)
-            .arg(0)
-            .arg("")
-            .arg(0)
-            .arg(0)
-            .arg(0);
+        let mut inv = common::redis::AcquireArgs {
+            rate: 1.0,
+            burst: 6.0,
+            ahead: 0,
+            held_for_us: 0,
+            known_us: 0,
+            seen: 0,
+        }
+        .call(&script, key);
         for held in asks {
             inv.arg(1_000_000).arg(*held);
         }
@@ -1136,16 +1135,15 @@ async fn a_replica_hears_how_long_until_full_at_the_configured_rate() {
     let script = common::redis::acquire_script();
     let key = "b{floor}";
     let mut call = async |asks: usize| -> String {
-        let mut inv = script.key(key);
-        inv.arg(100)
-            .arg(100)
-            .arg(0)
-            .arg(0)
-            .arg(0)
-            .arg("")
-            .arg(0)
-            .arg(0)
-            .arg(0);
+        let mut inv = common::redis::AcquireArgs {
+            rate: 100.0,
+            burst: 100.0,
+            ahead: 0,
+            held_for_us: 0,
+            known_us: 0,
+            seen: 0,
+        }
+        .call(&script, key);
         for _ in 0..asks {
             inv.arg(1_000_000).arg("");
         }

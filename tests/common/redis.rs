@@ -668,6 +668,39 @@ pub fn acquire_script() -> redis::Script {
     ))
 }
 
+/// What a replica sends `acquire.lua` before its asks (ARGV[1]–ARGV[9], see the
+/// script): no recovery, no heartbeat set.
+#[allow(dead_code)]
+pub struct AcquireArgs {
+    pub rate: f64,
+    pub burst: f64,
+    /// Tokens wanted ahead, and how long (µs) the script counts them held.
+    pub ahead: u32,
+    pub held_for_us: u64,
+    /// How long (µs) the replica heard the bucket stays busy, and the writes it heard.
+    pub known_us: u64,
+    pub seen: u64,
+}
+
+#[allow(dead_code)]
+impl AcquireArgs {
+    /// A call of `script` (`acquire_script`) on `key` with these arguments; the asks
+    /// (budget, held generation) follow as further `arg`s.
+    pub fn call<'a>(&self, script: &'a redis::Script, key: &str) -> redis::ScriptInvocation<'a> {
+        let mut inv = script.key(key);
+        inv.arg(self.rate)
+            .arg(self.burst)
+            .arg(0)
+            .arg(self.ahead)
+            .arg(self.held_for_us)
+            .arg("")
+            .arg(0)
+            .arg(self.known_us)
+            .arg(self.seen);
+        inv
+    }
+}
+
 /// `lua/release.lua` as sluice sends it.
 pub fn release_script() -> redis::Script {
     redis::Script::new(concat!(
