@@ -16,6 +16,7 @@ use crate::conn::Lifecycle;
 use crate::core::{App, Runtime, RuntimeError};
 use crate::destination::DestinationPolicy;
 use crate::forward::Forwarder;
+use crate::limiter::cluster_fallback::SlotFallbacks;
 use crate::limiter::fallback::Resilient;
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::peers::{Peers, heartbeats};
@@ -89,8 +90,15 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
             tokio::spawn(async move { checked.check_eviction().await });
             let peers = Arc::new(Peers::new(config.store.fallback_min_replicas));
             tokio::spawn(heartbeats(Arc::downgrade(&primary), Arc::clone(&peers)));
-            let store =
-                Resilient::new(primary, config.store.on_error, metrics.store.clone(), peers);
+            let (on_error, stats) = (config.store.on_error, metrics.store.clone());
+            // On a cluster, a failing node sends only its own slots' endpoints to the
+            // fallback.
+            let store: Arc<dyn BucketStore> = if config.store.backend == Backend::RedisCluster {
+                let prefix = &config.store.key_prefix;
+                Arc::new(SlotFallbacks::new(primary, prefix, on_error, stats, peers))
+            } else {
+                Arc::new(Resilient::new(primary, on_error, stats, peers))
+            };
             // Learn the store's state now, so /readyz and the log tell it from the start;
             // this also registers the replica before it serves: a replica alone in the
             // store takes tokens ahead (`store.prefetch = "alone"`) only until this one
@@ -98,7 +106,7 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
             if let Err(e) = store.ping().await {
                 tracing::warn!(error = %e, "store unreachable at start: serving with the on_error fallback");
             }
-            Arc::new(store)
+            store
         }
     };
     let policy = Arc::new(ArcSwap::from_pointee(DestinationPolicy::new(

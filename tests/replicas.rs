@@ -1660,3 +1660,110 @@ async fn one_dead_cluster_master_keeps_readyz_degraded_while_it_is_down() {
     );
     s.stop().await;
 }
+
+/// (2026-12-07, fifth session; SPEC guarantee 1 listed it as not covered) With one of a
+/// cluster's masters dead, a replica that asks for an endpoint on that node falls back
+/// to its local buckets for the endpoints of that node only: an endpoint on a live node
+/// stays on its shared bucket, which another replica, one that never asked the dead
+/// node, goes on using at the whole rate. Before, the first replica decided every
+/// endpoint locally, at its share, on top of what the other drew from the shared
+/// bucket: 1.5 times the limit on the live endpoint for as long as the node was down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets() {
+    let mut cluster = common::redis::RedisCluster::start_with(common::redis::Options {
+        partial_coverage: true,
+        ..Default::default()
+    });
+    let (rate, burst) = (20.0, 2.0);
+    let rs = replicas(&cluster_with_local_fallback(&cluster), "", 2).await;
+    let port_of = |key: &str| cluster.node_for(key).port();
+    // The node to kill holds neither the heartbeats nor the live endpoint.
+    let heartbeats = port_of("sluice:{_replicas}:heartbeats");
+    let dead = cluster
+        .nodes
+        .iter()
+        .position(|n| n.port() != heartbeats)
+        .unwrap();
+    let dead_port = cluster.nodes[dead].port();
+    let names: Vec<String> = (0..200).map(|i| format!("ep{i}")).collect();
+    let on = |dead_node: bool| {
+        names
+            .iter()
+            .find(|n| (port_of(&format!("sluice:{{{n}}}")) == dead_port) == dead_node)
+            .unwrap()
+            .clone()
+    };
+    let (on_dead, on_live) = (on(true), on(false));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !all_count_replicas(&rs, 2).await {
+        assert!(Instant::now() < deadline, "the replicas never saw each other");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let up = Upstream::start().await;
+    // Both replicas' senders keep the live endpoint saturated.
+    let live = Saturation::start(&rs, &up, &on_live, 2, 1_000);
+    common::wait_for("load under way", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= 20)
+    })
+    .await;
+    let killed = Instant::now();
+    cluster.nodes[dead].kill();
+    // Only the first replica's sender asks for the endpoint on the dead node.
+    let on_dead_node = Saturation::start(&rs[..1], &up, &on_dead, 1, 1_000);
+    // Three seconds' worth of the limit on the live endpoint during the outage (two if
+    // it ran at 1.5 times the limit).
+    let live_during = || {
+        times_of(&up, &on_live)
+            .iter()
+            .filter(|t| **t >= killed)
+            .count()
+    };
+    common::wait_for("load during the outage", Duration::from_secs(15), || {
+        std::future::ready(live_during() >= 60)
+    })
+    .await;
+    let outage = killed.elapsed();
+    let mut sent = live.finish().await;
+    let dead_sent = on_dead_node.finish().await;
+    assert!(
+        dead_sent.iter().any(|s| s.status == 200),
+        "the endpoint on the dead node was served by the local fallback"
+    );
+    sent.extend(dead_sent);
+    assert_exactly_once(&sent, &up);
+    eprintln!(
+        "live endpoint during the outage: {} in {:.2}s (limit {rate}/s)",
+        live_during(),
+        outage.as_secs_f64()
+    );
+    assert_no_overdraw(&times_of(&up, &on_live), rate, burst);
+    let ready: serde_json::Value = reqwest::get(format!("http://{}/readyz", rs[0].admin_addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        ready["store"], "degraded",
+        "the replica deciding an endpoint locally says so: {ready}"
+    );
+    for r in rs {
+        r.stop().await;
+    }
+}
+
+/// Whether every replica's `/readyz` counts `n` replicas.
+async fn all_count_replicas(rs: &[sluice::app::Running], n: u64) -> bool {
+    for r in rs {
+        let v: serde_json::Value = reqwest::get(format!("http://{}/readyz", r.admin_addr))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["replicas"].as_u64() != Some(n) {
+            return false;
+        }
+    }
+    true
+}

@@ -39,9 +39,14 @@
 //! would go on taking tokens ahead out of this one's reach (`store.prefetch = "alone"`)
 //! until its next heartbeat.
 //!
+//! On `redis-cluster`, one `Resilient` serves each hash slot in use
+//! ([`super::cluster_fallback`]): a failing node sends only its own slots' endpoints to
+//! the local buckets. Such a one is made with [`Resilient::for_slot`]; it shares the
+//! degraded gauge with the others and leaves registering the replica to its owner.
+//!
 //! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -124,6 +129,21 @@ pub struct Resilient {
     /// One rejoin at a time: none declares the replica registered while another is
     /// still handing the shared store what it must know.
     rejoining: tokio::sync::Mutex<()>,
+    /// What this fallback covers, and the count of degraded ones it shares.
+    scope: Scope,
+}
+
+/// What one [`Resilient`] covers: the whole store, or one cluster hash slot among
+/// others that share the degraded gauge.
+struct Scope {
+    /// The hash slot (`None`: every endpoint).
+    slot: Option<redis::cluster_routing::Slot>,
+    /// How many of the fallbacks sharing the gauge are degraded now: the gauge is 1
+    /// while any is.
+    degraded: Arc<AtomicUsize>,
+    /// Whether this one registers the replica in the store before deciding there (a
+    /// slot's leaves that to its owner, [`super::cluster_fallback::SlotFallbacks`]).
+    registers: bool,
 }
 
 impl Resilient {
@@ -135,6 +155,41 @@ impl Resilient {
         peers: Arc<Peers>,
     ) -> Resilient {
         stats.degraded.set(0);
+        let scope = Scope {
+            slot: None,
+            degraded: Arc::default(),
+            registers: true,
+        };
+        Resilient::scoped(primary, on_error, stats, peers, scope)
+    }
+
+    /// The fallback for the endpoints of one cluster hash slot: degraded only when
+    /// their calls fail, counted in `degraded` with the other slots' (the gauge in
+    /// `stats` is 1 while any is). It never registers the replica: its owner does, at
+    /// start-up, and the heartbeats keep it registered.
+    pub fn for_slot(
+        primary: Arc<dyn BucketStore>,
+        on_error: OnError,
+        stats: StoreStats,
+        peers: Arc<Peers>,
+        slot: redis::cluster_routing::Slot,
+        degraded: Arc<AtomicUsize>,
+    ) -> Resilient {
+        let scope = Scope {
+            slot: Some(slot),
+            degraded,
+            registers: false,
+        };
+        Resilient::scoped(primary, on_error, stats, peers, scope)
+    }
+
+    fn scoped(
+        primary: Arc<dyn BucketStore>,
+        on_error: OnError,
+        stats: StoreStats,
+        peers: Arc<Peers>,
+        scope: Scope,
+    ) -> Resilient {
         let handover = (on_error == OnError::Local).then(Handover::default);
         Resilient {
             primary,
@@ -153,6 +208,7 @@ impl Resilient {
             last_probe: Mutex::new(Instant::now()),
             rejoining: tokio::sync::Mutex::new(()),
             peers,
+            scope,
         }
     }
 
@@ -197,13 +253,22 @@ impl Resilient {
         self.local.store(Arc::new(local));
         if !self.degraded.swap(true, Ordering::AcqRel) {
             self.changed_now();
-            self.stats.degraded.set(1);
+            if self.scope.degraded.fetch_add(1, Ordering::AcqRel) == 0 {
+                self.stats.degraded.set(1);
+            }
             let fallback = match self.on_error {
                 OnError::Local => "deciding with in-process buckets at this replica's share",
                 OnError::Allow => "forwarding without limits",
                 OnError::Deny => "refusing requests with 503 store_unavailable",
             };
-            tracing::warn!(error = %e, replicas = self.peers.count(), "rate-limit store failed: {fallback} until it answers again");
+            match self.scope.slot {
+                None => {
+                    tracing::warn!(error = %e, replicas = self.peers.count(), "rate-limit store failed: {fallback} until it answers again")
+                }
+                Some(slot) => {
+                    tracing::warn!(error = %e, ?slot, replicas = self.peers.count(), "rate-limit store failed for the endpoints of one cluster slot (the node serving it): {fallback} for them until it answers again")
+                }
+            }
         }
     }
 
@@ -222,12 +287,8 @@ impl Resilient {
     /// ([`Handover::teach`]): guarantee 4 and `max_in_flight` hold across the change.
     pub async fn rejoin(&self) -> Result<(), StoreError> {
         let _one = self.rejoining.lock().await;
-        if let Some(n) = self.primary.register().await? {
-            self.peers.heard(n);
-            // Alone, nobody else can hold tokens taken ahead.
-            if n > 1 {
-                tokio::time::sleep(credit::HELD_FOR).await;
-            }
+        if self.scope.registers {
+            register(self.primary.as_ref(), &self.peers).await?;
         }
         if let Some(h) = &self.handover {
             let (local, peers) = (self.local.load(), &self.peers);
@@ -276,8 +337,13 @@ impl Resilient {
     fn recovered(&self) {
         if self.degraded.swap(false, Ordering::AcqRel) {
             self.changed_now();
-            self.stats.degraded.set(0);
-            tracing::info!("rate-limit store answers again: shared buckets back in use");
+            if self.scope.degraded.fetch_sub(1, Ordering::AcqRel) == 1 {
+                self.stats.degraded.set(0);
+            }
+            match self.scope.slot {
+                None => tracing::info!("rate-limit store answers again: shared buckets back in use"),
+                Some(slot) => tracing::info!(?slot, "rate-limit store answers again for the endpoints of one cluster slot: shared buckets back in use for them"),
+            }
         }
     }
 
@@ -319,6 +385,20 @@ impl Resilient {
             OnError::Deny => Err(err),
         }
     }
+}
+
+/// Registers this replica in `primary` and learns how many replicas are alive; when
+/// others are, waits until no token one of them took ahead before seeing this one can
+/// still be spent (see [`Resilient::rejoin`]).
+pub async fn register(primary: &dyn BucketStore, peers: &Peers) -> Result<(), StoreError> {
+    if let Some(n) = primary.register().await? {
+        peers.heard(n);
+        // Alone, nobody else can hold tokens taken ahead.
+        if n > 1 {
+            tokio::time::sleep(credit::HELD_FOR).await;
+        }
+    }
+    Ok(())
 }
 
 fn is_local(generation: u64) -> bool {
@@ -605,39 +685,50 @@ impl BucketStore for Resilient {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::config::Policy;
     use crate::limiter::Limiter;
 
     /// A real memory store behind a switch that makes every call fail while it is off:
-    /// a shared store going away and coming back, in virtual time.
-    struct Switched {
-        store: MemoryStore,
-        down: AtomicBool,
+    /// a shared store going away and coming back, in virtual time. With `only`, the
+    /// switch fails only that endpoint's calls (a cluster node serving its slot).
+    pub(in crate::limiter) struct Switched {
+        pub(in crate::limiter) store: MemoryStore,
+        pub(in crate::limiter) down: AtomicBool,
+        pub(in crate::limiter) only: Option<&'static str>,
     }
 
     impl Switched {
-        fn check(&self) -> Result<(), StoreError> {
-            if self.down.load(Ordering::Relaxed) {
+        fn check(&self, endpoint: Option<&str>) -> Result<(), StoreError> {
+            let hit = match (self.only, endpoint) {
+                (None, _) => true,
+                (Some(only), Some(e)) => only == e,
+                (Some(_), None) => false,
+            };
+            if hit && self.down.load(Ordering::Relaxed) {
                 Err(StoreError::Unreachable("switched off".into()))
             } else {
                 Ok(())
             }
         }
 
-        fn answer<T: Send + 'static>(&self, v: impl FnOnce() -> T) -> StoreFuture<'_, T> {
-            let r = self.check().map(|()| v());
+        fn answer<T: Send + 'static>(
+            &self,
+            endpoint: Option<&str>,
+            v: impl FnOnce() -> T,
+        ) -> StoreFuture<'_, T> {
+            let r = self.check(endpoint).map(|()| v());
             Box::pin(std::future::ready(r))
         }
     }
 
     impl BucketStore for Switched {
         fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
-            self.answer(|| self.store.acquire_now(endpoint, ask))
+            self.answer(Some(endpoint), || self.store.acquire_now(endpoint, ask))
         }
         fn release<'a>(&'a self, e: &'a str, ask: Ask, u: Unused) -> StoreFuture<'a, ()> {
-            self.answer(|| self.store.release_now(e, ask, u))
+            self.answer(Some(e), || self.store.release_now(e, ask, u))
         }
         fn feedback<'a>(
             &'a self,
@@ -647,7 +738,7 @@ mod tests {
             pause: Duration,
             throttled: bool,
         ) -> StoreFuture<'a, ()> {
-            self.answer(|| self.store.feedback_now(e, ask, &a, pause, throttled))
+            self.answer(Some(e), || self.store.feedback_now(e, ask, &a, pause, throttled))
         }
         fn view<'a>(
             &'a self,
@@ -655,13 +746,13 @@ mod tests {
             ask: Ask,
             f: Option<f64>,
         ) -> StoreFuture<'a, Option<View>> {
-            self.answer(|| self.store.view_now(e, ask, f))
+            self.answer(Some(e), || self.store.view_now(e, ask, f))
         }
         fn ping(&self) -> StoreFuture<'_, ()> {
-            self.answer(|| ())
+            self.answer(None, || ())
         }
         fn cap<'a>(&'a self, e: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()> {
-            self.answer(|| self.store.cap_now(e, ask, most))
+            self.answer(Some(e), || self.store.cap_now(e, ask, most))
         }
         fn acquire_leased<'a>(
             &'a self,
@@ -669,16 +760,16 @@ mod tests {
             ask: Ask,
             l: LeaseAsk,
         ) -> StoreFuture<'a, Leased> {
-            self.answer(|| self.store.acquire_leased_now(e, ask, l))
+            self.answer(Some(e), || self.store.acquire_leased_now(e, ask, l))
         }
         fn renew_lease<'a>(&'a self, e: &'a str, ask: Ask, l: LeaseAsk) -> StoreFuture<'a, bool> {
-            self.answer(|| self.store.renew_lease_now(e, ask, l))
+            self.answer(Some(e), || self.store.renew_lease_now(e, ask, l))
         }
         fn adopt_lease<'a>(&'a self, e: &'a str, ask: Ask, l: LeaseAsk) -> StoreFuture<'a, ()> {
-            self.answer(|| self.store.adopt_lease_now(e, ask, l))
+            self.answer(Some(e), || self.store.adopt_lease_now(e, ask, l))
         }
         fn release_lease<'a>(&'a self, e: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
-            self.answer(|| self.store.release_lease_now(e, ask, id))
+            self.answer(Some(e), || self.store.release_lease_now(e, ask, id))
         }
     }
 
@@ -688,6 +779,7 @@ mod tests {
         let primary = Arc::new(Switched {
             store: MemoryStore::new(),
             down: AtomicBool::new(down),
+            only: None,
         });
         let store = Resilient::new(
             Arc::clone(&primary) as Arc<dyn BucketStore>,

@@ -17,6 +17,7 @@
 
 mod batch;
 pub mod bucket;
+pub mod cluster_fallback;
 mod cooldowns;
 mod credit;
 pub mod fallback;

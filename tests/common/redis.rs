@@ -132,6 +132,10 @@ pub struct Options {
     /// A sentinel (`--sentinel`) monitoring (master name, master port) with quorum 2,
     /// `down-after-milliseconds` 1000 and `failover-timeout` 3000.
     pub sentinel_of: Option<(String, u16)>,
+    /// Cluster nodes only: `--cluster-require-full-coverage no`, so the live masters
+    /// keep serving their slots while another master is down (as many managed clusters
+    /// are set up).
+    pub partial_coverage: bool,
 }
 
 impl Options {
@@ -313,6 +317,9 @@ impl RedisServer {
             cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
                 .arg("--cluster-config-file")
                 .arg(self.dir.path().join("nodes.conf"));
+            if self.opts.partial_coverage {
+                cmd.args(["--cluster-require-full-coverage", "no"]);
+            }
         }
         let mut child = match cmd.spawn() {
             Ok(c) => ChildGuard::from(c),

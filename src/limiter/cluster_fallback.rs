@@ -1,0 +1,308 @@
+//! The `on_error` policy on `redis-cluster`, hash slot by hash slot.
+//!
+//! A cluster spreads the endpoints' keys over its masters by hash slot
+//! (`<prefix>{<endpoint>}`: one slot per endpoint). When one master fails, only the
+//! endpoints of its slots lose their shared buckets; the others' keep answering. So
+//! [`SlotFallbacks`] gives every hash slot in use its own [`Resilient`]: a call that
+//! fails sends that slot's endpoints to the local buckets at this replica's share, and
+//! every other endpoint stays on its shared bucket.
+//!
+//! One fallback for the whole store would send every endpoint of this replica local at
+//! the first failed call, while another replica that never asked the failing node kept
+//! using the shared bucket of an endpoint on a live node at the whole rate: this
+//! replica's share went out on top of it (1.5 times the limit with two replicas).
+//!
+//! Each slot's fallback keeps its own probe, outage numbers, handover and rejoin; they
+//! share the replica count ([`Peers`]) and the degraded gauge (1 while any slot is
+//! degraded). Registering the replica in the store is done here, by the start-up ping
+//! (and again after a failed one); the heartbeats keep it registered.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use redis::cluster_routing::Slot;
+
+use super::bucket::{Ask, Outcome, Unused, View};
+use super::fallback::{Resilient, register};
+use super::lease::{LeaseAsk, Leased};
+use super::peers::Peers;
+use super::{BucketStore, StoreFuture, StoreHealth, StoreStats};
+use crate::config::{Adaptive, OnError};
+
+/// A [`Resilient`] per cluster hash slot in use, around one cluster store.
+pub struct SlotFallbacks {
+    primary: Arc<dyn BucketStore>,
+    /// The store's key prefix: an endpoint's key, and so its slot, is
+    /// `<prefix>{<endpoint>}`.
+    prefix: String,
+    on_error: OnError,
+    stats: StoreStats,
+    peers: Arc<Peers>,
+    /// How many slots' fallbacks are degraded now.
+    degraded: Arc<AtomicUsize>,
+    slots: RwLock<HashMap<Slot, Arc<Resilient>>>,
+    /// Whether the last ping was answered (and the replica registered).
+    answered: AtomicBool,
+    /// Registered in the store since the last failed ping.
+    registered: AtomicBool,
+    /// One registration at a time.
+    registering: tokio::sync::Mutex<()>,
+}
+
+impl SlotFallbacks {
+    /// Wraps the cluster store `primary` (keys under `prefix`) with the `on_error`
+    /// policy per hash slot, recording the degraded gauge in `stats`.
+    pub fn new(
+        primary: Arc<dyn BucketStore>,
+        prefix: &str,
+        on_error: OnError,
+        stats: StoreStats,
+        peers: Arc<Peers>,
+    ) -> SlotFallbacks {
+        stats.degraded.set(0);
+        SlotFallbacks {
+            primary,
+            prefix: prefix.to_owned(),
+            on_error,
+            stats,
+            peers,
+            degraded: Arc::default(),
+            slots: RwLock::default(),
+            answered: AtomicBool::new(false),
+            registered: AtomicBool::new(false),
+            registering: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The hash slot of `endpoint`'s keys, as the cluster computes it.
+    fn slot_of(&self, endpoint: &str) -> Slot {
+        let mut key = String::with_capacity(self.prefix.len() + endpoint.len() + 2);
+        key.push_str(&self.prefix);
+        key.push('{');
+        key.push_str(endpoint);
+        key.push('}');
+        Slot::for_key(key)
+    }
+
+    /// The fallback of `endpoint`'s slot, made on first use.
+    fn of(&self, endpoint: &str) -> Arc<Resilient> {
+        let slot = self.slot_of(endpoint);
+        if let Some(r) = self
+            .slots
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&slot)
+        {
+            return Arc::clone(r);
+        }
+        let mut slots = self.slots.write().unwrap_or_else(PoisonError::into_inner);
+        let r = slots.entry(slot).or_insert_with(|| {
+            Arc::new(Resilient::for_slot(
+                Arc::clone(&self.primary),
+                self.on_error,
+                self.stats.clone(),
+                Arc::clone(&self.peers),
+                slot,
+                Arc::clone(&self.degraded),
+            ))
+        });
+        Arc::clone(r)
+    }
+}
+
+impl BucketStore for SlotFallbacks {
+    fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.acquire(endpoint, ask).await })
+    }
+
+    fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, unused: Unused) -> StoreFuture<'a, ()> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.release(endpoint, ask, unused).await })
+    }
+
+    fn feedback<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        adaptive: Adaptive,
+        pause: Duration,
+        throttled: bool,
+    ) -> StoreFuture<'a, ()> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.feedback(endpoint, ask, adaptive, pause, throttled).await })
+    }
+
+    fn cap<'a>(&'a self, endpoint: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.cap(endpoint, ask, most).await })
+    }
+
+    fn view<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        floor: Option<f64>,
+    ) -> StoreFuture<'a, Option<View>> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.view(endpoint, ask, floor).await })
+    }
+
+    /// Asks the store (readiness must tell the truth); at start-up and after a failed
+    /// ping, registers the replica before answering. A failed ping sends no slot to
+    /// the local buckets: only an endpoint's own failed calls do that.
+    fn ping(&self) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            let mut r = self.primary.ping().await;
+            if r.is_ok() && !self.registered.load(Ordering::Acquire) {
+                let _one = self.registering.lock().await;
+                r = register(self.primary.as_ref(), &self.peers).await;
+                self.registered.store(r.is_ok(), Ordering::Release);
+            }
+            if r.is_err() {
+                self.registered.store(false, Ordering::Release);
+            }
+            self.answered.store(r.is_ok(), Ordering::Release);
+            r
+        })
+    }
+
+    fn acquire_leased<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, Leased> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.acquire_leased(endpoint, ask, lease).await })
+    }
+
+    fn renew_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, bool> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.renew_lease(endpoint, ask, lease).await })
+    }
+
+    fn adopt_lease<'a>(
+        &'a self,
+        endpoint: &'a str,
+        ask: Ask,
+        lease: LeaseAsk,
+    ) -> StoreFuture<'a, ()> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.adopt_lease(endpoint, ask, lease).await })
+    }
+
+    fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
+        let r = self.of(endpoint);
+        Box::pin(async move { r.release_lease(endpoint, ask, id).await })
+    }
+
+    /// Degraded while the last ping failed or any slot's endpoints are decided by the
+    /// fallback.
+    fn health(&self) -> StoreHealth {
+        if !self.answered.load(Ordering::Acquire) || self.degraded.load(Ordering::Acquire) > 0 {
+            StoreHealth::Degraded
+        } else {
+            StoreHealth::Ok
+        }
+    }
+
+    fn needs_confirm(&self, endpoint: &str, since: tokio::time::Instant) -> bool {
+        self.of(endpoint).needs_confirm(endpoint, since)
+    }
+
+    fn replicas(&self) -> Option<usize> {
+        Some(self.peers.count())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Policy;
+    use crate::limiter::Limiter;
+    use crate::limiter::fallback::PROBE_EVERY;
+    use crate::limiter::fallback::tests::Switched;
+    use crate::limiter::memory::MemoryStore;
+    use tokio::time::Instant;
+
+    /// How long after `from` each of `n` requests for `endpoint` is let go.
+    async fn waits(limiter: &Limiter, endpoint: &'static str, n: usize) -> Vec<Duration> {
+        let policy = Arc::new(Policy {
+            rate: 10.0,
+            burst: 4.0,
+            max_wait: Duration::from_secs(10),
+            adaptive: None,
+            ..Policy::default()
+        });
+        let from = Instant::now();
+        let tasks: Vec<_> = (0..n)
+            .map(|_| {
+                let (limiter, policy) = (limiter.clone(), Arc::clone(&policy));
+                tokio::spawn(async move {
+                    limiter.admit(endpoint, &policy).await.expect("admitted");
+                    from.elapsed()
+                })
+            })
+            .collect();
+        let mut v = Vec::new();
+        for t in tasks {
+            v.push(t.await.unwrap());
+        }
+        v.sort();
+        v
+    }
+
+    /// The store fails only one endpoint's calls (its slot's node is down): that
+    /// endpoint is decided by a fresh, empty local bucket at this replica's share (of
+    /// two), every other endpoint by the shared bucket, whole burst and all; the store
+    /// reads degraded until the failing one is back on the shared bucket.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_slot_sends_only_its_own_endpoints_to_the_local_buckets() {
+        let primary = Arc::new(Switched {
+            store: MemoryStore::new(),
+            down: AtomicBool::new(true),
+            only: Some("on-dead-node"),
+        });
+        let stats = StoreStats::default();
+        let store = Arc::new(SlotFallbacks::new(
+            Arc::clone(&primary) as Arc<dyn BucketStore>,
+            "sluice:",
+            OnError::Local,
+            stats.clone(),
+            Arc::new(Peers::new(2)),
+        ));
+        assert_ne!(store.slot_of("on-dead-node"), store.slot_of("on-live-node"));
+        store.ping().await.expect("the store answers pings");
+        assert_eq!(store.health(), StoreHealth::Ok);
+        let limiter = Limiter::new(Arc::clone(&store) as Arc<dyn BucketStore>);
+
+        let live = waits(&limiter, "on-live-node", 4).await;
+        assert_eq!(live, vec![Duration::ZERO; 4], "the shared bucket's whole burst");
+        let dead = waits(&limiter, "on-dead-node", 2).await;
+        // An empty local bucket at 5/s (10/s shared by two): 0.2 s apart.
+        assert_eq!(
+            dead,
+            vec![Duration::from_millis(200), Duration::from_millis(400)]
+        );
+        assert_eq!(store.health(), StoreHealth::Degraded);
+        assert_eq!(stats.degraded.get(), 1);
+        // The live endpoint stays on its shared bucket meanwhile, refilled by now: its
+        // whole burst, then the whole rate.
+        let live = waits(&limiter, "on-live-node", 5).await;
+        assert_eq!(live[3..], [Duration::ZERO, Duration::from_millis(100)]);
+
+        primary.down.store(false, Ordering::Relaxed);
+        tokio::time::sleep(PROBE_EVERY).await;
+        waits(&limiter, "on-dead-node", 1).await;
+        assert_eq!(store.health(), StoreHealth::Ok);
+        assert_eq!(stats.degraded.get(), 0);
+    }
+}
