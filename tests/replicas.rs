@@ -1696,7 +1696,10 @@ async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets
     let (on_dead, on_live) = (on(true), on(false));
     let deadline = Instant::now() + Duration::from_secs(10);
     while !all_count_replicas(&rs, 2).await {
-        assert!(Instant::now() < deadline, "the replicas never saw each other");
+        assert!(
+            Instant::now() < deadline,
+            "the replicas never saw each other"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let up = Upstream::start().await;

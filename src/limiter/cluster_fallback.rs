@@ -260,32 +260,72 @@ mod tests {
         v
     }
 
+    /// Slot fallbacks around a switched memory store that fails only the calls of
+    /// `down_endpoint` (its slot's node is down), and their degraded gauge.
+    fn one_slot_down(
+        down_endpoint: &'static str,
+        on_error: OnError,
+    ) -> (Arc<Switched>, Arc<SlotFallbacks>, StoreStats) {
+        let primary = Arc::new(Switched {
+            store: MemoryStore::new(),
+            down: AtomicBool::new(true),
+            only: Some(down_endpoint),
+        });
+        let stats = StoreStats::default();
+        let store = Arc::new(SlotFallbacks::new(
+            Arc::clone(&primary) as Arc<dyn BucketStore>,
+            "sluice:",
+            on_error,
+            stats.clone(),
+            Arc::new(Peers::new(2)),
+        ));
+        (primary, store, stats)
+    }
+
+    /// With `on_error = "deny"`, a failing node's endpoints are refused
+    /// (`store_unavailable`) and every other endpoint is served, by the shared bucket.
+    #[tokio::test(start_paused = true)]
+    async fn deny_refuses_only_the_endpoints_of_the_failing_slot() {
+        let (_primary, store, stats) = one_slot_down("on-dead-node", OnError::Deny);
+        store.ping().await.expect("the store answers pings");
+        let limiter = Limiter::new(Arc::clone(&store) as Arc<dyn BucketStore>);
+        let policy = Policy {
+            rate: 10.0,
+            burst: 4.0,
+            ..Policy::default()
+        };
+        assert!(matches!(
+            limiter.admit("on-dead-node", &policy).await,
+            Err(crate::limiter::Refusal::StoreUnavailable)
+        ));
+        for _ in 0..4 {
+            limiter
+                .admit("on-live-node", &policy)
+                .await
+                .expect("served by the shared bucket");
+        }
+        assert_eq!(store.health(), StoreHealth::Degraded);
+        assert_eq!(stats.degraded.get(), 1);
+    }
+
     /// The store fails only one endpoint's calls (its slot's node is down): that
     /// endpoint is decided by a fresh, empty local bucket at this replica's share (of
     /// two), every other endpoint by the shared bucket, whole burst and all; the store
     /// reads degraded until the failing one is back on the shared bucket.
     #[tokio::test(start_paused = true)]
     async fn a_failing_slot_sends_only_its_own_endpoints_to_the_local_buckets() {
-        let primary = Arc::new(Switched {
-            store: MemoryStore::new(),
-            down: AtomicBool::new(true),
-            only: Some("on-dead-node"),
-        });
-        let stats = StoreStats::default();
-        let store = Arc::new(SlotFallbacks::new(
-            Arc::clone(&primary) as Arc<dyn BucketStore>,
-            "sluice:",
-            OnError::Local,
-            stats.clone(),
-            Arc::new(Peers::new(2)),
-        ));
+        let (primary, store, stats) = one_slot_down("on-dead-node", OnError::Local);
         assert_ne!(store.slot_of("on-dead-node"), store.slot_of("on-live-node"));
         store.ping().await.expect("the store answers pings");
         assert_eq!(store.health(), StoreHealth::Ok);
         let limiter = Limiter::new(Arc::clone(&store) as Arc<dyn BucketStore>);
 
         let live = waits(&limiter, "on-live-node", 4).await;
-        assert_eq!(live, vec![Duration::ZERO; 4], "the shared bucket's whole burst");
+        assert_eq!(
+            live,
+            vec![Duration::ZERO; 4],
+            "the shared bucket's whole burst"
+        );
         let dead = waits(&limiter, "on-dead-node", 2).await;
         // An empty local bucket at 5/s (10/s shared by two): 0.2 s apart.
         assert_eq!(

@@ -341,8 +341,13 @@ impl Resilient {
                 self.stats.degraded.set(0);
             }
             match self.scope.slot {
-                None => tracing::info!("rate-limit store answers again: shared buckets back in use"),
-                Some(slot) => tracing::info!(?slot, "rate-limit store answers again for the endpoints of one cluster slot: shared buckets back in use for them"),
+                None => {
+                    tracing::info!("rate-limit store answers again: shared buckets back in use")
+                }
+                Some(slot) => tracing::info!(
+                    ?slot,
+                    "rate-limit store answers again for the endpoints of one cluster slot: shared buckets back in use for them"
+                ),
             }
         }
     }
@@ -738,7 +743,9 @@ pub(super) mod tests {
             pause: Duration,
             throttled: bool,
         ) -> StoreFuture<'a, ()> {
-            self.answer(Some(e), || self.store.feedback_now(e, ask, &a, pause, throttled))
+            self.answer(Some(e), || {
+                self.store.feedback_now(e, ask, &a, pause, throttled)
+            })
         }
         fn view<'a>(
             &'a self,
