@@ -253,7 +253,8 @@ impl Resilient {
         self.local.store(Arc::new(local));
         if !self.degraded.swap(true, Ordering::AcqRel) {
             self.changed_now();
-            if self.scope.degraded.fetch_add(1, Ordering::AcqRel) == 0 {
+            let first = self.scope.degraded.fetch_add(1, Ordering::AcqRel) == 0;
+            if first {
                 self.stats.degraded.set(1);
             }
             let fallback = match self.on_error {
@@ -261,12 +262,17 @@ impl Resilient {
                 OnError::Allow => "forwarding without limits",
                 OnError::Deny => "refusing requests with 503 store_unavailable",
             };
+            // A cluster slot warns when it is the first to fail (one line per outage,
+            // not one per slot of a dead node); the others say so at debug level.
             match self.scope.slot {
                 None => {
                     tracing::warn!(error = %e, replicas = self.peers.count(), "rate-limit store failed: {fallback} until it answers again")
                 }
+                Some(slot) if first => {
+                    tracing::warn!(error = %e, ?slot, replicas = self.peers.count(), "rate-limit store failed for the endpoints of a cluster slot (the node serving it; other slots may follow): {fallback} for them until it answers again")
+                }
                 Some(slot) => {
-                    tracing::warn!(error = %e, ?slot, replicas = self.peers.count(), "rate-limit store failed for the endpoints of one cluster slot (the node serving it): {fallback} for them until it answers again")
+                    tracing::debug!(error = %e, ?slot, "rate-limit store failed for the endpoints of another cluster slot: {fallback} for them")
                 }
             }
         }
@@ -337,16 +343,20 @@ impl Resilient {
     fn recovered(&self) {
         if self.degraded.swap(false, Ordering::AcqRel) {
             self.changed_now();
-            if self.scope.degraded.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let last = self.scope.degraded.fetch_sub(1, Ordering::AcqRel) == 1;
+            if last {
                 self.stats.degraded.set(0);
             }
             match self.scope.slot {
                 None => {
                     tracing::info!("rate-limit store answers again: shared buckets back in use")
                 }
-                Some(slot) => tracing::info!(
+                Some(_) if last => tracing::info!(
+                    "rate-limit store answers again for every cluster slot: shared buckets back in use"
+                ),
+                Some(slot) => tracing::debug!(
                     ?slot,
-                    "rate-limit store answers again for the endpoints of one cluster slot: shared buckets back in use for them"
+                    "rate-limit store answers again for the endpoints of a cluster slot: shared buckets back in use for them"
                 ),
             }
         }
