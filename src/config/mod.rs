@@ -1006,6 +1006,21 @@ mod tests {
         assert_eq!(ok.defaults.lease_ttl, MIN_LEASE_TTL);
     }
 
+    /// (2026-12-07, fifth session) On `redis-cluster` a brace in `key_prefix` would
+    /// move every key's hash tag off the endpoint: refused at its line; elsewhere kept.
+    #[test]
+    fn a_cluster_key_prefix_with_a_brace_is_refused_where_it_is() {
+        let cluster = "[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://h:7000/\"]\n";
+        let i = issues(&format!("{cluster}key_prefix = \"app{{x}}:\"\n"));
+        let at: Vec<(usize, &str)> = i.iter().map(|i| (i.line, i.key.as_str())).collect();
+        assert_eq!(at, [(4, "store.key_prefix")], "{i:?}");
+        assert!(i[0].message.contains("hash tag"), "{}", i[0].message);
+        let single = "[store]\nbackend = \"redis\"\nurls = [\"redis://h:6379/\"]\nkey_prefix = \"app{x}:\"\n";
+        assert_eq!(Config::parse(single).unwrap().store.key_prefix, "app{x}:");
+        let ok = Config::parse(&format!("{cluster}key_prefix = \"prod:sluice:\"\n")).unwrap();
+        assert_eq!(ok.store.key_prefix, "prod:sluice:");
+    }
+
     /// (2026-12-07 review) A zero `upstream_timeout` is reported at its own line (it
     /// was at 1:1), and a reserved endpoint header at its.
     #[test]

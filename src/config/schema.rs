@@ -276,9 +276,7 @@ impl Reader<'_> {
             prefetch: self.prefetch(t, backend),
             backend,
             urls,
-            key_prefix: self
-                .string(t, p, "key_prefix")
-                .map_or("sluice:".into(), |(s, _)| s),
+            key_prefix: self.key_prefix(t, backend),
             timeout,
             on_error: self.enumerated(
                 t,
@@ -376,6 +374,25 @@ impl Reader<'_> {
             );
         }
         mode
+    }
+
+    /// `key_prefix`; on `redis-cluster` without braces: an endpoint's keys are
+    /// `<prefix>{<endpoint>}` and `<prefix>{<endpoint>}:leases`, one hash slot because
+    /// the endpoint is their hash tag, and a brace in the prefix would move the tag
+    /// (every endpoint on one slot, or the two keys apart and every leased call refused
+    /// by the cluster).
+    fn key_prefix(&mut self, t: &Table<'_>, backend: Backend) -> String {
+        let Some((prefix, at)) = self.string(t, "store", "key_prefix") else {
+            return "sluice:".into();
+        };
+        if backend == Backend::RedisCluster && prefix.contains(['{', '}']) {
+            self.issue(
+                at,
+                "store.key_prefix",
+                format!("{prefix:?} may not contain '{{' or '}}' with backend \"redis-cluster\": the endpoint is each key's hash tag"),
+            );
+        }
+        prefix
     }
 
     /// `tls_ca_file`, `tls_cert_file`, `tls_key_file`: paths only (their contents are

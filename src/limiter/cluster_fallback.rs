@@ -17,19 +17,19 @@
 //! degraded). Registering the replica in the store is done here, by the start-up ping
 //! (and again after a failed one); the heartbeats keep it registered.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use redis::cluster_routing::Slot;
-
 use super::bucket::{Ask, Outcome, Unused, View};
-use super::fallback::{Resilient, register};
+use super::fallback::{Resilient, Shared, register};
 use super::lease::{LeaseAsk, Leased};
 use super::peers::Peers;
 use super::{BucketStore, StoreFuture, StoreHealth, StoreStats};
 use crate::config::{Adaptive, OnError};
+
+/// Hash slots in a Redis Cluster.
+const SLOTS: usize = 16_384;
 
 /// A [`Resilient`] per cluster hash slot in use, around one cluster store.
 pub struct SlotFallbacks {
@@ -37,12 +37,15 @@ pub struct SlotFallbacks {
     /// The store's key prefix: an endpoint's key, and so its slot, is
     /// `<prefix>{<endpoint>}`.
     prefix: String,
+    /// Whether the prefix holds no `{`, so an endpoint's hash tag is the endpoint.
+    plain_prefix: bool,
     on_error: OnError,
     stats: StoreStats,
     peers: Arc<Peers>,
-    /// How many slots' fallbacks are degraded now.
-    degraded: Arc<AtomicUsize>,
-    slots: RwLock<HashMap<Slot, Arc<Resilient>>>,
+    /// The degraded count and the budget the slots' fallbacks share.
+    shared: Arc<Shared>,
+    /// A fallback per slot, made on first use: no lock on the way to one.
+    slots: Box<[OnceLock<Box<Resilient>>]>,
     /// Whether the last ping was answered (and the replica registered).
     answered: AtomicBool,
     /// Registered in the store since the last failed ping.
@@ -65,62 +68,58 @@ impl SlotFallbacks {
         SlotFallbacks {
             primary,
             prefix: prefix.to_owned(),
+            plain_prefix: !prefix.contains('{'),
             on_error,
             stats,
             peers,
-            degraded: Arc::default(),
-            slots: RwLock::default(),
+            shared: Arc::default(),
+            slots: (0..SLOTS).map(|_| OnceLock::new()).collect(),
             answered: AtomicBool::new(false),
             registered: AtomicBool::new(false),
             registering: tokio::sync::Mutex::new(()),
         }
     }
 
-    /// The hash slot of `endpoint`'s keys, as the cluster computes it.
-    fn slot_of(&self, endpoint: &str) -> Slot {
-        let mut key = String::with_capacity(self.prefix.len() + endpoint.len() + 2);
-        key.push_str(&self.prefix);
-        key.push('{');
-        key.push_str(endpoint);
-        key.push('}');
-        Slot::for_key(key)
+    /// The hash slot of `endpoint`'s keys, as the cluster computes it: CRC16 of the
+    /// key's hash tag (what the first `{` and the next `}` enclose, when not empty),
+    /// else of the whole key, modulo 16384.
+    fn slot_of(&self, endpoint: &str) -> u16 {
+        let crc = |b: &[u8]| crc16::State::<crc16::XMODEM>::calculate(b) % SLOTS as u16;
+        if self.plain_prefix && !endpoint.is_empty() && !endpoint.contains('}') {
+            // The common case, with nothing to allocate: the tag is the endpoint.
+            return crc(endpoint.as_bytes());
+        }
+        let key = format!("{}{{{endpoint}}}", self.prefix);
+        let open = key.find('{').unwrap_or_default();
+        match key[open + 1..].find('}') {
+            Some(len) if len > 0 => crc(&key.as_bytes()[open + 1..open + 1 + len]),
+            _ => crc(key.as_bytes()),
+        }
     }
 
     /// The fallback of `endpoint`'s slot, made on first use.
-    fn of(&self, endpoint: &str) -> Arc<Resilient> {
+    fn of(&self, endpoint: &str) -> &Resilient {
         let slot = self.slot_of(endpoint);
-        if let Some(r) = self
-            .slots
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&slot)
-        {
-            return Arc::clone(r);
-        }
-        let mut slots = self.slots.write().unwrap_or_else(PoisonError::into_inner);
-        let r = slots.entry(slot).or_insert_with(|| {
-            Arc::new(Resilient::for_slot(
+        self.slots[usize::from(slot)].get_or_init(|| {
+            Box::new(Resilient::for_slot(
                 Arc::clone(&self.primary),
                 self.on_error,
                 self.stats.clone(),
                 Arc::clone(&self.peers),
                 slot,
-                Arc::clone(&self.degraded),
+                Arc::clone(&self.shared),
             ))
-        });
-        Arc::clone(r)
+        })
     }
 }
 
 impl BucketStore for SlotFallbacks {
     fn acquire<'a>(&'a self, endpoint: &'a str, ask: Ask) -> StoreFuture<'a, Outcome> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.acquire(endpoint, ask).await })
+        self.of(endpoint).acquire(endpoint, ask)
     }
 
     fn release<'a>(&'a self, endpoint: &'a str, ask: Ask, unused: Unused) -> StoreFuture<'a, ()> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.release(endpoint, ask, unused).await })
+        self.of(endpoint).release(endpoint, ask, unused)
     }
 
     fn feedback<'a>(
@@ -131,13 +130,12 @@ impl BucketStore for SlotFallbacks {
         pause: Duration,
         throttled: bool,
     ) -> StoreFuture<'a, ()> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.feedback(endpoint, ask, adaptive, pause, throttled).await })
+        self.of(endpoint)
+            .feedback(endpoint, ask, adaptive, pause, throttled)
     }
 
     fn cap<'a>(&'a self, endpoint: &'a str, ask: Ask, most: f64) -> StoreFuture<'a, ()> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.cap(endpoint, ask, most).await })
+        self.of(endpoint).cap(endpoint, ask, most)
     }
 
     fn view<'a>(
@@ -146,8 +144,7 @@ impl BucketStore for SlotFallbacks {
         ask: Ask,
         floor: Option<f64>,
     ) -> StoreFuture<'a, Option<View>> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.view(endpoint, ask, floor).await })
+        self.of(endpoint).view(endpoint, ask, floor)
     }
 
     /// Asks the store (readiness must tell the truth); at start-up and after a failed
@@ -164,6 +161,15 @@ impl BucketStore for SlotFallbacks {
             if r.is_err() {
                 self.registered.store(false, Ordering::Release);
             }
+            if r.is_ok() {
+                // The ping reached every master: a slot still degraded resumes, though
+                // its endpoints may have had no request since (a failure stays).
+                for slot in self.slots.iter().filter_map(OnceLock::get) {
+                    if slot.is_degraded() {
+                        let _ = slot.resume().await;
+                    }
+                }
+            }
             self.answered.store(r.is_ok(), Ordering::Release);
             r
         })
@@ -175,8 +181,7 @@ impl BucketStore for SlotFallbacks {
         ask: Ask,
         lease: LeaseAsk,
     ) -> StoreFuture<'a, Leased> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.acquire_leased(endpoint, ask, lease).await })
+        self.of(endpoint).acquire_leased(endpoint, ask, lease)
     }
 
     fn renew_lease<'a>(
@@ -185,8 +190,7 @@ impl BucketStore for SlotFallbacks {
         ask: Ask,
         lease: LeaseAsk,
     ) -> StoreFuture<'a, bool> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.renew_lease(endpoint, ask, lease).await })
+        self.of(endpoint).renew_lease(endpoint, ask, lease)
     }
 
     fn adopt_lease<'a>(
@@ -195,19 +199,17 @@ impl BucketStore for SlotFallbacks {
         ask: Ask,
         lease: LeaseAsk,
     ) -> StoreFuture<'a, ()> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.adopt_lease(endpoint, ask, lease).await })
+        self.of(endpoint).adopt_lease(endpoint, ask, lease)
     }
 
     fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
-        let r = self.of(endpoint);
-        Box::pin(async move { r.release_lease(endpoint, ask, id).await })
+        self.of(endpoint).release_lease(endpoint, ask, id)
     }
 
     /// Degraded while the last ping failed or any slot's endpoints are decided by the
     /// fallback.
     fn health(&self) -> StoreHealth {
-        if !self.answered.load(Ordering::Acquire) || self.degraded.load(Ordering::Acquire) > 0 {
+        if !self.answered.load(Ordering::Acquire) || self.shared.any_degraded() {
             StoreHealth::Degraded
         } else {
             StoreHealth::Ok
@@ -280,6 +282,54 @@ mod tests {
             Arc::new(Peers::new(2)),
         ));
         (primary, store, stats)
+    }
+
+    /// An endpoint's slot is the one Redis gives its bucket's key (`<prefix>{<endpoint>}`)
+    /// with any prefix and any endpoint, and the `:leases` key beside it too with those
+    /// the config accepts.
+    #[test]
+    fn an_endpoint_s_slot_is_the_one_redis_gives_its_keys() {
+        use redis::cluster_routing::Slot;
+        for prefix in ["sluice:", "", "a{b}:", "x{", "{}", "p}"] {
+            let (_, store, _) = one_slot_down("none", OnError::Local);
+            let store = SlotFallbacks::new(
+                Arc::clone(&store.primary),
+                prefix,
+                OnError::Local,
+                StoreStats::default(),
+                Arc::new(Peers::new(1)),
+            );
+            for endpoint in ["api.example.com", "ep1", "", "a}b", "{x}", "über"] {
+                let key = format!("{prefix}{{{endpoint}}}");
+                let slot = Slot::new(store.slot_of(endpoint));
+                assert_eq!(slot, Some(Slot::for_key(&key)), "{key}");
+                // Where the config allows them (an ID of 1 to 128 characters, no brace
+                // in the ID nor, on a cluster, in the prefix), its leases' key too.
+                let valid = |s: &str| !s.contains(['{', '}']);
+                if !endpoint.is_empty() && valid(endpoint) && valid(prefix) {
+                    assert_eq!(slot, Some(Slot::for_key(format!("{key}:leases"))), "{key}");
+                }
+            }
+        }
+    }
+
+    /// A slot whose endpoints get no more requests resumes once a ping reaches every
+    /// node and the shared store takes what the local one learned; until then it
+    /// stays degraded (and `/readyz` says so).
+    #[tokio::test(start_paused = true)]
+    async fn a_quiet_slot_resumes_when_a_ping_reaches_every_node() {
+        let (primary, store, stats) = one_slot_down("on-dead-node", OnError::Local);
+        store.ping().await.expect("the store answers pings");
+        let limiter = Limiter::new(Arc::clone(&store) as Arc<dyn BucketStore>);
+        waits(&limiter, "on-dead-node", 1).await;
+        assert_eq!(store.health(), StoreHealth::Degraded);
+        // The rejoin's cap for the endpoint still fails: still degraded.
+        store.ping().await.expect("the other nodes answer");
+        assert_eq!(store.health(), StoreHealth::Degraded);
+        primary.down.store(false, Ordering::Relaxed);
+        store.ping().await.expect("every node answers");
+        assert_eq!(store.health(), StoreHealth::Ok);
+        assert_eq!(stats.degraded.get(), 0);
     }
 
     /// With `on_error = "deny"`, a failing node's endpoints are refused

@@ -137,13 +137,30 @@ pub struct Resilient {
 /// others that share the degraded gauge.
 struct Scope {
     /// The hash slot (`None`: every endpoint).
-    slot: Option<redis::cluster_routing::Slot>,
-    /// How many of the fallbacks sharing the gauge are degraded now: the gauge is 1
-    /// while any is.
-    degraded: Arc<AtomicUsize>,
+    slot: Option<u16>,
+    /// The fallbacks that share the gauge.
+    shared: Arc<Shared>,
     /// Whether this one registers the replica in the store before deciding there (a
     /// slot's leaves that to its owner, [`super::cluster_fallback::SlotFallbacks`]).
     registers: bool,
+}
+
+/// What the fallbacks of one store's slots share.
+#[derive(Default)]
+pub struct Shared {
+    /// How many are degraded now: the gauge is 1 while any is. Changed together with
+    /// a fallback's own state and the gauge, under this lock.
+    degraded: Mutex<usize>,
+    /// Endpoints their handovers keep as decided locally, all told (at most
+    /// [`Handover::MAX_DECIDED`]).
+    decided: Arc<AtomicUsize>,
+}
+
+impl Shared {
+    /// Whether any of the fallbacks is degraded.
+    pub fn any_degraded(&self) -> bool {
+        *self.degraded.lock().unwrap_or_else(PoisonError::into_inner) > 0
+    }
 }
 
 impl Resilient {
@@ -157,27 +174,28 @@ impl Resilient {
         stats.degraded.set(0);
         let scope = Scope {
             slot: None,
-            degraded: Arc::default(),
+            shared: Arc::default(),
             registers: true,
         };
         Resilient::scoped(primary, on_error, stats, peers, scope)
     }
 
     /// The fallback for the endpoints of one cluster hash slot: degraded only when
-    /// their calls fail, counted in `degraded` with the other slots' (the gauge in
-    /// `stats` is 1 while any is). It never registers the replica: its owner does, at
-    /// start-up, and the heartbeats keep it registered.
+    /// their calls fail (or until a ping reaches every node, [`Resilient::resume`]),
+    /// counted in `shared` with the other slots' (the gauge in `stats` is 1 while any
+    /// is). It never registers the replica: its owner does, at start-up, and the
+    /// heartbeats keep it registered.
     pub fn for_slot(
         primary: Arc<dyn BucketStore>,
         on_error: OnError,
         stats: StoreStats,
         peers: Arc<Peers>,
-        slot: redis::cluster_routing::Slot,
-        degraded: Arc<AtomicUsize>,
+        slot: u16,
+        shared: Arc<Shared>,
     ) -> Resilient {
         let scope = Scope {
             slot: Some(slot),
-            degraded,
+            shared,
             registers: false,
         };
         Resilient::scoped(primary, on_error, stats, peers, scope)
@@ -190,7 +208,8 @@ impl Resilient {
         peers: Arc<Peers>,
         scope: Scope,
     ) -> Resilient {
-        let handover = (on_error == OnError::Local).then(Handover::default);
+        let handover = (on_error == OnError::Local)
+            .then(|| Handover::sharing(Arc::clone(&scope.shared.decided)));
         Resilient {
             primary,
             local: ArcSwap::from_pointee(Local {
@@ -251,12 +270,8 @@ impl Resilient {
             local.store.adopt_lease_now(&f.endpoint, share, f.lease);
         }
         self.local.store(Arc::new(local));
-        if !self.degraded.swap(true, Ordering::AcqRel) {
+        if let Some(first) = self.turn(true) {
             self.changed_now();
-            let first = self.scope.degraded.fetch_add(1, Ordering::AcqRel) == 0;
-            if first {
-                self.stats.degraded.set(1);
-            }
             let fallback = match self.on_error {
                 OnError::Local => "deciding with in-process buckets at this replica's share",
                 OnError::Allow => "forwarding without limits",
@@ -269,13 +284,40 @@ impl Resilient {
                     tracing::warn!(error = %e, replicas = self.peers.count(), "rate-limit store failed: {fallback} until it answers again")
                 }
                 Some(slot) if first => {
-                    tracing::warn!(error = %e, ?slot, replicas = self.peers.count(), "rate-limit store failed for the endpoints of a cluster slot (the node serving it; other slots may follow): {fallback} for them until it answers again")
+                    tracing::warn!(error = %e, slot, replicas = self.peers.count(), "rate-limit store failed for the endpoints of a cluster slot (the node serving it; other slots may follow): {fallback} for them until it answers again")
                 }
                 Some(slot) => {
-                    tracing::debug!(error = %e, ?slot, "rate-limit store failed for the endpoints of another cluster slot: {fallback} for them")
+                    tracing::debug!(error = %e, slot, "rate-limit store failed for the endpoints of another cluster slot: {fallback} for them")
                 }
             }
         }
+    }
+
+    /// Turns this fallback degraded (`on`) or back, with the count and the gauge it
+    /// shares, under one lock. `None` when it already was; else whether it was the
+    /// first to turn degraded (`on`) or the last to turn back of those sharing the
+    /// gauge.
+    fn turn(&self, on: bool) -> Option<bool> {
+        let mut n = self
+            .scope
+            .shared
+            .degraded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if self.degraded.swap(on, Ordering::AcqRel) == on {
+            return None;
+        }
+        let edge = if on {
+            *n += 1;
+            *n == 1
+        } else {
+            *n = n.saturating_sub(1);
+            *n == 0
+        };
+        if edge {
+            self.stats.degraded.set(i64::from(on));
+        }
+        Some(edge)
     }
 
     /// Registers this replica in the primary before the primary decides anything for it:
@@ -341,12 +383,12 @@ impl Resilient {
     }
 
     fn recovered(&self) {
-        if self.degraded.swap(false, Ordering::AcqRel) {
+        // Every answered call comes here: the lock only when something changes.
+        if !self.degraded.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some(last) = self.turn(false) {
             self.changed_now();
-            let last = self.scope.degraded.fetch_sub(1, Ordering::AcqRel) == 1;
-            if last {
-                self.stats.degraded.set(0);
-            }
             match self.scope.slot {
                 None => {
                     tracing::info!("rate-limit store answers again: shared buckets back in use")
@@ -355,11 +397,41 @@ impl Resilient {
                     "rate-limit store answers again for every cluster slot: shared buckets back in use"
                 ),
                 Some(slot) => tracing::debug!(
-                    ?slot,
+                    slot,
                     "rate-limit store answers again for the endpoints of a cluster slot: shared buckets back in use for them"
                 ),
             }
         }
+    }
+
+    /// Ends a degraded period after the store answered a ping that reached every node
+    /// (a cluster's `PING` does): rejoins first, as a call would, so the shared store
+    /// learns what the local one did before it decides again. Without this, a slot
+    /// whose endpoints get no more requests would read degraded for good.
+    pub async fn resume(&self) -> Result<(), StoreError> {
+        if !self.degraded.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let rejoined = if self.registered.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            self.rejoin().await
+        };
+        match rejoined {
+            Ok(()) => {
+                self.recovered();
+                Ok(())
+            }
+            Err(e) => {
+                self.failed(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether this fallback is degraded now.
+    pub fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::Acquire)
     }
 
     /// Runs `primary` (when allowed); else, or when it fails, applies `on_error`:

@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -38,11 +39,24 @@ pub struct Handover {
     unreleased: Mutex<Vec<Flying>>,
     /// Endpoints the local store decided for during the outage, with their policies.
     decided: Mutex<HashMap<Box<str>, Ask>>,
+    /// How many endpoints this handover and those sharing the budget keep in
+    /// `decided`, all told.
+    kept: Arc<AtomicUsize>,
 }
 
 impl Handover {
-    /// Most endpoints kept as decided locally during one outage.
+    /// Most endpoints kept as decided locally during one outage (by all the handovers
+    /// sharing a budget: a cluster's slots).
     pub const MAX_DECIDED: usize = 65_536;
+
+    /// A handover whose endpoints decided locally count against `budget` with those of
+    /// the others sharing it.
+    pub fn sharing(budget: Arc<AtomicUsize>) -> Handover {
+        Handover {
+            kept: budget,
+            ..Handover::default()
+        }
+    }
 
     /// The horizons a local store starts its buckets after.
     pub fn horizons(&self) -> &Arc<Horizons> {
@@ -67,7 +81,16 @@ impl Handover {
     /// not capped on return).
     pub fn decided_locally(&self, endpoint: &str, ask: Ask) {
         let mut decided = lock(&self.decided);
-        if decided.len() < Self::MAX_DECIDED && !decided.contains_key(endpoint) {
+        if decided.contains_key(endpoint) {
+            return;
+        }
+        let room = self
+            .kept
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < Self::MAX_DECIDED).then_some(n + 1)
+            })
+            .is_ok();
+        if room {
             decided.insert(endpoint.into(), ask);
         }
     }
@@ -181,10 +204,15 @@ impl Handover {
         }
         for (endpoint, (ask, m)) in &most {
             if let Err(e) = shared.cap(endpoint, *ask, *m).await {
-                lock(&self.decided).extend(decided);
+                // Kept for the next try; one decided again meanwhile counts once.
+                let mut kept = lock(&self.decided);
+                let both = kept.len() + decided.len();
+                kept.extend(decided);
+                self.kept.fetch_sub(both - kept.len(), Ordering::AcqRel);
                 return Err(e);
             }
         }
+        self.kept.fetch_sub(decided.len(), Ordering::AcqRel);
         for f in self.flying() {
             shared.adopt_lease(&f.endpoint, f.ask, f.lease).await?;
         }
@@ -312,5 +340,17 @@ mod tests {
             h.decided_locally(&format!("spray-{i}"), ask);
         }
         assert_eq!(lock(&h.decided).len(), Handover::MAX_DECIDED);
+        // The slots of a cluster share one budget.
+        let budget = Arc::new(AtomicUsize::new(0));
+        let (a, b) = (
+            Handover::sharing(Arc::clone(&budget)),
+            Handover::sharing(Arc::clone(&budget)),
+        );
+        for i in 0..Handover::MAX_DECIDED / 2 + 10 {
+            a.decided_locally(&format!("a-{i}"), ask);
+            b.decided_locally(&format!("b-{i}"), ask);
+        }
+        let kept = lock(&a.decided).len() + lock(&b.decided).len();
+        assert_eq!(kept, Handover::MAX_DECIDED);
     }
 }
