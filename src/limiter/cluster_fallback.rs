@@ -14,8 +14,10 @@
 //!
 //! Each slot's fallback keeps its own probe, outage numbers, handover and rejoin; they
 //! share the replica count ([`Peers`]) and the degraded gauge (1 while any slot is
-//! degraded). Registering the replica in the store is done here, by the start-up ping
-//! (and again after a failed one); the heartbeats keep it registered.
+//! degraded). The replica registers in the store once, before anything is decided
+//! there: by the start-up ping, or, when that failed, by the first slot to reach the
+//! store. The heartbeats keep it registered: a failed call or ping does not undo it
+//! (registering again would tie every slot to the node of the heartbeat key).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -48,8 +50,8 @@ pub struct SlotFallbacks {
     slots: Box<[OnceLock<Box<Resilient>>]>,
     /// Whether the last ping was answered (and the replica registered).
     answered: AtomicBool,
-    /// Registered in the store since the last failed ping.
-    registered: AtomicBool,
+    /// Registered in the store once (shared with the slots' fallbacks).
+    registered: Arc<AtomicBool>,
     /// One registration at a time.
     registering: tokio::sync::Mutex<()>,
 }
@@ -75,7 +77,7 @@ impl SlotFallbacks {
             shared: Arc::default(),
             slots: (0..SLOTS).map(|_| OnceLock::new()).collect(),
             answered: AtomicBool::new(false),
-            registered: AtomicBool::new(false),
+            registered: Arc::default(),
             registering: tokio::sync::Mutex::new(()),
         }
     }
@@ -108,6 +110,7 @@ impl SlotFallbacks {
                 Arc::clone(&self.peers),
                 slot,
                 Arc::clone(&self.shared),
+                Arc::clone(&self.registered),
             ))
         })
     }
@@ -147,8 +150,8 @@ impl BucketStore for SlotFallbacks {
         self.of(endpoint).view(endpoint, ask, floor)
     }
 
-    /// Asks the store (readiness must tell the truth); at start-up and after a failed
-    /// ping, registers the replica before answering. A failed ping sends no slot to
+    /// Asks the store (readiness must tell the truth); at start-up, registers the
+    /// replica before answering (see the module doc). A failed ping sends no slot to
     /// the local buckets: only an endpoint's own failed calls do that.
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
@@ -156,10 +159,9 @@ impl BucketStore for SlotFallbacks {
             if r.is_ok() && !self.registered.load(Ordering::Acquire) {
                 let _one = self.registering.lock().await;
                 r = register(self.primary.as_ref(), &self.peers).await;
-                self.registered.store(r.is_ok(), Ordering::Release);
-            }
-            if r.is_err() {
-                self.registered.store(false, Ordering::Release);
+                if r.is_ok() {
+                    self.registered.store(true, Ordering::Release);
+                }
             }
             if r.is_ok() {
                 // The ping reached every master: a slot still degraded resumes, though

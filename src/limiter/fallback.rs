@@ -140,9 +140,11 @@ struct Scope {
     slot: Option<u16>,
     /// The fallbacks that share the gauge.
     shared: Arc<Shared>,
-    /// Whether this one registers the replica in the store before deciding there (a
-    /// slot's leaves that to its owner, [`super::cluster_fallback::SlotFallbacks`]).
-    registers: bool,
+    /// `None`: this one registers the replica in the store before deciding there,
+    /// every time. A slot's: whether its owner ([`super::cluster_fallback::SlotFallbacks`])
+    /// has registered it once (the heartbeats keep it registered after that); until
+    /// then a slot's rejoin registers it.
+    registered: Option<Arc<AtomicBool>>,
 }
 
 /// What the fallbacks of one store's slots share.
@@ -175,7 +177,7 @@ impl Resilient {
         let scope = Scope {
             slot: None,
             shared: Arc::default(),
-            registers: true,
+            registered: None,
         };
         Resilient::scoped(primary, on_error, stats, peers, scope)
     }
@@ -183,8 +185,8 @@ impl Resilient {
     /// The fallback for the endpoints of one cluster hash slot: degraded only when
     /// their calls fail (or until a ping reaches every node, [`Resilient::resume`]),
     /// counted in `shared` with the other slots' (the gauge in `stats` is 1 while any
-    /// is). It never registers the replica: its owner does, at start-up, and the
-    /// heartbeats keep it registered.
+    /// is). It registers the replica only while `registered`, its owner's, says it has
+    /// not been yet (the start-up ping failed): the heartbeats keep it registered.
     pub fn for_slot(
         primary: Arc<dyn BucketStore>,
         on_error: OnError,
@@ -192,11 +194,12 @@ impl Resilient {
         peers: Arc<Peers>,
         slot: u16,
         shared: Arc<Shared>,
+        registered: Arc<AtomicBool>,
     ) -> Resilient {
         let scope = Scope {
             slot: Some(slot),
             shared,
-            registers: false,
+            registered: Some(registered),
         };
         Resilient::scoped(primary, on_error, stats, peers, scope)
     }
@@ -335,8 +338,13 @@ impl Resilient {
     /// ([`Handover::teach`]): guarantee 4 and `max_in_flight` hold across the change.
     pub async fn rejoin(&self) -> Result<(), StoreError> {
         let _one = self.rejoining.lock().await;
-        if self.scope.registers {
-            register(self.primary.as_ref(), &self.peers).await?;
+        match &self.scope.registered {
+            None => register(self.primary.as_ref(), &self.peers).await?,
+            Some(once) if !once.load(Ordering::Acquire) => {
+                register(self.primary.as_ref(), &self.peers).await?;
+                once.store(true, Ordering::Release);
+            }
+            Some(_) => {}
         }
         if let Some(h) = &self.handover {
             let (local, peers) = (self.local.load(), &self.peers);
