@@ -14,7 +14,8 @@
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
 #   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows),
-#   SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
+#   ROWS may also name sluice-redis-cluster (a 3-master Redis Cluster of its own, started
+#   only then), SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
 #   header on every request), RATE=N (open loop instead of wrk: N req/s offered to
 #   every row by examples/paced_load.rs over PACED_CONNS=64 connections, so p99 is
 #   compared at the same load; wrk's closed loop gives the faster proxy more)
@@ -122,6 +123,36 @@ start_sluice sluice-redis-shared "$SHARED"
 # for an endpoint whose traffic is heavy and far from its limit on several replicas.
 start_sluice sluice-redis-shared-prefetch "$SHARED
 prefetch = true"
+# Only when ROWS names it (not in the default table): the default config on a 3-master
+# Redis Cluster of its own (`backend = "redis-cluster"`, the fallback kept per hash
+# slot), one replica alone in it.
+if [[ " ${ROWS:-} " == *" sluice-redis-cluster "* ]]; then
+  free_bus_port() { python3 -c '
+import socket
+while True:
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]
+    if p + 10000 > 65535: continue
+    b = socket.socket()
+    try: b.bind(("127.0.0.1", p + 10000)); print(p); break
+    except OSError: pass
+'; }
+  CLUSTER=()
+  for n in 1 2 3; do
+    cp=$(free_bus_port); mkdir -p "$TMP/cluster$n"
+    redis-server --port "$cp" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP/cluster$n" \
+      --cluster-enabled yes --cluster-config-file "$TMP/cluster$n/nodes.conf" >/dev/null & PIDS+=($!)
+    wait_port "$cp"; CLUSTER+=("127.0.0.1:$cp")
+  done
+  redis-cli --cluster create "${CLUSTER[@]}" --cluster-replicas 0 --cluster-yes >/dev/null
+  for _ in $(seq 100); do
+    redis-cli -p "${CLUSTER[0]#*:}" cluster info | grep -q cluster_state:ok && break; sleep 0.1
+  done
+  SEEDS=$(printf '"redis://%s/", ' "${CLUSTER[@]}")
+  start_sluice sluice-redis-cluster "[store]
+backend = \"redis-cluster\"
+urls = [${SEEDS%, }]
+timeout = \"1s\""
+fi
 # Proxy authentication on (bcrypt cost 10, as in production): kept-alive senders pay
 # bcrypt once, then hit the credentials cache.
 echo "bench-password" | target/release/sluice passwd bench > "$TMP/users.htpasswd"
