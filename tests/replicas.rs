@@ -1737,3 +1737,64 @@ async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets
         r.stop().await;
     }
 }
+
+/// (2026-12-07, fifth session) A managed cluster's failover: the master serving an
+/// endpoint dies under load and its replica takes over. sluice follows without a
+/// restart: the endpoint is decided locally until then and on the promoted replica
+/// after, every request is forwarded once, the bound holds throughout, and `/readyz`
+/// reads `ok` again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_failover_is_followed_without_a_restart() {
+    let mut cluster = common::redis::RedisCluster::start_with_replicas();
+    let (rate, burst) = (20.0, 2.0);
+    let s = common::sluice(&cluster_with_local_fallback(&cluster)).await;
+    let up = Upstream::start().await;
+    let (ep, key) = ("failover", "sluice:{failover}");
+    let master = cluster.node_for(key).port();
+    let load = Saturation::start(std::slice::from_ref(&s), &up, ep, 2, 1_000);
+    common::wait_for("load under way", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= 20)
+    })
+    .await;
+    let i = cluster
+        .nodes
+        .iter()
+        .position(|n| n.port() == master)
+        .unwrap();
+    cluster.nodes[i].kill();
+    let killed = Instant::now();
+    let promoted = {
+        let cluster = &cluster;
+        common::wait_for("a replica promoted", Duration::from_secs(20), || {
+            std::future::ready(cluster.node_for(key).port() != master)
+        })
+        .await;
+        cluster.node_for(key)
+    };
+    // Back on the shared bucket: the script writes the key on the promoted master.
+    common::wait_for(
+        "the endpoint decided in Redis again",
+        Duration::from_secs(20),
+        || std::future::ready(promoted.cli(&["EXISTS", key]).as_deref() == Some("1")),
+    )
+    .await;
+    let back = up.count();
+    common::wait_for("load after the failover", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= back + 20)
+    })
+    .await;
+    let sent = load.finish().await;
+    assert_exactly_once(&sent, &up);
+    let times = times_of(&up, ep);
+    eprintln!(
+        "failover: {} forwarded in {:.2}s since the kill (limit {rate}/s)",
+        times.iter().filter(|t| **t >= killed).count(),
+        killed.elapsed().as_secs_f64()
+    );
+    assert_no_overdraw(&times, rate, burst);
+    common::wait_for("readyz ok", Duration::from_secs(10), || async {
+        store_is(s.admin_addr, "ok").await
+    })
+    .await;
+    s.stop().await;
+}

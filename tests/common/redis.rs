@@ -482,7 +482,8 @@ impl Drop for RedisServer {
 
 /// Three masters joined with `redis-cli --cluster create`; dropped, all are killed.
 pub struct RedisCluster {
-    /// The masters.
+    /// The nodes: the three masters, then (with [`start_with_replicas`](Self::start_with_replicas))
+    /// one replica of each, as `redis-cli --cluster create` paired them.
     pub nodes: Vec<RedisServer>,
 }
 
@@ -496,7 +497,18 @@ impl RedisCluster {
     /// Like [`start`](Self::start), every node with `opts` (with TLS, the cluster bus
     /// and replication use TLS too).
     pub fn start_with(opts: Options) -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3)
+        RedisCluster::create(opts, 0)
+    }
+
+    /// Three masters and a replica of each (six nodes), as managed clusters run: a
+    /// master that dies is replaced by its replica once the others mark it failed
+    /// (`cluster-node-timeout` 2 s).
+    pub fn start_with_replicas() -> RedisCluster {
+        RedisCluster::create(Options::default(), 1)
+    }
+
+    fn create(opts: Options, replicas: usize) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3 * (1 + replicas))
             .map(|_| RedisServer::spawn(true, opts.clone()))
             .collect();
         let addrs: Vec<String> = nodes
@@ -509,7 +521,7 @@ impl RedisCluster {
                 .arg("--cluster")
                 .arg("create")
                 .args(&addrs)
-                .args(["--cluster-replicas", "0", "--cluster-yes"]),
+                .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"]),
             Duration::from_secs(30),
         );
         assert!(
@@ -522,27 +534,38 @@ impl RedisCluster {
                 n.cli(&["CLUSTER", "INFO"])
                     .is_some_and(|i| i.contains("cluster_state:ok"))
             });
+            // A replica that never synced with its master would not take over from it.
+            wait_until("replicas in sync", Duration::from_secs(30), || {
+                n.cli(&["INFO", "replication"]).is_some_and(|i| {
+                    !i.contains("role:slave") || i.contains("master_link_status:up")
+                })
+            });
         }
         RedisCluster { nodes }
     }
 
-    /// Seed URLs of all masters.
+    /// Seed URLs of all nodes.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
-    /// The hash slot of `key` (as Redis computes it).
+    /// The hash slot of `key` (as Redis computes it), asked of a node that answers.
     pub fn slot(&self, key: &str) -> u16 {
-        self.nodes[0]
-            .cli(&["CLUSTER", "KEYSLOT", key])
+        self.nodes
+            .iter()
+            .find_map(|n| n.cli(&["CLUSTER", "KEYSLOT", key]))
             .and_then(|s| s.parse().ok())
             .expect("CLUSTER KEYSLOT")
     }
 
-    /// The master that serves `key`'s slot.
+    /// The master that serves `key`'s slot, as a node that answers sees it.
     pub fn node_for(&self, key: &str) -> &RedisServer {
         let slot = self.slot(key);
-        let nodes = self.nodes[0].cli(&["CLUSTER", "NODES"]).unwrap_or_default();
+        let nodes = self
+            .nodes
+            .iter()
+            .find_map(|n| n.cli(&["CLUSTER", "NODES"]))
+            .unwrap_or_default();
         for line in nodes.lines() {
             let f: Vec<&str> = line.split_whitespace().collect();
             let Some(port) = f
