@@ -719,6 +719,15 @@ async fn a_redis_down_at_start_is_a_fallback_with_local_and_a_start_error_with_d
 /// A replica's config on `cluster` (every node a seed; `timeout = "200ms"`,
 /// `on_error = "local"`), its default limit 20/s with a burst of 2 and `max_wait = "10s"`.
 fn cluster_with_local_fallback(cluster: &common::redis::RedisCluster) -> String {
+    cluster_with_local_fallback_at(cluster, 20.0, 2.0)
+}
+
+/// [`cluster_with_local_fallback`] with its own `rate` and `burst`.
+fn cluster_with_local_fallback_at(
+    cluster: &common::redis::RedisCluster,
+    rate: f64,
+    burst: f64,
+) -> String {
     let seeds = cluster
         .urls()
         .iter()
@@ -727,7 +736,7 @@ fn cluster_with_local_fallback(cluster: &common::redis::RedisCluster) -> String 
         .join(", ");
     format!(
         "[store]\nbackend = \"redis-cluster\"\nurls = [{seeds}]\ntimeout = \"200ms\"\non_error = \"local\"\n\
-         [defaults]\nrate = 20.0\nburst = 2.0\nmax_wait = \"10s\"\n"
+         [defaults]\nrate = {rate:?}\nburst = {burst:?}\nmax_wait = \"10s\"\n"
     )
 }
 
@@ -1796,5 +1805,69 @@ async fn a_cluster_failover_is_followed_without_a_restart() {
         store_is(s.admin_addr, "ok").await
     })
     .await;
+    s.stop().await;
+}
+
+/// (2026-12-07, fifth session) A cluster master that hangs (SIGSTOP: no answer and no
+/// reset, as behind a dead network link) holds up only its own endpoints: such an
+/// endpoint waits out `store.timeout` and is then decided locally, while an endpoint on
+/// a live node goes on being decided in Redis, every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_cluster_master_holds_up_only_its_own_endpoints() {
+    let cluster = common::redis::RedisCluster::start_with(common::redis::Options {
+        partial_coverage: true,
+        ..Default::default()
+    });
+    let s = common::sluice(&cluster_with_local_fallback_at(&cluster, 1000.0, 1000.0)).await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let hung = cluster.nodes[0].port();
+    let names: Vec<String> = (0..200).map(|i| format!("ep{i}")).collect();
+    let key = |ep: &str| format!("sluice:{{{ep}}}");
+    let on = |on_hung: bool| {
+        names
+            .iter()
+            .find(|n| (cluster.node_for(&key(n)).port() == hung) == on_hung)
+            .unwrap()
+            .clone()
+    };
+    let (on_hung, on_live) = (on(true), on(false));
+    let live_node = cluster.node_for(&key(&on_live));
+    let send = |ep: String, i: usize| {
+        let (c, url) = (c.clone(), up.url(&format!("/{ep}/{i}")));
+        async move {
+            let started = Instant::now();
+            let r = c.get(url).header("x-endpoint-id", ep).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{:?}", r.headers().get("x-sluice-reason"));
+            started.elapsed()
+        }
+    };
+    // Both decided in Redis first.
+    send(on_hung.clone(), 0).await;
+    send(on_live.clone(), 0).await;
+    let writes = || {
+        live_node
+            .cli(&["HGET", &key(&on_live), "n"])
+            .and_then(|n| n.parse::<u64>().ok())
+            .expect("the live endpoint's bucket in Redis")
+    };
+    cluster.nodes[0].stop();
+    let hung_wait = send(on_hung.clone(), 1).await;
+    let before = writes();
+    let mut waits = Vec::new();
+    for i in 1..=20 {
+        waits.push(send(on_live.clone(), i).await);
+    }
+    let after = writes();
+    cluster.nodes[0].cont();
+    eprintln!(
+        "hung master: its endpoint waited {hung_wait:?}; the live one {:?} at most",
+        waits.iter().max()
+    );
+    assert!(
+        after >= before + 20,
+        "the live endpoint was decided in Redis for each of its 20 requests \
+         (its bucket's write count went from {before} to {after})"
+    );
     s.stop().await;
 }
