@@ -1871,3 +1871,47 @@ async fn a_hung_cluster_master_holds_up_only_its_own_endpoints() {
     );
     s.stop().await;
 }
+
+/// (2026-12-07, fifth session) A cluster master that comes back ends the degraded
+/// state though its endpoints get no request after it: `/readyz` says `ok` again
+/// (with `on_error = "deny"` it would otherwise answer 503 and hold the replica out of
+/// rotation for good). Here the observer's look at each endpoint it watches tries the
+/// store; where nothing does, a ping that reaches every master resumes the slot (unit
+/// test `cluster_fallback::a_quiet_slot_resumes_when_a_ping_reaches_every_node`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_master_back_ends_the_degraded_state_without_a_request_for_it() {
+    let mut cluster = common::redis::RedisCluster::start_with(common::redis::Options {
+        partial_coverage: true,
+        ..Default::default()
+    });
+    let s = common::sluice(&cluster_with_local_fallback(&cluster)).await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let dead = cluster.nodes[0].port();
+    let ep = (0..200)
+        .map(|i| format!("ep{i}"))
+        .find(|n| cluster.node_for(&format!("sluice:{{{n}}}")).port() == dead)
+        .unwrap();
+    cluster.nodes[0].kill();
+    let r = c
+        .get(up.url(&format!("/{ep}/0")))
+        .header("x-endpoint-id", ep.as_str())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "served by the local fallback");
+    assert!(store_is(s.admin_addr, "degraded").await);
+    cluster.nodes[0].revive();
+    common::redis::wait_until("the cluster whole again", Duration::from_secs(20), || {
+        cluster.nodes[1]
+            .cli(&["CLUSTER", "INFO"])
+            .is_some_and(|i| i.contains("cluster_state:ok"))
+    });
+    common::wait_for(
+        "readyz ok with no request since",
+        Duration::from_secs(15),
+        || store_is(s.admin_addr, "ok"),
+    )
+    .await;
+    s.stop().await;
+}
