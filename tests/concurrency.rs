@@ -525,3 +525,67 @@ async fn a_lease_gone_from_redis_is_counted_again_at_its_renewal() {
     );
     sluice.stop().await;
 }
+
+/// (2026-12-07, fifth session) `max_in_flight` on a Redis Cluster with one master
+/// dead: a replica whose calls for an endpoint on that node failed keeps the shared
+/// lease set of an endpoint on a live node, so two replicas saturating it hold at
+/// most `max_in_flight` there between them. Before, the first replica took that
+/// endpoint's slots locally too (its share, 1 of 2) beside the 2 the other took in
+/// the shared set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_master_leaves_the_live_endpoints_leases_shared() {
+    let mut cluster = common::redis::RedisCluster::start_with(common::redis::Options {
+        partial_coverage: true,
+        ..Default::default()
+    });
+    let seeds: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let cfg = format!(
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"200ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 1000.0\nburst = 1000.0\nmax_wait = \"30s\"\nmax_in_flight = 2\n",
+        seeds.join(", ")
+    );
+    let rs = [common::sluice(&cfg).await, common::sluice(&cfg).await];
+    let dead = cluster.nodes[0].port();
+    let names: Vec<String> = (0..200).map(|i| format!("ep{i}")).collect();
+    let on = |dead_node: bool| {
+        names
+            .iter()
+            .find(|n| (cluster.node_for(&format!("sluice:{{{n}}}")).port() == dead) == dead_node)
+            .unwrap()
+            .clone()
+    };
+    let (on_dead, on_live) = (on(true), on(false));
+    // Both replicas count two (each local share would be 1 slot).
+    common::wait_for("both replicas counted", Duration::from_secs(10), || async {
+        for r in &rs {
+            let v: serde_json::Value = reqwest::get(format!("http://{}/readyz", r.admin_addr))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if v["replicas"] != 2 {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    cluster.nodes[0].kill();
+    // The first replica asks the dead node (and falls back for that endpoint).
+    let other = Counting::start(Duration::from_millis(1)).await;
+    let r = load(&[rs[0].proxy_addr], &other, &on_dead, 1, 1).await;
+    assert_eq!(r, [(200, String::new())], "served by the local fallback");
+    let up = Counting::start(Duration::from_millis(60)).await;
+    let proxies: Vec<SocketAddr> = rs.iter().map(|r| r.proxy_addr).collect();
+    let results = load(&proxies, &up, &on_live, 12, 5).await;
+    assert!(results.iter().all(|(s, _)| *s == 200), "{results:?}");
+    eprintln!(
+        "one master dead: peak in flight on a live endpoint {} (limit 2)",
+        up.peak()
+    );
+    assert!(up.peak() <= 2, "peak {} in flight", up.peak());
+    for r in rs {
+        r.stop().await;
+    }
+}
