@@ -556,21 +556,7 @@ async fn a_dead_cluster_master_leaves_the_live_endpoints_leases_shared() {
     };
     let (on_dead, on_live) = (on(true), on(false));
     // Both replicas count two (each local share would be 1 slot).
-    common::wait_for("both replicas counted", Duration::from_secs(10), || async {
-        for r in &rs {
-            let v: serde_json::Value = reqwest::get(format!("http://{}/readyz", r.admin_addr))
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if v["replicas"] != 2 {
-                return false;
-            }
-        }
-        true
-    })
-    .await;
+    common::until_all_count(&rs, 2).await;
     cluster.nodes[0].kill();
     // The first replica asks the dead node (and falls back for that endpoint).
     let other = Counting::start(Duration::from_millis(1)).await;

@@ -237,33 +237,13 @@ impl DegradedClock {
     }
 }
 
-/// The `/readyz` body of the replica whose admin listener is `admin`.
-async fn readyz(admin: std::net::SocketAddr) -> serde_json::Value {
-    let url = format!("http://{admin}/readyz");
-    reqwest::get(&url).await.unwrap().json().await.unwrap()
-}
-
 async fn all_ready(rs: &[sluice::app::Running]) -> bool {
     for r in rs {
-        if readyz(r.admin_addr).await["store"] != "ok" {
+        if common::readyz(r.admin_addr).await["store"] != "ok" {
             return false;
         }
     }
     true
-}
-
-/// Waits (10 s at most) until every replica's `/readyz` counts `n` replicas.
-async fn until_all_count(rs: &[sluice::app::Running], n: u64) {
-    let what = format!("every replica to count {n}");
-    common::wait_for(&what, Duration::from_secs(10), || async {
-        for r in rs {
-            if readyz(r.admin_addr).await["replicas"].as_u64() != Some(n) {
-                return false;
-            }
-        }
-        true
-    })
-    .await;
 }
 
 const POLICY: &str = "[defaults]\nrate = 40.0\nburst = 8.0\nmax_wait = \"30s\"\n";
@@ -881,7 +861,7 @@ async fn redis_killed_under_load_each_replica_falls_back_to_its_share() {
     )
     .await;
     // Every replica has learned that there are three of them.
-    until_all_count(&rs, 3).await;
+    common::until_all_count(&rs, 3).await;
     let up = Upstream::start().await;
     let load = Saturation::start(&rs, &up, "share", 4, 1_000);
     common::wait_for("load under way", Duration::from_secs(10), || {
@@ -996,7 +976,7 @@ fn falling_back_locally(redis: &common::redis::RedisServer, policy: &str) -> Str
 
 /// Whether `/readyz` of the replica at `admin` says its store is `state`.
 async fn store_is(admin: std::net::SocketAddr, state: &str) -> bool {
-    readyz(admin).await["store"] == state
+    common::readyz(admin).await["store"] == state
 }
 
 /// Waits until `/readyz` of the replica at `admin` says its store is `state`.
@@ -1698,7 +1678,7 @@ async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets
             .clone()
     };
     let (on_dead, on_live) = (on(true), on(false));
-    until_all_count(&rs, 2).await;
+    common::until_all_count(&rs, 2).await;
     let up = Upstream::start().await;
     // Both replicas' senders keep the live endpoint saturated.
     let live = Saturation::start(&rs, &up, &on_live, 2, 1_000);
@@ -1737,7 +1717,7 @@ async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets
         outage.as_secs_f64()
     );
     assert_no_overdraw(&times_of(&up, &on_live), rate, burst);
-    let ready = readyz(rs[0].admin_addr).await;
+    let ready = common::readyz(rs[0].admin_addr).await;
     assert_eq!(
         ready["store"], "degraded",
         "the replica deciding an endpoint locally says so: {ready}"

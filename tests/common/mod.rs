@@ -45,6 +45,26 @@ where
     }
 }
 
+/// The `/readyz` body of the replica whose admin listener is `admin`.
+pub async fn readyz(admin: SocketAddr) -> serde_json::Value {
+    let url = format!("http://{admin}/readyz");
+    reqwest::get(&url).await.unwrap().json().await.unwrap()
+}
+
+/// Waits (10 s at most) until every replica's `/readyz` counts `n` replicas.
+pub async fn until_all_count(rs: &[sluice::app::Running], n: u64) {
+    let what = format!("every replica to count {n}");
+    wait_for(&what, Duration::from_secs(10), || async {
+        for r in rs {
+            if readyz(r.admin_addr).await["replicas"].as_u64() != Some(n) {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+}
+
 /// The admin listener's `/metrics` text.
 pub async fn metrics(admin: SocketAddr) -> String {
     reqwest::get(format!("http://{admin}/metrics"))
