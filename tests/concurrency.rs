@@ -546,15 +546,7 @@ async fn a_dead_cluster_master_leaves_the_live_endpoints_leases_shared() {
     );
     let rs = [common::sluice(&cfg).await, common::sluice(&cfg).await];
     let dead = cluster.nodes[0].port();
-    let names: Vec<String> = (0..200).map(|i| format!("ep{i}")).collect();
-    let on = |dead_node: bool| {
-        names
-            .iter()
-            .find(|n| (cluster.node_for(&format!("sluice:{{{n}}}")).port() == dead) == dead_node)
-            .unwrap()
-            .clone()
-    };
-    let (on_dead, on_live) = (on(true), on(false));
+    let (on_dead, on_live) = (cluster.endpoint(dead, true), cluster.endpoint(dead, false));
     // Both replicas count two (each local share would be 1 slot).
     common::until_all_count(&rs, 2).await;
     cluster.nodes[0].kill();

@@ -1604,19 +1604,11 @@ async fn one_dead_cluster_master_keeps_readyz_degraded_while_it_is_down() {
     let up = Upstream::start().await;
     let c = client(s.proxy_addr);
     // An endpoint whose key lives on the first master, and one on another.
-    let port_of = |ep: &str| cluster.node_for(&format!("sluice:{{{ep}}}")).port();
     let dead_port = cluster.nodes[0].port();
-    let names: Vec<String> = (0..200).map(|i| format!("ep{i}")).collect();
-    let on_dead = names
-        .iter()
-        .find(|n| port_of(n) == dead_port)
-        .unwrap()
-        .clone();
-    let on_live = names
-        .iter()
-        .find(|n| port_of(n) != dead_port)
-        .unwrap()
-        .clone();
+    let (on_dead, on_live) = (
+        cluster.endpoint(dead_port, true),
+        cluster.endpoint(dead_port, false),
+    );
     let admin = format!("http://{}/readyz", s.admin_addr);
     let store_state = || async {
         let v: serde_json::Value = reqwest::get(&admin).await.unwrap().json().await.unwrap();
@@ -1660,24 +1652,18 @@ async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets
     });
     let (rate, burst) = (20.0, 2.0);
     let rs = replicas(&cluster_with_local_fallback(&cluster), "", 2).await;
-    let port_of = |key: &str| cluster.node_for(key).port();
     // The node to kill holds neither the heartbeats nor the live endpoint.
-    let heartbeats = port_of("sluice:{_replicas}:heartbeats");
+    let heartbeats = cluster.node_for("sluice:{_replicas}:heartbeats").port();
     let dead = cluster
         .nodes
         .iter()
         .position(|n| n.port() != heartbeats)
         .unwrap();
     let dead_port = cluster.nodes[dead].port();
-    let names: Vec<String> = (0..200).map(|i| format!("ep{i}")).collect();
-    let on = |dead_node: bool| {
-        names
-            .iter()
-            .find(|n| (port_of(&format!("sluice:{{{n}}}")) == dead_port) == dead_node)
-            .unwrap()
-            .clone()
-    };
-    let (on_dead, on_live) = (on(true), on(false));
+    let (on_dead, on_live) = (
+        cluster.endpoint(dead_port, true),
+        cluster.endpoint(dead_port, false),
+    );
     common::until_all_count(&rs, 2).await;
     let up = Upstream::start().await;
     // Both replicas' senders keep the live endpoint saturated.
@@ -1802,16 +1788,8 @@ async fn a_hung_cluster_master_holds_up_only_its_own_endpoints() {
     let up = Upstream::start().await;
     let c = client(s.proxy_addr);
     let hung = cluster.nodes[0].port();
-    let names: Vec<String> = (0..200).map(|i| format!("ep{i}")).collect();
     let key = |ep: &str| format!("sluice:{{{ep}}}");
-    let on = |on_hung: bool| {
-        names
-            .iter()
-            .find(|n| (cluster.node_for(&key(n)).port() == hung) == on_hung)
-            .unwrap()
-            .clone()
-    };
-    let (on_hung, on_live) = (on(true), on(false));
+    let (on_hung, on_live) = (cluster.endpoint(hung, true), cluster.endpoint(hung, false));
     let live_node = cluster.node_for(&key(&on_live));
     let send = |ep: String, i: usize| {
         let (c, url) = (c.clone(), up.url(&format!("/{ep}/{i}")));
@@ -1867,11 +1845,7 @@ async fn a_cluster_master_back_ends_the_degraded_state_without_a_request_for_it(
     let s = common::sluice(&cluster_with_local_fallback(&cluster)).await;
     let up = Upstream::start().await;
     let c = client(s.proxy_addr);
-    let dead = cluster.nodes[0].port();
-    let ep = (0..200)
-        .map(|i| format!("ep{i}"))
-        .find(|n| cluster.node_for(&format!("sluice:{{{n}}}")).port() == dead)
-        .unwrap();
+    let ep = cluster.endpoint(cluster.nodes[0].port(), true);
     cluster.nodes[0].kill();
     let r = c
         .get(up.url(&format!("/{ep}/0")))

@@ -558,6 +558,15 @@ impl RedisCluster {
             .expect("CLUSTER KEYSLOT")
     }
 
+    /// An endpoint ID (`ep0`, `ep1`, …) whose keys (`sluice:{<id>}`) live on the master
+    /// at `port` (`on`), or on another master (`!on`).
+    pub fn endpoint(&self, port: u16, on: bool) -> String {
+        (0..1000)
+            .map(|i| format!("ep{i}"))
+            .find(|n| (self.node_for(&format!("sluice:{{{n}}}")).port() == port) == on)
+            .expect("an endpoint ID on that side")
+    }
+
     /// The master that serves `key`'s slot, as a node that answers sees it.
     pub fn node_for(&self, key: &str) -> &RedisServer {
         let slot = self.slot(key);
