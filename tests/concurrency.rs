@@ -534,10 +534,7 @@ async fn a_lease_gone_from_redis_is_counted_again_at_its_renewal() {
 /// the shared set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_cluster_master_leaves_the_live_endpoints_leases_shared() {
-    let mut cluster = common::redis::RedisCluster::start_with(common::redis::Options {
-        partial_coverage: true,
-        ..Default::default()
-    });
+    let mut cluster = common::redis::RedisCluster::start_partial();
     let seeds: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
     let cfg = format!(
         "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\ntimeout = \"200ms\"\non_error = \"local\"\n\

@@ -1646,10 +1646,7 @@ async fn one_dead_cluster_master_keeps_readyz_degraded_while_it_is_down() {
 /// bucket: 1.5 times the limit on the live endpoint for as long as the node was down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets() {
-    let mut cluster = common::redis::RedisCluster::start_with(common::redis::Options {
-        partial_coverage: true,
-        ..Default::default()
-    });
+    let mut cluster = common::redis::RedisCluster::start_partial();
     let (rate, burst) = (20.0, 2.0);
     let rs = replicas(&cluster_with_local_fallback(&cluster), "", 2).await;
     // The node to kill holds neither the heartbeats nor the live endpoint.
@@ -1780,10 +1777,7 @@ async fn a_cluster_failover_is_followed_without_a_restart() {
 /// a live node goes on being decided in Redis, every request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_cluster_master_holds_up_only_its_own_endpoints() {
-    let cluster = common::redis::RedisCluster::start_with(common::redis::Options {
-        partial_coverage: true,
-        ..Default::default()
-    });
+    let cluster = common::redis::RedisCluster::start_partial();
     let s = common::sluice(&cluster_with_local_fallback_at(&cluster, 1000.0, 1000.0)).await;
     let up = Upstream::start().await;
     let c = client(s.proxy_addr);
@@ -1838,10 +1832,7 @@ async fn a_hung_cluster_master_holds_up_only_its_own_endpoints() {
 /// test `cluster_fallback::a_quiet_slot_resumes_when_a_ping_reaches_every_node`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_master_back_ends_the_degraded_state_without_a_request_for_it() {
-    let mut cluster = common::redis::RedisCluster::start_with(common::redis::Options {
-        partial_coverage: true,
-        ..Default::default()
-    });
+    let mut cluster = common::redis::RedisCluster::start_partial();
     let s = common::sluice(&cluster_with_local_fallback(&cluster)).await;
     let up = Upstream::start().await;
     let c = client(s.proxy_addr);

@@ -500,6 +500,15 @@ impl RedisCluster {
         RedisCluster::create(opts, 0)
     }
 
+    /// Like [`start`](Self::start), with `cluster-require-full-coverage no`: while one
+    /// master is down, the others keep serving their slots.
+    pub fn start_partial() -> RedisCluster {
+        RedisCluster::start_with(Options {
+            partial_coverage: true,
+            ..Options::default()
+        })
+    }
+
     /// Three masters and a replica of each (six nodes), as managed clusters run: a
     /// master that dies is replaced by its replica once the others mark it failed
     /// (`cluster-node-timeout` 2 s).
