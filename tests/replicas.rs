@@ -1860,3 +1860,37 @@ async fn a_cluster_master_back_ends_the_degraded_state_without_a_request_for_it(
     .await;
     s.stop().await;
 }
+
+/// (2026-12-07, fifth session) `on_error = "deny"` on a cluster with one master dead:
+/// only that master's endpoints are refused (`store_unavailable`, nothing forwarded);
+/// an endpoint on a live node is served by its shared bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deny_on_a_cluster_refuses_only_the_dead_masters_endpoints() {
+    let mut cluster = common::redis::RedisCluster::start_partial();
+    let config = cluster_with_local_fallback(&cluster)
+        .replace("on_error = \"local\"", "on_error = \"deny\"");
+    let s = common::sluice(&config).await;
+    let up = Upstream::start().await;
+    let c = client(s.proxy_addr);
+    let dead = cluster.nodes[0].port();
+    let (on_dead, on_live) = (cluster.endpoint(dead, true), cluster.endpoint(dead, false));
+    cluster.nodes[0].kill();
+    let send = |ep: &str, i: usize| {
+        c.get(up.url(&format!("/{ep}/{i}")))
+            .header("x-endpoint-id", ep)
+            .send()
+    };
+    for i in 0..3 {
+        let r = send(&on_dead, i).await.unwrap();
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()["x-sluice-reason"], "store_unavailable");
+        let r = send(&on_live, i).await.unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.headers().get("x-sluice-reason"));
+    }
+    assert!(
+        times_of(&up, &on_dead).is_empty(),
+        "nothing refused arrived"
+    );
+    assert_eq!(times_of(&up, &on_live).len(), 3);
+    s.stop().await;
+}
