@@ -191,3 +191,67 @@ fn the_image_is_slim_non_root_and_has_no_default_config() {
     assert!(!text.contains("ENV SLUICE_CONFIG"));
     assert!(text.contains("/etc/sluice/example.toml"));
 }
+
+/// The `(alert, expr)` pairs of docs/operations.md's Prometheus rules, each expression
+/// with its whitespace collapsed.
+fn documented_alerts() -> Vec<(String, String)> {
+    let doc = std::fs::read_to_string(root().join("docs/operations.md")).unwrap();
+    let block = doc
+        .split("## Alerts (Prometheus rules)\n```yaml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n```").next())
+        .expect("the rules block in docs/operations.md");
+    let mut out: Vec<(String, String)> = Vec::new();
+    let mut lines = block.lines().peekable();
+    while let Some(line) = lines.next() {
+        let line = line.trim();
+        if let Some(name) = line.strip_prefix("- alert: ") {
+            out.push((name.to_owned(), String::new()));
+        } else if let Some(expr) = line.strip_prefix("expr: ") {
+            let mut e = expr.to_owned();
+            if e == "|" {
+                e.clear();
+                while let Some(next) = lines.peek() {
+                    let t = next.trim();
+                    if t.starts_with("for:") || t.starts_with("annotations:") || t.starts_with('-')
+                    {
+                        break;
+                    }
+                    e.push_str(t);
+                    e.push(' ');
+                    lines.next();
+                }
+            }
+            out.last_mut().expect("an expr after its alert").1 = collapse(&e);
+        }
+    }
+    out
+}
+
+fn collapse(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// (2026-12-07, fifth session) The chart's optional PrometheusRule carries the alerts
+/// docs/operations.md gives, by name and expression, and is off by default.
+#[test]
+fn the_charts_prometheus_rule_has_the_documented_alerts() {
+    let all = rendered();
+    assert_eq!(all["values"]["prometheusRule"]["enabled"], false);
+    let rules = of_kind(&all, "PrometheusRule");
+    assert_eq!(rules.len(), 1);
+    let charted: Vec<(String, String)> = rules[0]["spec"]["groups"][0]["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["alert"].as_str().unwrap().to_owned(),
+                collapse(r["expr"].as_str().unwrap()),
+            )
+        })
+        .collect();
+    let documented = documented_alerts();
+    assert!(documented.len() >= 7, "{documented:?}");
+    assert_eq!(charted, documented);
+}
