@@ -14,8 +14,8 @@
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
 #   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows),
-#   ROWS may also name sluice-redis-cluster (a 3-master Redis Cluster of its own, started
-#   only then), SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
+#   ROWS may also name sluice-redis-cluster and sluice-redis-cluster-prefetch (a 3-master
+#   Redis Cluster of their own, started only then; the second with store.prefetch = true), SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
 #   header on every request), RATE=N (open loop instead of wrk: N req/s offered to
 #   every row by examples/paced_load.rs over PACED_CONNS=64 connections, so p99 is
 #   compared at the same load; wrk's closed loop gives the faster proxy more)
@@ -126,7 +126,7 @@ prefetch = true"
 # Only when ROWS names it (not in the default table): the default config on a 3-master
 # Redis Cluster of its own (`backend = "redis-cluster"`, the fallback kept per hash
 # slot), one replica alone in it.
-if [[ " ${ROWS:-} " == *" sluice-redis-cluster "* ]]; then
+if [[ " ${ROWS:-} " == *" sluice-redis-cluster"* ]]; then
   free_bus_port() { python3 -c '
 import socket
 while True:
@@ -152,6 +152,12 @@ while True:
 backend = \"redis-cluster\"
 urls = [${SEEDS%, }]
 timeout = \"1s\""
+  # The same cluster with store.prefetch = true (tokens taken ahead).
+  start_sluice sluice-redis-cluster-prefetch "[store]
+backend = \"redis-cluster\"
+urls = [${SEEDS%, }]
+timeout = \"1s\"
+prefetch = true"
 fi
 # Proxy authentication on (bcrypt cost 10, as in production): kept-alive senders pay
 # bcrypt once, then hit the credentials cache.
