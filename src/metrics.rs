@@ -291,6 +291,11 @@ impl Metrics {
             m.store.degraded.clone(),
         );
         registry.register(
+            "store_degraded_slots",
+            "Redis Cluster hash slots whose endpoints the on_error fallback decides now",
+            m.store.degraded_slots.clone(),
+        );
+        registry.register(
             "store_cooldown_notices",
             "Cooldown notices heard from the store (single Redis pub/sub)",
             m.store.notices.clone(),

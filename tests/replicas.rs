@@ -1805,6 +1805,11 @@ async fn a_hung_cluster_master_holds_up_only_its_own_endpoints() {
     };
     cluster.nodes[0].stop();
     let hung_wait = send(on_hung.clone(), 1).await;
+    let metrics = common::metrics(s.admin_addr).await;
+    assert!(
+        metrics.contains("\nsluice_store_degraded_slots 1\n"),
+        "one slot in fallback: {metrics}"
+    );
     let before = writes();
     let mut waits = Vec::new();
     for i in 1..=20 {

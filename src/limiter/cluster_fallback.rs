@@ -386,6 +386,7 @@ mod tests {
         );
         assert_eq!(store.health(), StoreHealth::Degraded);
         assert_eq!(stats.degraded.get(), 1);
+        assert_eq!(stats.degraded_slots.get(), 1);
         // The live endpoint stays on its shared bucket meanwhile, refilled by now: its
         // whole burst, then the whole rate.
         let live = waits(&limiter, "on-live-node", 5).await;
@@ -396,5 +397,6 @@ mod tests {
         waits(&limiter, "on-dead-node", 1).await;
         assert_eq!(store.health(), StoreHealth::Ok);
         assert_eq!(stats.degraded.get(), 0);
+        assert_eq!(stats.degraded_slots.get(), 0);
     }
 }

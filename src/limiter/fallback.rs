@@ -320,6 +320,9 @@ impl Resilient {
         if edge {
             self.stats.degraded.set(i64::from(on));
         }
+        if self.scope.slot.is_some() {
+            self.stats.degraded_slots.set(*n as i64);
+        }
         Some(edge)
     }
 

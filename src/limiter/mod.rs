@@ -626,6 +626,9 @@ pub struct StoreStats {
     /// `sluice_store_rebuilds_total`: buckets the store had lost (or held only an older
     /// copy of) that a script of this replica rebuilt from what it heard.
     pub rebuilds: prometheus_client::metrics::counter::Counter,
+    /// `sluice_store_degraded_slots`: on `redis-cluster`, the hash slots whose endpoints
+    /// the `on_error` fallback decides now (0 on other stores).
+    pub degraded_slots: prometheus_client::metrics::gauge::Gauge,
 }
 
 impl Default for StoreStats {
@@ -638,6 +641,7 @@ impl Default for StoreStats {
             degraded: Default::default(),
             notices: Default::default(),
             rebuilds: Default::default(),
+            degraded_slots: Default::default(),
         }
     }
 }
