@@ -167,7 +167,7 @@ impl BucketStore for SlotFallbacks {
                 // The ping reached every master: a slot still degraded resumes, though
                 // its endpoints may have had no request since (a failure stays).
                 for slot in self.slots.iter().filter_map(OnceLock::get) {
-                    if slot.is_degraded() {
+                    if slot.health() == StoreHealth::Degraded {
                         let _ = slot.resume().await;
                     }
                 }

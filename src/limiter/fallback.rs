@@ -423,26 +423,23 @@ impl Resilient {
         if !self.degraded.load(Ordering::Acquire) {
             return Ok(());
         }
-        let rejoined = if self.registered.load(Ordering::Acquire) {
+        self.answered().await
+    }
+
+    /// The store answered (a ping): rejoins first when a failure undid the registration
+    /// (at start-up and back from an outage: registered before any request is decided
+    /// there), then ends a degraded period; a failed rejoin starts one.
+    async fn answered(&self) -> Result<(), StoreError> {
+        let r = if self.registered.load(Ordering::Acquire) {
             Ok(())
         } else {
             self.rejoin().await
         };
-        match rejoined {
-            Ok(()) => {
-                self.recovered();
-                Ok(())
-            }
-            Err(e) => {
-                self.failed(&e);
-                Err(e)
-            }
+        match &r {
+            Ok(()) => self.recovered(),
+            Err(e) => self.failed(e),
         }
-    }
-
-    /// Whether this fallback is degraded now.
-    pub fn is_degraded(&self) -> bool {
-        self.degraded.load(Ordering::Acquire)
+        r
     }
 
     /// Runs `primary` (when allowed); else, or when it fails, applies `on_error`:
@@ -655,17 +652,13 @@ impl BucketStore for Resilient {
     /// end or start a degraded period.
     fn ping(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            let r = match self.primary.ping().await {
-                // At start-up and back from an outage: registered before any request is
-                // decided there.
-                Ok(()) if !self.registered.load(Ordering::Acquire) => self.rejoin().await,
-                r => r,
-            };
-            match &r {
-                Ok(()) => self.recovered(),
-                Err(e) => self.failed(e),
+            match self.primary.ping().await {
+                Ok(()) => self.answered().await,
+                Err(e) => {
+                    self.failed(&e);
+                    Err(e)
+                }
             }
-            r
         })
     }
 
