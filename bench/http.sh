@@ -15,7 +15,8 @@
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
 #   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows),
 #   ROWS may also name sluice-redis-cluster and sluice-redis-cluster-prefetch (a 3-master
-#   Redis Cluster of their own, started only then; the second with store.prefetch = true), SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
+#   Redis Cluster of their own, started only then; the second with store.prefetch = true),
+#   SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
 #   header on every request), RATE=N (open loop instead of wrk: N req/s offered to
 #   every row by examples/paced_load.rs over PACED_CONNS=64 connections, so p99 is
 #   compared at the same load; wrk's closed loop gives the faster proxy more)
