@@ -632,6 +632,8 @@ async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
             let nothing = Grant {
                 waited: std::time::Duration::ZERO,
                 generation: NO_TOKEN,
+                start: tokio::time::Instant::now(),
+                at_us: None,
             };
             (nothing, outcome)
         }

@@ -287,9 +287,15 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
         }
         return;
     }
-    // The latest start (within half a slot: a shared store's clocks differ a little)
-    // is free again for the next sender.
-    s.last = s.last.min(due - MICROS / rate);
+    if behind < 0.5 {
+        // The latest start (within half a slot: a shared store's clocks differ a
+        // little) is free again for the next sender. Only then: a start already past
+        // with others behind it leaves `last` at the latest of them (as release.lua
+        // does), or new starts would go among those made at a lower rate (until the
+        // sixth session of 2026-12-07, one refund of a past start put 12 arrivals over
+        // the bound during a climb).
+        s.last = s.last.min(due - MICROS / rate);
+    }
     s.tokens = (s.tokens + (1.0 - behind).clamp(0.0, 1.0)).min(ask.burst);
 }
 
@@ -376,11 +382,18 @@ pub fn view(s: &BucketState, ask: &Ask, floor: Option<f64>, now: f64) -> View {
     }
 }
 
-/// True when the bucket holds nothing worth keeping: full, no cooldown, no decrease.
+/// True when the bucket holds nothing worth keeping: full, no cooldown, no decrease, and
+/// no start it handed out still ahead (a balance refilled at a raised rate can be full
+/// while starts made at the lower one are to come: forgetting them let new requests
+/// leave among them, and their holders confirm against a fresh bucket's generation).
 pub fn idle(s: &BucketState, ask: &Ask, now: f64) -> bool {
     let mut v = *s;
     refill(&mut v, ask, now);
-    v.tokens >= ask.burst && v.cool_until <= now && v.dec_rate <= 0.0 && v.dec_until <= now
+    v.tokens >= ask.burst
+        && v.cool_until <= now
+        && v.dec_rate <= 0.0
+        && v.dec_until <= now
+        && v.last <= now
 }
 
 /// Time after which an untouched bucket is [`idle`] again (µs), for key expiry.
@@ -541,6 +554,75 @@ mod tests {
         }
         let excess = worst_excess(&mut starts, 10.0, 1.0);
         assert!(excess <= 1e-6, "{excess} starts over rate·W + burst");
+    }
+
+    #[test]
+    fn a_start_given_back_after_it_passed_keeps_the_climbs_order() {
+        // (Sixth session of 2026-12-07, a review) The climb above, and the sender of the
+        // 8.0 s start leaves then but never reaches its receiver (its address is
+        // refused): its token comes back 50 ms later, a start already past with 30
+        // reservations behind it. That lowered `last` to 7.9 s, and senders asking
+        // later got starts among the slower ones again: 12 arrivals over the bound.
+        let p = Policy {
+            adaptive: Some(Adaptive {
+                decrease: 0.5,
+                recovery: Duration::from_secs(10),
+                ..Adaptive::default()
+            }),
+            ..policy(10.0, 1.0)
+        };
+        let a = p.adaptive.unwrap();
+        let ask = Ask::new(&p, 100.0 * S, None);
+        let mut s = fresh(1.0, 0.0);
+        feedback(&mut s, &ask, &a, 2.0 * S, true, 0.0);
+        let mut starts = Vec::new();
+        let mut generation = 0;
+        for _ in 0..60 {
+            if let Outcome::Granted {
+                wait_us,
+                generation: g,
+                ..
+            } = acquire(&mut s, &ask, 0.3 * S)
+            {
+                starts.push(0.3 * S + wait_us);
+                generation = g;
+            }
+        }
+        let eight = starts.iter().position(|t| (t - 8.0 * S).abs() < 1.0);
+        starts.remove(eight.expect("a start at 8.0 s"));
+        let unused = Unused {
+            generation,
+            due_in_us: -0.05 * S,
+            at_us: None,
+        };
+        let last = s.last;
+        release(&mut s, &Ask::new(&p, 0.0, None), unused, 8.05 * S);
+        assert_eq!(s.last, last, "the latest start is still the latest");
+        for i in 0..165 {
+            let now = 8.05 * S + f64::from(i) * S / 15.0;
+            if let Outcome::Granted { wait_us, .. } = acquire(&mut s, &ask, now) {
+                starts.push(now + wait_us);
+            }
+        }
+        let excess = worst_excess(&mut starts, 10.0, 1.0);
+        assert!(excess <= 1e-6, "{excess} starts over rate·W + burst");
+    }
+
+    #[test]
+    fn a_bucket_with_starts_still_ahead_is_never_idle() {
+        // (Sixth session of 2026-12-07, a review) Starts made at 1/s reach 5 s; the rate
+        // is raised to 10/s, and by 0.9 s the balance is full at the new rate. The
+        // memory store evicted such a bucket: the next requests met a fresh full one,
+        // beside the starts still to come (4 arrivals over the bound).
+        let old = Ask::new(&policy(1.0, 1.0), 10.0 * S, None);
+        let mut s = fresh(1.0, 0.0);
+        for _ in 0..6 {
+            acquire(&mut s, &old, 0.0);
+        }
+        let new = Ask::new(&policy(10.0, 1.0), 10.0 * S, None);
+        assert!(s.last > 4.9 * S);
+        assert!(!idle(&s, &new, 0.9 * S), "starts up to 5 s are ahead");
+        assert!(idle(&s, &new, 5.0 * S), "idle once the last start went by");
     }
 
     #[test]

@@ -200,6 +200,11 @@ pub struct Grant {
     pub waited: Duration,
     /// The bucket generation the token came from (for [`Limiter::refund`]).
     pub generation: u64,
+    /// When the token was due: the request's start (never later than the store's), so
+    /// a refund knows whether reservations were made behind it (for [`Limiter::refund`]).
+    pub start: Instant,
+    /// The same start on the store's own clock, where the store has one.
+    pub at_us: Option<f64>,
 }
 
 /// What enforcing would have done to a request in shadow mode.
@@ -266,11 +271,11 @@ impl Limiter {
         // Granted at once (the memory store, far from its limit): nothing was waited
         // for, and no clock needs reading.
         if let Some((
-            _,
+            asked,
             Outcome::Granted {
                 wait_us,
                 generation,
-                ..
+                at_us,
             },
         )) = first
         {
@@ -278,10 +283,14 @@ impl Limiter {
                 return Ok(Grant {
                     waited: Duration::ZERO,
                     generation,
+                    start: asked,
+                    at_us,
                 });
             }
         }
         let mut held = None;
+        // The start of the reservation being confirmed (and on the store's clock).
+        let mut reserved: Option<(Instant, Option<f64>)> = None;
         loop {
             // When this outcome was asked for: a cooldown notice since then means
             // confirming, and its start is counted from then. (Until 2026-12-07 a
@@ -314,11 +323,18 @@ impl Limiter {
                 Outcome::Granted {
                     wait_us,
                     generation,
-                    ..
+                    at_us,
                 } if wait_us <= 0.0 => {
+                    // A confirmed reservation's own start is the one it waited for.
+                    let (start, at_us) = match &reserved {
+                        Some(due) if held == Some(generation) => *due,
+                        _ => (asked, at_us),
+                    };
                     return Ok(Grant {
                         waited: started.elapsed(),
                         generation,
+                        start,
+                        at_us,
                     });
                 }
                 Outcome::Granted {
@@ -353,9 +369,12 @@ impl Limiter {
                         return Ok(Grant {
                             waited: started.elapsed(),
                             generation,
+                            start: start.due,
+                            at_us: start.at_us,
                         });
                     }
                     held = Some(generation);
+                    reserved = Some((start.due, start.at_us));
                 }
             }
         }
@@ -479,14 +498,17 @@ impl Limiter {
     /// so the shadow bucket follows the real traffic; a would-be refusal takes nothing.
     pub async fn shadow(&self, endpoint: &str, policy: &Policy) -> Shadow {
         let ask = Ask::new(policy, micros(policy.max_wait), None);
+        let asked = Instant::now();
         match self.store.acquire(endpoint, ask).await {
             Ok(Outcome::Granted {
                 wait_us,
                 generation,
-                ..
+                at_us,
             }) => Shadow::Wait(Grant {
                 waited: from_micros(wait_us),
                 generation,
+                start: asked + from_micros(wait_us),
+                at_us,
             }),
             Ok(Outcome::Refused { cooldown, retry_us }) => {
                 let retry_after = from_micros(retry_us);
@@ -501,13 +523,21 @@ impl Limiter {
     }
 
     /// Gives back the token of a grant whose request never left (the destination was
-    /// refused after admission): the bucket is as if it had not been asked.
+    /// refused after admission), as a reservation given up at its start: the latest
+    /// start gives its token back (what the balance has not regained since), one with
+    /// reservations made behind it gives nothing (those keep their starts, and a token
+    /// back would put a new one beside the last of them).
     pub async fn refund(&self, endpoint: &str, policy: &Policy, grant: Grant) {
         let ask = Ask::new(policy, 0.0, None);
+        let now = Instant::now();
         let unused = Unused {
             generation: grant.generation,
-            due_in_us: 0.0,
-            at_us: None,
+            // (Until the sixth session of 2026-12-07 "due now" whenever it was: a start
+            // that went by with reservations behind it gave its token back, and the
+            // next request left beside the latest of them.)
+            due_in_us: micros(grant.start.saturating_duration_since(now))
+                - micros(now.saturating_duration_since(grant.start)),
+            at_us: grant.at_us,
         };
         if let Err(e) = self.store.release(endpoint, ask, unused).await {
             tracing::debug!(endpoint, error = %e, "could not refund a token");
@@ -842,5 +872,157 @@ mod tests {
         let late = late.await.unwrap();
         assert!(near(late, 1250), "{late:?}: after the four, not among them");
         assert_eq!(limiter.waiting.endpoints(), 0, "nobody is left waiting");
+    }
+
+    fn at(rate: f64) -> Policy {
+        Policy {
+            rate,
+            burst: 1.0,
+            max_wait: Duration::from_secs(5),
+            adaptive: None,
+            ..Policy::default()
+        }
+    }
+
+    /// The most arrivals (seconds) in any window of `w`, against `rate·w + burst`.
+    fn worst_excess(arrivals: &mut [f64], rate: f64, burst: f64) -> f64 {
+        arrivals.sort_by(f64::total_cmp);
+        let mut worst = f64::MIN;
+        for (i, a) in arrivals.iter().enumerate() {
+            for (j, b) in arrivals.iter().enumerate().skip(i) {
+                worst = worst.max((j - i + 1) as f64 - (rate * (b - a) + burst));
+            }
+        }
+        worst
+    }
+
+    /// Admits a request in a task of its own; records when it was let go (seconds
+    /// from `t0`) when `counted`.
+    fn sender(
+        limiter: &Limiter,
+        policy: &Policy,
+        t0: Instant,
+        arrivals: &Arc<std::sync::Mutex<Vec<f64>>>,
+        counted: bool,
+    ) -> tokio::task::JoinHandle<Option<Grant>> {
+        let (limiter, policy, arrivals) = (limiter.clone(), policy.clone(), Arc::clone(arrivals));
+        tokio::spawn(async move {
+            let grant = limiter.admit("e", &policy).await.ok();
+            if grant.is_some() && counted {
+                arrivals
+                    .lock()
+                    .unwrap()
+                    .push((Instant::now() - t0).as_secs_f64());
+            }
+            grant
+        })
+    }
+
+    async fn until_waiting(limiter: &Limiter, n: usize) {
+        while limiter.waiting.count("e") < n {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// (Sixth session of 2026-12-07, a review) A refund (the address was refused after
+    /// admission) counted the start as due when the refund came: at 1/s, A left at 0
+    /// s, B reserved 1.0 s, and A's refund at 0.99 s gave back 0.99 of a token, so C
+    /// left at 1.01 s, 10 ms after B. A start already past gives back only what the
+    /// balance has not regained since, and nothing with B behind it.
+    #[tokio::test(start_paused = true)]
+    async fn a_refund_after_the_start_went_by_gives_nothing_with_a_reservation_behind_it() {
+        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
+        let p = at(1.0);
+        let t0 = Instant::now();
+        let arrivals = Arc::default();
+        let a = limiter.admit("e", &p).await.unwrap();
+        let b = sender(&limiter, &p, t0, &arrivals, true);
+        until_waiting(&limiter, 1).await;
+        tokio::time::advance(Duration::from_millis(990)).await;
+        limiter.refund("e", &p, a).await;
+        let c = sender(&limiter, &p, t0, &arrivals, true);
+        b.await.unwrap().unwrap();
+        c.await.unwrap().unwrap();
+        let mut arrivals = arrivals.lock().unwrap().clone();
+        assert!(
+            worst_excess(&mut arrivals, 1.0, 1.0) <= 1e-6,
+            "B and C at {arrivals:?} (1/s, burst 1)"
+        );
+    }
+
+    /// (Sixth session of 2026-12-07, a review) A reload raises the rate from 2/s to
+    /// 10/s while ten requests wait for starts 0.5 s apart; new requests go after
+    /// them. The first waiter's address is refused and refunded just after its start:
+    /// the refund lowered the latest start, and the 40 requests after it left among
+    /// the old reservations (9 over the bound).
+    #[tokio::test(start_paused = true)]
+    async fn a_refund_after_a_rate_raise_keeps_new_requests_after_the_old_reservations() {
+        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
+        let (old, new) = (at(2.0), at(10.0));
+        let t0 = Instant::now();
+        let arrivals = Arc::default();
+        let mut tasks = vec![sender(&limiter, &old, t0, &arrivals, true)];
+        let first = sender(&limiter, &old, t0, &arrivals, false);
+        until_waiting(&limiter, 1).await;
+        for i in 2..=10 {
+            tasks.push(sender(&limiter, &old, t0, &arrivals, true));
+            until_waiting(&limiter, i).await;
+        }
+        tokio::time::advance(Duration::from_millis(200)).await;
+        tasks.push(sender(&limiter, &new, t0, &arrivals, true));
+        let grant = first
+            .await
+            .unwrap()
+            .expect("the first waiter leaves at 0.5 s");
+        tokio::time::advance(Duration::from_millis(50)).await;
+        limiter.refund("e", &old, grant).await;
+        for _ in 0..40 {
+            tasks.push(sender(&limiter, &new, t0, &arrivals, true));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let mut arrivals = arrivals.lock().unwrap().clone();
+        // The ten old requests left (the refunded one not counted), and new ones within
+        // their 5 s `max_wait`.
+        assert!(arrivals.len() > 11, "{} left", arrivals.len());
+        let excess = worst_excess(&mut arrivals, 10.0, 1.0);
+        assert!(excess <= 1e-6, "{excess} arrivals over 10·W + 1");
+    }
+
+    /// (Sixth session of 2026-12-07, a review) The memory store's sweep evicted a bucket
+    /// whose balance had refilled at a raised rate while starts made at the old one
+    /// were still ahead: new requests met a fresh bucket beside them (4 over the
+    /// bound).
+    #[tokio::test(start_paused = true)]
+    async fn a_sweep_after_a_rate_raise_keeps_the_starts_still_ahead() {
+        let store = Arc::new(MemoryStore::new());
+        let limiter = Limiter::new(Arc::clone(&store) as Arc<dyn BucketStore>);
+        let (old, new) = (at(1.0), at(10.0));
+        let t0 = Instant::now();
+        let arrivals = Arc::default();
+        let mut tasks = Vec::new();
+        for i in 0..6 {
+            tasks.push(sender(&limiter, &old, t0, &arrivals, true));
+            until_waiting(&limiter, i).await;
+        }
+        tokio::time::advance(Duration::from_millis(200)).await;
+        tasks.push(sender(&limiter, &new, t0, &arrivals, true));
+        until_waiting(&limiter, 6).await;
+        tokio::time::advance(Duration::from_millis(700)).await;
+        store.sweep_all();
+        assert!(
+            !store.is_empty(),
+            "the bucket is kept while its starts are ahead"
+        );
+        for _ in 0..40 {
+            tasks.push(sender(&limiter, &new, t0, &arrivals, true));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let mut arrivals = arrivals.lock().unwrap().clone();
+        let excess = worst_excess(&mut arrivals, 10.0, 1.0);
+        assert!(excess <= 1e-6, "{excess} arrivals over 10·W + 1");
     }
 }
