@@ -285,6 +285,12 @@ impl<S: SenderIo> Lane<S> {
                     Parsed::Partial => {}
                     Parsed::Handoff => return Ok(Next::Handoff),
                     Parsed::Malformed(e) => return Ok(Next::Malformed(e)),
+                    // A head whose last bytes came in the read that took it past the
+                    // limit parses whole (until the sixth session of 2026-12-07 it was
+                    // forwarded, up to one read over).
+                    Parsed::Head(h) if h.len > MAX_HEAD_BYTES => {
+                        return Ok(Next::Malformed(ProxyError::HeadTooLarge));
+                    }
                     Parsed::Head(h) => return Ok(Next::Head(h)),
                 }
             }
@@ -307,7 +313,7 @@ impl<S: SenderIo> Lane<S> {
     /// ends, as nothing after such a head can be framed.
     async fn malformed(&mut self, e: ProxyError) -> io::Result<()> {
         let resp = proxy::refuse(&self.app, e.into(), self.conn.peer, "-", &Trace::default());
-        self.refusal(resp, None).await.map(drop)
+        self.refusal(resp, None, false).await.map(drop)
     }
 
     /// One request and its response. Whether the connection can carry another.
@@ -326,7 +332,8 @@ impl<S: SenderIo> Lane<S> {
                 let peer = self.conn.peer;
                 let resp = proxy::refuse(&self.app, r, peer, head.method.as_str(), &trace);
                 let body = (clean && !head.close).then_some(head.body);
-                let answering = Box::pin(self.refusal(resp, body));
+                let bodiless = head.method == Method::HEAD;
+                let answering = Box::pin(self.refusal(resp, body, bodiless));
                 answering.await
             }
             Err(Failure::Io(e)) => Err(e),
@@ -465,11 +472,14 @@ impl<S: SenderIo> Lane<S> {
 
     /// Writes sluice's own answer. `body` is the request's `Content-Length` when none
     /// of it was read yet: skipped when all of it is here, and the connection carries
-    /// on; otherwise it closes.
+    /// on; otherwise it closes. An answer to `HEAD` (`head_only`) says its length and
+    /// sends no body (RFC 9110 §9.3.2): the sender reads none, and bytes after the head
+    /// would be read as the start of its next response.
     async fn refusal(
         &mut self,
         resp: http::Response<crate::error::Body>,
         body: Option<u64>,
+        head_only: bool,
     ) -> io::Result<bool> {
         let keep = match body {
             Some(n) if self.inb.len() as u64 >= n => {
@@ -503,7 +513,9 @@ impl<S: SenderIo> Lane<S> {
             header_line(out, b"connection", b"close");
         }
         out.extend_from_slice(b"\r\n");
-        out.extend_from_slice(&bytes);
+        if !head_only {
+            out.extend_from_slice(&bytes);
+        }
         write_all(&mut self.stream, &self.out).await?;
         self.activity.touch();
         Ok(keep)
@@ -1315,8 +1327,16 @@ impl Chunks {
 /// socket (a read shorter than the room), so the common case costs no system call.
 /// A plain connection that did hear something, or whose last read filled the buffer,
 /// is read; a TLS one is not reused then (its bytes cannot be peeked at outside the
-/// session).
+/// session), nor when its session holds plaintext nobody read: a read can empty the
+/// socket into the session, bytes after the response with it (until the sixth session
+/// of 2026-12-07, such bytes were the next request's answer).
 fn still_open(up: &Upstream) -> bool {
+    if let UpIo::Tls(tls) = &up.stream {
+        // rustls wants more records only when it holds no plaintext.
+        if !tls.get_ref().1.wants_read() {
+            return false;
+        }
+    }
     let tcp = up.stream.tcp();
     let heard = tcp.try_io(Interest::READABLE, || Ok(())).is_ok();
     if !heard {

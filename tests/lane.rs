@@ -1279,3 +1279,216 @@ async fn a_head_without_end_during_an_upload_is_refused_at_the_limit() {
     }
     s.stop().await;
 }
+
+/// (Sixth session of 2026-12-07, a review) A `HEAD` that sluice refuses on a
+/// kept-alive connection: the answer to a HEAD has no body (RFC 9110 §9.3.2), so the
+/// next bytes on the connection are the next response. The lane wrote its JSON body
+/// after the head and kept the connection, so the sender read `{"endpoint":...` where
+/// the next status line should be. hyper's path (the same requests with `Connection:
+/// x-hop`) is checked alike.
+#[tokio::test]
+async fn a_refused_head_request_gets_no_body_on_a_kept_connection() {
+    let up = Upstream::start().await;
+    let s = sluice("[defaults]\nrate = 0.001\nburst = 1.0\nmax_wait = \"0s\"\n").await;
+    let host = up.addr;
+    for (i, connection) in ["x-hop", "keep-alive"].into_iter().enumerate() {
+        let ep = format!("head-{i}");
+        let req = |method: &str, path: &str, ep: &str| {
+            format!(
+                "{method} http://{host}{path} HTTP/1.1\r\nHost: {host}\r\nConnection: {connection}\r\nX-Endpoint-Id: {ep}\r\n\r\n"
+            )
+        };
+        let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+        // Spends the endpoint's only token.
+        t.write_all(req("GET", "/warm", &ep).as_bytes())
+            .await
+            .unwrap();
+        let r = read_response(&mut t).await;
+        assert!(r.starts_with("HTTP/1.1 200"), "{connection}: {r}");
+        // A HEAD refused (no token), then a GET on another endpoint (granted).
+        let two = req("HEAD", "/h", &ep) + &req("GET", "/next", &format!("{ep}-other"));
+        t.write_all(two.as_bytes()).await.unwrap();
+        // Done once a second head and a body of its length are in.
+        let (got, _) = read_until(&mut t, |b| {
+            let text = String::from_utf8_lossy(b);
+            text.matches("\r\n\r\n").count() >= 2 && text.ends_with("ok")
+        })
+        .await;
+        let end = got.find("\r\n\r\n").expect("a head") + 4;
+        assert!(got.starts_with("HTTP/1.1 503"), "{connection}: {got}");
+        assert!(
+            got[end..].starts_with("HTTP/1.1 200"),
+            "{connection}: after the HEAD's answer, the next response follows at once; got {:?}",
+            &got[end..]
+        );
+    }
+    s.stop().await;
+}
+
+/// (Sixth session of 2026-12-07, a review) A request head over 64 KiB is a 431
+/// (docs/SPEC.md's table). The lane checked the limit only while the head was
+/// incomplete: a head whose last piece took it past 64 KiB in one read was complete at
+/// its first parse past the limit, and was forwarded.
+#[tokio::test]
+async fn a_request_head_over_64_kib_is_a_431_however_it_arrives() {
+    let up = Upstream::start().await;
+    let s = sluice("").await;
+    let host = up.addr;
+    let mut t = TcpStream::connect(s.proxy_addr).await.unwrap();
+    let start = format!("GET http://{host}/big HTTP/1.1\r\nHost: {host}\r\nX-Big: ");
+    let mut first = start.into_bytes();
+    first.resize(65_000, b'a');
+    t.write_all(&first).await.unwrap();
+    // Not a synchronisation: the answer must be a 431 however the bytes arrive; the
+    // pause makes the lane read the first 65,000 bytes before the rest, as reported.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut rest = vec![b'a'; 1_000];
+    rest.extend_from_slice(b"\r\n\r\n");
+    t.write_all(&rest).await.unwrap();
+    let r = read_response(&mut t).await;
+    let head_len = first.len() + rest.len();
+    assert!(head_len > 64 * 1024);
+    assert!(
+        r.starts_with("HTTP/1.1 431"),
+        "a {head_len}-byte head: {}; the receiver saw {} request(s)",
+        &r[..r.len().min(200)],
+        up.count()
+    );
+    assert_eq!(up.count(), 0, "nothing reached the receiver");
+    s.stop().await;
+}
+
+/// (Sixth session of 2026-12-07, a review) A TLS receiver whose first answer is exactly 8192 bytes (the lane's read buffer)
+/// and is followed, in the same TLS record, by bytes no request asked for. The lane
+/// reads 8192 bytes of plaintext, the response ends there, `up.buf` is empty, and
+/// `still_open` looks only at the TCP socket's readiness (drained by rustls), so the
+/// upstream connection was kept although rustls held the stray bytes: the next
+/// request on it was answered with them, before it was even sent.
+#[tokio::test]
+async fn a_tls_upstream_connection_holding_stray_bytes_is_not_reused() {
+    use common::tls::TestPki;
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::new(&["localhost"]);
+    // The raw TLS receiver.
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![pki.leaf.clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
+                pki.leaf_key.clone(),
+            )),
+        )
+        .unwrap();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up_addr = listener.local_addr().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen2 = Arc::clone(&seen);
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let Ok(mut tls) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let seen = Arc::clone(&seen2);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let end = loop {
+                        if let Some(e) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break e + 4;
+                        }
+                        match tls.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                    buf.drain(..end);
+                    let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                    let first = seen.lock().unwrap().is_empty();
+                    seen.lock().unwrap().push(path);
+                    let answer = if first {
+                        let n = 8192 - "HTTP/1.1 200 OK\r\nContent-Length: 8151\r\n\r\n".len();
+                        assert_eq!(n, 8151);
+                        let mut a =
+                            format!("HTTP/1.1 200 OK\r\nContent-Length: {n}\r\n\r\n").into_bytes();
+                        a.extend(std::iter::repeat_n(b'x', n));
+                        assert_eq!(a.len(), 8192);
+                        a.extend_from_slice(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nstray!");
+                        a
+                    } else {
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nreal".to_vec()
+                    };
+                    if tls.write_all(&answer).await.is_err() || tls.flush().await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let ca = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
+    let up_ca = pki.write_ca(dir.path());
+    let s = sluice(&format!(
+        "[tls]\nintercept = true\nca_cert = \"{}\"\nca_key = \"{}\"\nupstream_roots = [\"{}\"]\n",
+        ca.cert.display(),
+        ca.key.display(),
+        up_ca.display()
+    ))
+    .await;
+    let host = format!("localhost:{}", up_addr.port());
+    let mut t = common::tls::tunnel_session(s.proxy_addr, &ca.cert, &host, "localhost").await;
+    // Reads one response framed by its Content-Length.
+    async fn one<S: tokio::io::AsyncRead + Unpin>(t: &mut S) -> String {
+        let mut got = Vec::new();
+        let mut b = [0u8; 4096];
+        tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                if let Some(e) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&got[..e]).to_ascii_lowercase();
+                    let n: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map(|v| v.trim().parse().unwrap())
+                        .unwrap_or(0);
+                    if got.len() >= e + 4 + n {
+                        break;
+                    }
+                }
+                let n = t.read(&mut b).await.unwrap();
+                assert!(n > 0, "closed");
+                got.extend_from_slice(&b[..n]);
+            }
+        })
+        .await
+        .expect("a response within 5 s");
+        String::from_utf8_lossy(&got).into_owned()
+    }
+    t.write_all(format!("GET /one HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let r1 = one(&mut t).await;
+    assert!(r1.starts_with("HTTP/1.1 200"), "{r1}");
+    // Not a synchronisation: the answer must be right however soon /two follows;
+    // the pause lets the stray bytes reach sluice first, as they did in the report.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    t.write_all(format!("GET /two HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let r2 = one(&mut t).await;
+    assert!(
+        r2.ends_with("real"),
+        "the answer to /two must be the receiver's answer to /two; got {r2:?} (receiver saw {:?})",
+        seen.lock().unwrap()
+    );
+    server.abort();
+    s.stop().await;
+}
