@@ -26,6 +26,9 @@
 --   ho starts (µs, space-separated) of reservations given up with others behind them,
 --      for the next senders to take (bucket::BucketState::holes; at most 8)
 --   la the latest start handed out (µs) while ahead (bucket::BucketState::last)
+--   vu the latest start a cooldown voided (µs; bucket::BucketState::voided): the key
+--      outlives it, so a voided reservation's confirmation never meets a key made afresh
+--      at generation 0
 --   n  writes so far (every save adds one): a key whose count is below one a replica
 --      already heard went back in time (a failover to a replica the last writes had not
 --      reached, a restart from an older snapshot); see acquire.lua's ARGV[9]
@@ -62,7 +65,7 @@ end
 --- The stored state, or nil when the key does not exist (a fresh full bucket).
 --- `loaded` keeps the values as read, so `save` writes only what changed.
 local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce', 'cs',
-                 'ho', 'la', 'n' }
+                 'ho', 'la', 'vu', 'n' }
 local loaded = nil
 local function load()
   local raw = redis.call('HMGET', key, unpack(FIELDS))
@@ -77,17 +80,18 @@ local function load()
                      tonumber(raw[13] or '0')
   local ho = raw[14] or ''
   local la = tonumber(raw[15] or '0')
-  local n = tonumber(raw[16] or '0')
+  local vu = tonumber(raw[16] or '0')
+  local n = tonumber(raw[17] or '0')
   loaded = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, n = n }
+             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, vu = vu, n = n }
   return { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-           fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, n = n }
+           fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, vu = vu, n = n }
 end
 
 --- bucket::fresh
 local function fresh()
   return { tk = burst, ts = now, dr = 0, da = 0, du = 0, cu = 0, g = 0, th = 0, fs = 0,
-           cr = 0, ce = 0, cs = 0, ho = '', la = 0, n = 0 }
+           cr = 0, ce = 0, cs = 0, ho = '', la = 0, vu = 0, n = 0 }
 end
 
 --- Tokens replicas hold ahead that may still be spent (0 once their time is over).
@@ -163,7 +167,8 @@ local function time_to_idle(s, floor)
   local dec_window = math.max(s.du - now, 0)
   -- Never forget tokens held ahead while they may be spent: a fresh bucket is full.
   local ahead = math.max(s.ce - now, 0)
-  local handed_out = math.max(s.la - now, 0)
+  -- Nor while a start it handed out is ahead, voided or not.
+  local handed_out = math.max(math.max(s.la, s.vu) - now, 0)
   return math.max(until_ts + refill_time, rec, dec_window, ahead, handed_out)
 end
 

@@ -38,7 +38,11 @@ if throttled then
 end
 if pause > 0 and now + pause > s.cu then
   -- Empty the bucket and move its clock to the cooldown's end: no grant before it ends,
-  -- no burst after it, and outstanding reservations (older generation) are voided.
+  -- no burst after it, and outstanding reservations (older generation) are voided; the
+  -- key outlives the latest of them (bucket::feedback).
+  local base = math.max(s.ts, now)
+  local latest = math.max(base + math.max(-s.tk, 0) / effective(s, base) * MICROS, s.la)
+  s.vu = math.max(s.vu, latest)
   s.cu = now + pause
   s.tk = 0
   s.ts = s.cu

@@ -1251,3 +1251,65 @@ async fn concurrent_calls_on_one_connection_each_take_one_round_trip() {
     println!("slowest of 4 concurrent calls over a 50 ms link: {slowest:?}");
     assert!(slowest < 3 * DELAY, "slowest call took {slowest:?}");
 }
+
+/// (Sixth session of 2026-12-07, a review) A cooldown voids every reservation of
+/// generation 0 and empties the bucket (`la` = 0, `ho` = ''): its key expired soon
+/// after the cooldown ended while voided starts were still ahead, the next call made
+/// the key afresh, at generation 0 again, and the voided reservation's confirmation
+/// (`held` = 0) passed, taking nothing, beside a fresh burst. The key now outlives
+/// the voided starts (`vu`). Rate 1/s, burst 1: starts 0..5 s at generation 0; a 1 ms quota
+/// pause (not a 429, no decrease) at once; one new grant at ~1 s; the key is gone by
+/// 3.5 s; a new request goes at 3.5 s, and the waiter of the 4 s start, voided,
+/// confirms at 4 s and goes too: two 0.5 s apart at 1/s, burst 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_voided_reservation_is_never_confirmed_by_a_key_made_afresh() {
+    let s = redis().await;
+    let p = policy(1.0, 1.0, 10_000);
+    let ask = Ask::new(&p, 10e6, None);
+    let t0 = Instant::now();
+    let mut voided = None;
+    for i in 0..6 {
+        match s.store.acquire("voided", ask).await.unwrap() {
+            Outcome::Granted {
+                generation,
+                wait_us,
+                ..
+            } => {
+                assert_eq!(generation, 0);
+                assert!((wait_us - f64::from(i) * 1e6).abs() < 50_000.0, "{wait_us}");
+                voided = Some(generation);
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+    s.store
+        .feedback(
+            "voided",
+            ask,
+            Adaptive::default(),
+            Duration::from_millis(1),
+            false,
+        )
+        .await
+        .unwrap();
+    // A request after the pause (generation 1): this replica hears the bucket busy ~2 s.
+    match s.store.acquire("voided", ask).await.unwrap() {
+        Outcome::Granted { generation, .. } => assert_eq!(generation, 1),
+        o => panic!("{o:?}"),
+    }
+    tokio::time::sleep_until(t0 + Duration::from_millis(3500)).await;
+    let fresh = s.store.acquire("voided", ask).await.unwrap();
+    assert!(
+        matches!(fresh, Outcome::Granted { wait_us, .. } if wait_us == 0.0),
+        "{fresh:?}"
+    );
+    tokio::time::sleep_until(t0 + Duration::from_millis(4000)).await;
+    let confirm = Ask::new(&p, 10e6, voided);
+    match s.store.acquire("voided", confirm).await.unwrap() {
+        Outcome::Granted { wait_us, .. } => assert!(
+            wait_us >= 400_000.0,
+            "the voided reservation of 4 s goes at {wait_us} µs from now, 0.5 s after the one at 3.5 s (1/s, burst 1)"
+        ),
+        Outcome::Refused { .. } => {}
+    }
+}

@@ -43,6 +43,10 @@ pub struct BucketState {
     /// The latest start handed out (µs) while it is ahead: a new reservation comes
     /// after it, whatever the balance says when the rate has climbed since.
     pub last: f64,
+    /// The latest start a cooldown voided (µs): the bucket is kept until it has gone by
+    /// (and a second more), so its holder's confirmation meets the generation that
+    /// voided it, not a bucket made afresh at generation 0 that would let it go.
+    pub voided: f64,
 }
 
 /// How many given-up starts a bucket keeps for the next senders (`BucketState::holes`);
@@ -325,6 +329,12 @@ pub fn feedback(
         }
     }
     if pause_us > 0.0 && now + pause_us > s.cool_until {
+        // The latest start handed out before this (reservations run up to where the
+        // balance is back at zero, or to `last`), voided now.
+        let base = s.ts.max(now);
+        let rate = effective_rate(s, ask.rate, ask.recovery_us, base);
+        let latest = (base + (-s.tokens).max(0.0) / rate * MICROS).max(s.last);
+        s.voided = s.voided.max(latest);
         s.cool_until = now + pause_us;
         s.tokens = 0.0;
         s.ts = s.cool_until;
@@ -394,6 +404,7 @@ pub fn idle(s: &BucketState, ask: &Ask, now: f64) -> bool {
         && v.dec_rate <= 0.0
         && v.dec_until <= now
         && v.last <= now
+        && (v.voided <= 0.0 || v.voided + MICROS <= now)
 }
 
 /// Time after which an untouched bucket is [`idle`] again (µs), for key expiry.
@@ -407,8 +418,8 @@ pub fn time_to_idle(s: &BucketState, ask: &Ask, floor: f64, now: f64) -> f64 {
         0.0
     };
     let dec_window = (s.dec_until - now).max(0.0);
-    // Never forgotten while a start it handed out is ahead.
-    let handed_out = (s.last - now).max(0.0);
+    // Never forgotten while a start it handed out is ahead, voided or not.
+    let handed_out = (s.last.max(s.voided) - now).max(0.0);
     (until_ts + refill_time)
         .max(recovery)
         .max(dec_window)

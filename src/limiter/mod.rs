@@ -362,6 +362,8 @@ impl Limiter {
                         spot,
                     };
                     guard.wait().await;
+                    // Its start now: a waiter moved up when one ahead of it left.
+                    let start = guard.start;
                     guard.disarm();
                     // Re-check on waking — a cooldown started meanwhile voids the
                     // reservation — unless the store heard of none since we asked.
@@ -1024,5 +1026,122 @@ mod tests {
         let mut arrivals = arrivals.lock().unwrap().clone();
         let excess = worst_excess(&mut arrivals, 10.0, 1.0);
         assert!(excess <= 1e-6, "{excess} arrivals over 10·W + 1");
+    }
+
+    /// (Sixth session of 2026-12-07, a review) A waiter moved up to the start of one
+    /// that hung up leaves at that start, but its `Grant` named its own original start,
+    /// which went back to the store (or to the waiter behind it) when it moved. Its refund (the address
+    /// was refused after admission) gives that start back a second time: at 1/s, A (1 s),
+    /// B (2 s), C (3 s) wait; A hangs up, B moves to 1 s, C to 2 s, 3 s goes back. B's
+    /// refund at 1 s names 2 s, C's start: the next sender D is given 2 s, beside C.
+    #[tokio::test(start_paused = true)]
+    async fn a_moved_up_grant_refunds_the_start_it_took() {
+        let limiter = Limiter::new(Arc::new(MemoryStore::new()));
+        let p = at(1.0);
+        let t0 = Instant::now();
+        let arrivals: Arc<std::sync::Mutex<Vec<f64>>> = Arc::default();
+        let _r0 = limiter.admit("e", &p).await.unwrap();
+        arrivals.lock().unwrap().push(0.0);
+        let a = sender(&limiter, &p, t0, &arrivals, false);
+        until_waiting(&limiter, 1).await;
+        let b = sender(&limiter, &p, t0, &arrivals, false);
+        until_waiting(&limiter, 2).await;
+        let c = sender(&limiter, &p, t0, &arrivals, true);
+        until_waiting(&limiter, 3).await;
+        tokio::time::advance(Duration::from_millis(100)).await;
+        a.abort();
+        assert!(a.await.unwrap_err().is_cancelled());
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let grant = b.await.unwrap().expect("B leaves");
+        let left_at = (Instant::now() - t0).as_secs_f64();
+        assert!((left_at - 1.0).abs() < 0.01, "B left at {left_at}");
+        // B's address is refused: its token goes back.
+        limiter.refund("e", &p, grant).await;
+        let d = sender(&limiter, &p, t0, &arrivals, true);
+        c.await.unwrap().unwrap();
+        d.await.unwrap().unwrap();
+        let mut arrivals = arrivals.lock().unwrap().clone();
+        assert!(
+            worst_excess(&mut arrivals, 1.0, 1.0) <= 1e-6,
+            "arrivals at {arrivals:?} (1/s, burst 1); B's grant named start {:?} s",
+            grant.start - t0
+        );
+    }
+
+    /// (Sixth session of 2026-12-07, a review) A cooldown voids the reservations of
+    /// generation 0 and empties the bucket (`last` = 0), so the bucket was idle again
+    /// soon after it ended, while voided starts could still be ahead. The idle bucket went (the memory store's sweep; in Redis its
+    /// key expires), and the next one is made afresh, at generation 0 again: a voided
+    /// reservation of generation 0 is then confirmed, taking nothing, beside a fresh
+    /// burst. At 1/s, burst 1: W4 and W5 wait for 4 s and 5 s; a quota answer pauses
+    /// the endpoint 1 ms at 0.1 s; the senders of the starts between (on another replica)
+    /// hang up; N1 takes
+    /// 1.1 s. By 3.5 s the bucket is idle and swept; N2 leaves at 3.5 s, W4 confirms and
+    /// leaves at 4 s, N3 at 4.5 s, W5 at 5 s, N4 at 5.5 s: 5 in 2 s against 3.
+    #[tokio::test(start_paused = true)]
+    async fn a_voided_reservation_is_never_confirmed_by_a_bucket_made_afresh() {
+        let store = Arc::new(MemoryStore::new());
+        let limiter = Limiter::new(Arc::clone(&store) as Arc<dyn BucketStore>);
+        let p = Policy {
+            max_wait: Duration::from_secs(10),
+            ..at(1.0)
+        };
+        let t0 = Instant::now();
+        let arrivals: Arc<std::sync::Mutex<Vec<f64>>> = Arc::default();
+        limiter.admit("e", &p).await.unwrap();
+        arrivals.lock().unwrap().push(0.0);
+        // W1 to W3 wait on another replica (sharing the bucket), W4 and W5 on this one.
+        let other = Limiter::new(Arc::clone(&store) as Arc<dyn BucketStore>);
+        let mut gone = Vec::new();
+        let mut kept = Vec::new();
+        for i in 1..=3 {
+            gone.push(sender(&other, &p, t0, &arrivals, false));
+            until_waiting(&other, i).await;
+        }
+        for i in 1..=2 {
+            kept.push(sender(&limiter, &p, t0, &arrivals, true));
+            until_waiting(&limiter, i).await;
+        }
+        tokio::time::advance(Duration::from_millis(100)).await;
+        // A quota answer (`RateLimit: "q";r=0;t=0`, not a 429): a 1 ms pause, no decrease.
+        let ask = Ask::new(&p, 0.0, None);
+        limiter
+            .store
+            .feedback(
+                "e",
+                ask,
+                Adaptive::default(),
+                Duration::from_millis(1),
+                false,
+            )
+            .await
+            .unwrap();
+        for w in gone {
+            w.abort();
+            assert!(w.await.unwrap_err().is_cancelled());
+        }
+        tokio::time::advance(Duration::from_millis(100)).await;
+        kept.push(sender(&limiter, &p, t0, &arrivals, true));
+        until_waiting(&limiter, 3).await;
+        assert_eq!(other.waiting.count("e"), 0);
+        tokio::time::sleep_until(t0 + Duration::from_millis(3500)).await;
+        store.sweep_all();
+        for _ in 0..3 {
+            kept.push(sender(&limiter, &p, t0, &arrivals, true));
+            for _ in 0..5 {
+                tokio::task::yield_now().await;
+            }
+        }
+        for t in kept {
+            t.await.unwrap().unwrap();
+        }
+        let mut arrivals = arrivals.lock().unwrap().clone();
+        let excess = worst_excess(&mut arrivals, 1.0, 1.0);
+        assert!(
+            excess <= 1e-6,
+            "arrivals at {arrivals:?}: {excess} over 1·W + 1"
+        );
     }
 }
