@@ -257,6 +257,15 @@ local function save(s)
   return idle
 end
 
+--- Sets the expiry of an endpoint's lease set (lease.lua, renew.lua) from its latest
+--- lease's end, plus 1 s: never from the ttl of the call at hand.
+local function expire_leases(leases)
+  local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIRE', leases, math.ceil((tonumber(last[2]) - now) / 1000) + 1000)
+  end
+end
+
 --- What a replica is told of how long the bucket stays busy: until it is full again at
 --- the configured rate, and at least a slot after its latest start; never past `idle`
 --- (the time to idle, from which the key's expiry is set, counted at the floor rate

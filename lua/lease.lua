@@ -48,5 +48,7 @@ if not granted then
 end
 local busy = tostring(math.floor(busy_for(s, save(s))))
 redis.call('ZADD', leases, str(now + ttl), ARGV[7])
-redis.call('PEXPIRE', leases, math.ceil(ttl / 1000) + 1000)
+-- The set lives as long as its longest lease, whatever this call's ttl (a replica with a
+-- shorter `lease_ttl`, or one after a reload, used to cut every other lease short).
+expire_leases(leases)
 return { 1, str(us), s.g, 0, busy, s.n, str(now + us), lost and 1 or 0 }

@@ -20,5 +20,7 @@ if ARGV[6] ~= '1' and not redis.call('ZSCORE', leases, ARGV[5]) then
   return 0
 end
 redis.call('ZADD', leases, str(now + ttl), ARGV[5])
-redis.call('PEXPIRE', leases, math.ceil(ttl / 1000) + 1000)
+-- The set lives as long as its longest lease, whatever this call's ttl (a replica with a
+-- shorter `lease_ttl`, or one after a reload, used to cut every other lease short).
+expire_leases(leases)
 return 1

@@ -422,15 +422,24 @@ impl<S: SenderIo> Lane<S> {
 
         // The response head (in `out`) with the body bytes that came with it, then the
         // rest of the body as it comes.
-        let mut relay = answer.framing;
+        // Until the body's end the relay holds the upstream connection and the slot:
+        // however this stops before it (a failed write, or this future dropped when the
+        // sender's connection is closed at `idle_timeout` because it stopped reading),
+        // the rest is drained for the receiver holding the slot.
+        let mut relaying = Relaying {
+            up: Some(up),
+            relay: answer.framing,
+            slot,
+            limit,
+        };
+        let (up, relay) = relaying.parts();
         let (now, keep) = relay.take(&up.buf).map_err(Failure::Io)?;
         self.out.extend_from_slice(&up.buf[..keep]);
         self.out.extend_from_slice(relay.end());
         up.buf.advance(now);
-        if let Err(e) = write_all(&mut self.stream, &self.out).await {
-            drain_for_the_receiver(up, relay, slot, limit);
-            return Err(Failure::Io(e));
-        }
+        write_all(&mut self.stream, &self.out)
+            .await
+            .map_err(Failure::Io)?;
         self.activity.touch();
         // From here the connection is idle when no byte moves (a sender that stops
         // reading the body is closed at `idle_timeout`).
@@ -456,14 +465,12 @@ impl<S: SenderIo> Lane<S> {
             };
             let written = write_all(&mut self.stream, bytes).await;
             up.buf.advance(n);
-            if let Err(e) = written {
-                drain_for_the_receiver(up, relay, slot, limit);
-                return Err(Failure::Io(e));
-            }
+            written.map_err(Failure::Io)?;
             self.activity.touch();
         }
-        drop(slot);
         let delimited = relay.delimited();
+        let (up, slot) = relaying.done();
+        drop(slot);
         if delimited && !answer.close && up.buf.is_empty() {
             self.up = Some(up);
         }
@@ -1499,6 +1506,43 @@ async fn write_all<T: AsyncWrite + Unpin>(stream: &mut T, bytes: &[u8]) -> io::R
 /// until the body ends, the receiver closes, or no byte came for `limit`. Before, the
 /// upstream connection was closed and the slot freed at once, and a receiver had 5
 /// requests in flight where `max_in_flight` was 2.
+/// A response body on its way to the sender, with the upstream connection it comes on
+/// and the request's slot. Dropped before [`Relaying::done`] (a write to the sender
+/// failed, or the lane's future was dropped at `idle_timeout` while a write waited on a
+/// sender that stopped reading), the rest of the body is drained for the receiver
+/// holding the slot, as on hyper's path: until the sixth session of 2026-12-07 the
+/// timeout released the slot at once, and the next request reached a receiver still at
+/// work on this one (2 in flight where `max_in_flight = 1`).
+struct Relaying {
+    up: Option<Upstream>,
+    relay: Framing,
+    slot: Option<crate::limiter::Slot>,
+    limit: Duration,
+}
+
+impl Relaying {
+    /// The upstream connection and the body's framing, to relay with.
+    fn parts(&mut self) -> (&mut Upstream, &mut Framing) {
+        let up = self.up.as_mut().expect("relaying until done");
+        (up, &mut self.relay)
+    }
+
+    /// The body is through: the upstream connection and the slot, nothing drained.
+    fn done(mut self) -> (Upstream, Option<crate::limiter::Slot>) {
+        let up = self.up.take().expect("relaying until done");
+        (up, self.slot.take())
+    }
+}
+
+impl Drop for Relaying {
+    fn drop(&mut self) {
+        if let Some(up) = self.up.take() {
+            let relay = std::mem::replace(&mut self.relay, Framing::Length(0));
+            drain_for_the_receiver(up, relay, self.slot.take(), self.limit);
+        }
+    }
+}
+
 fn drain_for_the_receiver(
     mut up: Upstream,
     mut relay: Framing,

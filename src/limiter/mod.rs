@@ -462,7 +462,17 @@ impl Limiter {
                 max,
                 ttl_us: micros(policy.lease_ttl),
             };
+            let pending = PendingLease {
+                store: &self.store,
+                endpoint,
+                ask,
+                id: lease.id,
+            };
             let leased = self.store.acquire_leased(endpoint, ask, lease).await;
+            if leased.is_ok() {
+                // Answered: the lease is held (its `Slot` releases it) or was not taken.
+                std::mem::forget(pending);
+            }
             let retry_us = match leased.map_err(|_| Refusal::StoreUnavailable)? {
                 Leased::Took(o @ Outcome::Granted { .. }) => {
                     let (store, gates) = (Arc::clone(&self.store), Arc::clone(&self.gates));
@@ -587,6 +597,33 @@ struct Reservation {
     waiting: Arc<Waiting>,
     /// ...and its place among them.
     spot: Spot,
+}
+
+/// A leased acquire whose answer has not come. Dropped so (the call failed, timed out,
+/// or the request went away while waiting for it), the script may still run in the
+/// store and add the lease, which nothing would renew or release: the slot stayed taken
+/// for `lease_ttl` with nothing in flight (a review, sixth session of 2026-12-07). Its
+/// release is sent from the same thread, so on the thread's own store connection it
+/// comes after the call.
+struct PendingLease<'a> {
+    store: &'a Arc<dyn BucketStore>,
+    endpoint: &'a Arc<str>,
+    ask: Ask,
+    id: u64,
+}
+
+impl Drop for PendingLease<'_> {
+    fn drop(&mut self) {
+        let (store, endpoint) = (Arc::clone(self.store), Arc::clone(self.endpoint));
+        let (ask, id) = (self.ask, self.id);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = store.release_lease(&endpoint, ask, id).await {
+                    tracing::debug!(endpoint = %endpoint, error = %e, "could not release an unanswered lease");
+                }
+            });
+        }
+    }
 }
 
 impl Reservation {
