@@ -22,6 +22,8 @@ pub const HEARTBEAT_TTL: Duration = Duration::from_secs(6);
 #[derive(Debug)]
 pub struct Peers {
     seen: AtomicUsize,
+    /// The store stopped answering since the last count was heard.
+    lost: std::sync::atomic::AtomicBool,
     /// The highest count heard, and when it was last heard.
     high: Mutex<(usize, Instant)>,
     min: usize,
@@ -32,6 +34,7 @@ impl Peers {
     pub fn new(min: usize) -> Peers {
         Peers {
             seen: AtomicUsize::new(0),
+            lost: std::sync::atomic::AtomicBool::new(false),
             high: Mutex::new((0, Instant::now())),
             min: min.max(1),
         }
@@ -44,10 +47,18 @@ impl Peers {
     /// because the store lost its state (restarted empty) just before this replica
     /// registered again. Counting itself alone then, a replica took the whole rate during
     /// the next outage while the others took their shares (15.6/s against 10).
+    ///
+    /// Time the store spent not answering does not count towards that: the replicas
+    /// counted went unheard because nothing could be heard. (Until the sixth session of
+    /// 2026-12-07, the first replica back from an outage longer than the ttl counted
+    /// itself alone, and took the whole rate if the store failed again soon after.)
     pub(super) fn heard(&self, n: usize) {
         let now = Instant::now();
         let counted = {
             let mut high = self.high.lock().unwrap_or_else(PoisonError::into_inner);
+            if self.lost.swap(false, Ordering::AcqRel) {
+                high.1 = now;
+            }
             if n >= high.0 || now.duration_since(high.1) >= HEARTBEAT_TTL {
                 *high = (n, now);
             }
@@ -56,6 +67,12 @@ impl Peers {
         if counted != self.seen.swap(counted, Ordering::Relaxed) {
             tracing::info!(replicas = counted, "replicas sharing the store");
         }
+    }
+
+    /// The store stopped answering: the count heard before stands until the store has
+    /// answered for [`HEARTBEAT_TTL`] again.
+    pub(super) fn store_lost(&self) {
+        self.lost.store(true, Ordering::Release);
     }
 
     /// The number of replicas this one shares each limit with (≥ 1).
