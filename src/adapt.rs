@@ -91,10 +91,15 @@ pub fn feedback(
         // (before, it was ignored, and the whole burst followed it).
         let asked =
             headers.contains_key(http::header::RETRY_AFTER) || headers.contains_key(RETRY_AFTER_MS);
-        return asked.then(|| Feedback {
-            pause: clamp(retry_after(headers, now).unwrap_or(policy.default_cooldown)),
-            throttled: true,
-        });
+        if asked {
+            return Some(Feedback {
+                pause: clamp(retry_after(headers, now).unwrap_or(policy.default_cooldown)),
+                throttled: true,
+            });
+        }
+        // Without them it is no throttle, but quota headers saying "exhausted" still
+        // pause as on any other status (until the sixth session of 2026-12-07 a 503
+        // dropped them).
     }
     exhausted_until(headers, now)
         .filter(|d| !d.is_zero())
@@ -274,6 +279,34 @@ mod tests {
 
     fn now() -> SystemTime {
         UNIX_EPOCH + Duration::from_secs(1_780_000_000)
+    }
+
+    /// (Sixth session of 2026-12-07, a review) A 503 without `Retry-After` is no
+    /// throttle, but its quota headers saying "exhausted" pause as on a 500: they were
+    /// dropped.
+    #[test]
+    fn a_503_saying_the_quota_is_exhausted_pauses_like_a_500_does() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "ratelimit",
+            HeaderValue::from_static("\"default\";r=0;t=30"),
+        );
+        let paused = |status| feedback(status, &h, now(), &POLICY);
+        let expected = Some(Feedback {
+            pause: Duration::from_secs(30),
+            throttled: false,
+        });
+        assert_eq!(paused(StatusCode::INTERNAL_SERVER_ERROR), expected);
+        assert_eq!(paused(StatusCode::SERVICE_UNAVAILABLE), expected);
+        assert_eq!(
+            feedback(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &HeaderMap::new(),
+                now(),
+                &POLICY
+            ),
+            None
+        );
     }
 
     /// The quick check in front of `feedback` never hides a header `feedback` reads.

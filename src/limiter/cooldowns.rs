@@ -9,6 +9,14 @@
 //! since, no cooldown can have voided it and it goes; otherwise (subscription down or
 //! reconnected meanwhile, or a notice arrived) it confirms with the store as before.
 //! Redis does not buffer pub/sub messages for a dropped subscriber, hence "up since".
+//!
+//! A subscription can also die without a word (a NAT or firewall dropping the idle
+//! flow, a partition, a host gone without a reset): nothing ends the stream then, and
+//! until the sixth session of 2026-12-07 it vouched for waiters until the process
+//! restarted, so they left during cooldowns they never heard of. The subscription is
+//! now pinged every [`PING_EVERY`] through itself: a ping unanswered within
+//! [`PING_WITHIN`] ends it (and a new one is made), and it vouches for nobody while its
+//! last answer is older than [`STALE_AFTER`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -23,11 +31,20 @@ use tokio::time::Instant;
 const MAX_NOTICES: usize = 10_000;
 /// Pause between subscription attempts while Redis is unreachable.
 const RETRY_EVERY: Duration = Duration::from_millis(250);
+/// How often the subscription is pinged through itself.
+pub(crate) const PING_EVERY: Duration = Duration::from_millis(200);
+/// A ping unanswered for this long ends the subscription.
+const PING_WITHIN: Duration = Duration::from_millis(500);
+/// With no ping answered for this long, the subscription vouches for nobody.
+pub(crate) const STALE_AFTER: Duration = Duration::from_millis(800);
 
 #[derive(Default)]
 struct State {
     /// When the current subscription was confirmed; `None` while there is none.
     subscribed_since: Option<Instant>,
+    /// When the last ping answered through it was sent: every notice Redis sent before
+    /// that has arrived.
+    answered: Option<Instant>,
     /// Bucket key → when its last cooldown notice arrived.
     notices: HashMap<String, Instant>,
 }
@@ -48,12 +65,20 @@ impl CooldownWatch {
     pub(crate) fn quiet_since(&self, key: &str, since: Instant) -> bool {
         let s = self.lock();
         s.subscribed_since.is_some_and(|t| t <= since)
+            && Self::fresh(&s)
             && s.notices.get(key).is_none_or(|t| *t < since)
     }
 
-    /// Whether the subscription is up now (held tokens could be vouched for).
+    /// Whether the subscription is up now and answered a ping lately (held tokens could
+    /// be vouched for).
     pub(crate) fn listening(&self) -> bool {
-        self.lock().subscribed_since.is_some()
+        let s = self.lock();
+        s.subscribed_since.is_some() && Self::fresh(&s)
+    }
+
+    /// A ping through the subscription was answered within [`STALE_AFTER`].
+    fn fresh(s: &State) -> bool {
+        s.answered.is_some_and(|t| t.elapsed() <= STALE_AFTER)
     }
 
     /// Notes the subscription up (from now) or down.
@@ -62,7 +87,18 @@ impl CooldownWatch {
     }
 
     fn subscribed_at(&self, at: Option<Instant>) {
-        self.lock().subscribed_since = at;
+        let mut s = self.lock();
+        s.subscribed_since = at;
+        // The subscription's own confirmation is its first answer.
+        s.answered = at;
+    }
+
+    /// A ping sent at `sent` was answered through the subscription.
+    fn alive(&self, sent: Instant) {
+        let mut s = self.lock();
+        if s.subscribed_since.is_some() {
+            s.answered = Some(sent);
+        }
     }
 
     fn notice(&self, key: String) {
@@ -106,17 +142,60 @@ async fn listen(
     watch: &Arc<CooldownWatch>,
     heard: &Counter,
 ) -> Result<(), redis::RedisError> {
-    let mut pubsub = client.get_async_pubsub().await?;
-    pubsub.subscribe(channel).await?;
+    let pubsub = client.get_async_pubsub().await?;
+    let (mut sink, mut messages) = pubsub.split();
+    sink.subscribe(channel).await?;
     watch.subscribed(true);
-    let mut messages = pubsub.on_message();
-    while let Some(msg) = messages.next().await {
-        if let Ok(key) = msg.get_payload::<String>() {
-            watch.notice(key);
-            heard.inc();
+    // Pinged through itself on a task of its own, so notices are read meanwhile.
+    let (dead_tx, mut dead) = tokio::sync::oneshot::channel();
+    let w = Arc::clone(watch);
+    let _pinger = AbortOnDrop(tokio::spawn(async move {
+        let mut every = tokio::time::interval(PING_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        every.tick().await;
+        loop {
+            every.tick().await;
+            let sent = Instant::now();
+            let error = match tokio::time::timeout(PING_WITHIN, sink.ping::<redis::Value>()).await {
+                Ok(Ok(_)) => {
+                    w.alive(sent);
+                    continue;
+                }
+                Ok(Err(e)) => e,
+                Err(_) => silent(),
+            };
+            let _ = dead_tx.send(error);
+            return;
+        }
+    }));
+    loop {
+        tokio::select! {
+            msg = messages.next() => {
+                let Some(msg) = msg else { return Ok(()) };
+                if let Ok(key) = msg.get_payload::<String>() {
+                    watch.notice(key);
+                    heard.inc();
+                }
+            }
+            e = &mut dead => return Err(e.unwrap_or_else(|_| silent())),
         }
     }
-    Ok(())
+}
+
+fn silent() -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::Io,
+        "the cooldown subscription did not answer a ping",
+    ))
+}
+
+/// Aborts its task when dropped (the subscription's pinger ends with it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[cfg(test)]
