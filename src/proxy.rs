@@ -699,15 +699,28 @@ async fn forward_request(
     // sender gives up meanwhile (and this future is dropped), the receiver's answer is
     // still heeded (a 429 starts its cooldown) and the in-flight slot, which is the
     // receiver's, is held until that answer.
+    // (Sixth session of 2026-12-07, a review.) The answer's body takes the slot on that
+    // task too, and a refused address gives its token back there: a sender gone before
+    // the answer's head used to free the slot at the head (the body cut off, and the
+    // next requests let in while the receiver still sent it: 4 in flight where
+    // `max_in_flight = 2`), and to lose the refund.
+    let (drain, stall) = (app.forwarder.timeout(), rt.config.proxy.idle_timeout);
     let (app_, conn_) = (Arc::clone(app), Arc::clone(conn));
     let exchange = tokio::spawn(async move {
+        let mut admitted = admitted;
         let sent_to = app_.forwarder.send_via(&conn_.upstream, req).await;
-        if let Ok(r) = &sent_to {
-            // Counted here, with the answer: also when the sender is gone by now.
-            app_.metrics
-                .upstream_code(&admitted.label, r.status().as_u16());
-            heed(&app_, &admitted, r.status(), r.headers()).await;
+        match &sent_to {
+            Ok(r) => {
+                // Counted here, with the answer: also when the sender is gone by now.
+                app_.metrics
+                    .upstream_code(&admitted.label, r.status().as_u16());
+                heed(&app_, &admitted, r.status(), r.headers()).await;
+            }
+            Err(ForwardError::Denied(_)) => refund(&app_, &admitted).await,
+            Err(_) => {}
         }
+        let slot = admitted.slot.take();
+        let sent_to = sent_to.map(|r| r.map(|body| HeldBody::new(body, slot, drain, stall)));
         (sent_to, admitted)
     });
     let (sent_to, admitted) = exchange
@@ -724,13 +737,12 @@ async fn forward_request(
     });
     let resp = match sent_to {
         Ok(r) => r,
-        Err(e) => {
-            let failing = Box::pin(after_admission(app, &admitted, e));
-            return Err(failing.await);
-        }
+        // Refunded on the exchange's task when nothing left for the receiver.
+        Err(e) => return Err(refused_after(&admitted, e)),
     };
     trace.upstream = Some(sent.elapsed());
-    let slot = counted(app, admitted, resp.status(), trace);
+    // The slot went with the body, on the exchange's task.
+    let _ = counted(app, admitted, resp.status(), trace);
     let mut resp = resp;
     // Framed twice by the upstream: its chunked framing won (hyper decoded it), so its
     // `Content-Length` says nothing true of the body (RFC 9112 §6.3).
@@ -740,8 +752,7 @@ async fn forward_request(
     one_content_length(resp.headers_mut());
     strip_hop_by_hop(resp.headers_mut());
     strip_sluice_headers(resp.headers_mut());
-    let (drain, stall) = (app.forwarder.timeout(), rt.config.proxy.idle_timeout);
-    Ok(resp.map(|body| Either::Left(HeldBody::new(body, slot, drain, stall))))
+    Ok(resp.map(Either::Left))
 }
 
 /// Says the upstream's `Content-Length` once: a repeated or listed equal value is one
@@ -864,10 +875,22 @@ fn counted(app: &App, admitted: Admitted, status: StatusCode, trace: &mut Trace)
 /// refunding would let a sender that breaks its bodies send heads without limit (before,
 /// 30 abandoned uploads reached a receiver in 1 s against a bound of 8).
 pub(crate) async fn after_admission(app: &App, a: &Admitted, e: ForwardError) -> Refused {
-    let nothing_left = matches!(e, ForwardError::Denied(_));
-    if nothing_left && a.grant.generation != NO_TOKEN {
+    if matches!(e, ForwardError::Denied(_)) {
+        refund(app, a).await;
+    }
+    refused_after(a, e)
+}
+
+/// Gives back the token of an admitted request that never left (its address was
+/// refused).
+async fn refund(app: &App, a: &Admitted) {
+    if a.grant.generation != NO_TOKEN {
         app.limiter.refund(&a.ep.id, &a.ep.policy, a.grant).await;
     }
+}
+
+/// The refusal answering a send that failed after admission (any refund made).
+fn refused_after(a: &Admitted, e: ForwardError) -> Refused {
     Refused {
         label: Some(a.label.clone()),
         error: upstream_error(e),
