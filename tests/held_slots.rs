@@ -142,25 +142,13 @@ async fn a_sender_that_leaves_before_the_head_keeps_its_slot_until_the_body_ends
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_h2_stream_reset_before_the_head_keeps_its_slot_until_the_body_ends() {
     use common::tls::TestPki;
-    use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
     const THINK: Duration = Duration::from_millis(400);
     const HOLD: Duration = Duration::from_millis(1200);
     let dir = tempfile::tempdir().unwrap();
     let files = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
     let pki = TestPki::new(&["localhost"]);
     let upstream_ca = pki.write_ca(dir.path());
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![pki.leaf.clone()],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(pki.leaf_key.clone())),
-        )
-        .unwrap();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = pki.acceptor();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let seen: Arc<std::sync::Mutex<Vec<(String, Instant, Instant)>>> = Arc::default();

@@ -1371,20 +1371,7 @@ async fn a_tls_upstream_connection_holding_stray_bytes_is_not_reused() {
     let dir = tempfile::tempdir().unwrap();
     let pki = TestPki::new(&["localhost"]);
     // The raw TLS receiver.
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![pki.leaf.clone()],
-            rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
-                pki.leaf_key.clone(),
-            )),
-        )
-        .unwrap();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = pki.acceptor();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let up_addr = listener.local_addr().unwrap();
     let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));

@@ -519,6 +519,18 @@ mod tests {
         assert!(s.tokens.abs() < 1e-9);
     }
 
+    /// Rate 10, burst 1, halved by a 429 and back over 10 s.
+    fn climbing() -> Policy {
+        Policy {
+            adaptive: Some(Adaptive {
+                decrease: 0.5,
+                recovery: Duration::from_secs(10),
+                ..Adaptive::default()
+            }),
+            ..policy(10.0, 1.0)
+        }
+    }
+
     /// The most starts in any window of `w` µs, against `rate·w + burst`.
     fn worst_excess(starts: &mut [f64], rate: f64, burst: f64) -> f64 {
         starts.sort_by(f64::total_cmp);
@@ -539,14 +551,7 @@ mod tests {
         // pause got starts 1/5 s apart (the rate then); senders asking later, as the
         // balance refilled at the climbing rate, were given starts among theirs: 125
         // arrivals in 10 s against 101.
-        let p = Policy {
-            adaptive: Some(Adaptive {
-                decrease: 0.5,
-                recovery: Duration::from_secs(10),
-                ..Adaptive::default()
-            }),
-            ..policy(10.0, 1.0)
-        };
+        let p = climbing();
         let a = p.adaptive.unwrap();
         let ask = Ask::new(&p, 100.0 * S, None);
         let mut s = fresh(1.0, 0.0);
@@ -574,14 +579,7 @@ mod tests {
         // refused): its token comes back 50 ms later, a start already past with 30
         // reservations behind it. That lowered `last` to 7.9 s, and senders asking
         // later got starts among the slower ones again: 12 arrivals over the bound.
-        let p = Policy {
-            adaptive: Some(Adaptive {
-                decrease: 0.5,
-                recovery: Duration::from_secs(10),
-                ..Adaptive::default()
-            }),
-            ..policy(10.0, 1.0)
-        };
+        let p = climbing();
         let a = p.adaptive.unwrap();
         let ask = Ask::new(&p, 100.0 * S, None);
         let mut s = fresh(1.0, 0.0);

@@ -21,6 +21,22 @@ pub struct TestPki {
 }
 
 impl TestPki {
+    /// A TLS acceptor serving the leaf, offering HTTP/1.1 only.
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![self.leaf.clone()],
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.leaf_key.clone())),
+            )
+            .unwrap();
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
+    }
+
     pub fn new(names: &[&str]) -> TestPki {
         let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -59,18 +75,7 @@ pub struct TlsUpstream {
 
 impl TlsUpstream {
     pub async fn start(pki: &TestPki, responder: Responder) -> TlsUpstream {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(
-                vec![pki.leaf.clone()],
-                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(pki.leaf_key.clone())),
-            )
-            .unwrap();
-        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+        let acceptor = pki.acceptor();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let arrivals = Arc::new(Mutex::new(Vec::new()));
