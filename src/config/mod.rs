@@ -708,7 +708,8 @@ pub fn check_endpoint_id(id: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Hides the password of a `redis://user:pass@host` URL.
+/// Hides the password of a `redis://user:pass@host` URL; of a string that is no such
+/// URL (a mistyped scheme), everything before its last `@`.
 pub fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
@@ -718,6 +719,7 @@ pub fn redact(url: &str) -> String {
                 None => format!("{}***{}", &url[..s + 3], &url[at..]),
             }
         }
+        (_, Some(at)) => format!("***{}", &url[at..]),
         _ => url.to_owned(),
     }
 }
@@ -1004,6 +1006,51 @@ mod tests {
         assert!(i[0].message.contains("at least 1s"), "{}", i[0].message);
         let ok = Config::parse("[defaults]\nlease_ttl = \"1s\"\n").unwrap();
         assert_eq!(ok.defaults.lease_ttl, MIN_LEASE_TTL);
+    }
+
+    /// (Sixth session of 2026-12-07, a review) A store URL `run` cannot parse is refused
+    /// by `check` at its line (it passed), without the password; so is a mistyped
+    /// scheme, whose password the message used to print.
+    #[test]
+    fn a_store_url_redis_cannot_read_is_refused_at_its_line_without_its_password() {
+        for url in ["redis://h:notaport/", "redis://:s3cr#tz@h:6379/"] {
+            let i = issues(&format!(
+                "[store]\nbackend = \"redis\"\nurls = [\"{url}\"]\n"
+            ));
+            let at: Vec<(usize, &str)> = i.iter().map(|i| (i.line, i.key.as_str())).collect();
+            assert_eq!(at, [(3, "store.urls")], "{url}: {i:?}");
+            assert!(!i[0].message.contains("s3cr"), "{}", i[0].message);
+        }
+        let i = issues("[store]\nbackend = \"redis\"\nurls = [\"redis:/:hunter2@h:6379/\"]\n");
+        assert_eq!(i.len(), 1, "{i:?}");
+        assert!(!i[0].message.contains("hunter2"), "{}", i[0].message);
+        let ok = "[store]\nbackend = \"redis\"\nurls = [\"rediss://:p%2Fw@h:6379/0\"]\n";
+        assert!(Config::parse(ok).is_ok());
+    }
+
+    /// (Sixth session of 2026-12-07, a review) A host glob with a port, a scheme or a
+    /// trailing dot can never match (hosts are matched normalised, without them): in
+    /// `passthrough_hosts` it let the host be intercepted. Refused at its line.
+    #[test]
+    fn a_host_glob_that_can_never_match_is_refused() {
+        for g in [
+            "localhost:18443",
+            "https://pay.example.com",
+            "login.example.com.",
+        ] {
+            let text = format!(
+                "[tls]\npassthrough_hosts = [\"{g}\"]\n[security]\nallowed_hosts = [\"{g}\"]\n"
+            );
+            let i = issues(&text);
+            let at: Vec<(usize, &str)> = i.iter().map(|i| (i.line, i.key.as_str())).collect();
+            assert_eq!(
+                at,
+                [(2, "tls.passthrough_hosts"), (4, "security.allowed_hosts")],
+                "{g}: {i:?}"
+            );
+        }
+        let ok = "[tls]\npassthrough_hosts = [\"*.bank.example\", \"localhost\"]\n";
+        assert!(Config::parse(ok).is_ok());
     }
 
     /// (2026-12-07, fifth session) On `redis-cluster` a brace in `key_prefix` would

@@ -268,6 +268,16 @@ impl Reader<'_> {
         let mut len = 0;
         let mut patterns = Vec::new();
         for (g, at) in self.strings(t, path, name) {
+            // Hosts are matched normalised (no scheme, port or trailing dot): such a
+            // glob would never match, and its host be treated as unlisted.
+            if g.contains([':', '/']) || g.ends_with('.') {
+                self.issue(
+                    at,
+                    &join(path, name),
+                    format!("\"{g}\" can never match: list host names alone, without a scheme, port or trailing dot"),
+                );
+                continue;
+            }
             match Glob::new(&g.to_ascii_lowercase()) {
                 Ok(glob) => {
                     b.add(glob);

@@ -242,6 +242,19 @@ impl Reader<'_> {
                     "store.urls",
                     format!("\"{}\" must start with redis:// or rediss://", redact(u)),
                 );
+            } else if let Err(e) = redis::IntoConnectionInfo::into_connection_info(u.as_str()) {
+                // Parsed here as the store will parse it (it passed `check` and failed
+                // `run` until the sixth session of 2026-12-07), after `${ENV}`: a
+                // password holding `/`, `#`, `?` or `@` must be percent-encoded.
+                self.issue(
+                    *at,
+                    "store.urls",
+                    format!(
+                        "\"{}\" is not a Redis URL ({}); percent-encode a password's `/`, `#`, `?` and `@`",
+                        redact(u),
+                        e.category()
+                    ),
+                );
             }
         }
         let at = t.get("urls").map_or(0, |v| v.span().start);
