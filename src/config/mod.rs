@@ -1081,6 +1081,21 @@ mod tests {
         );
     }
 
+    /// (Sixth session of 2026-12-07, a review) Any `Proxy-*` endpoint header is refused
+    /// (`Proxy-Status` passed), and a wildcard listener clashes with the other one on
+    /// its port.
+    #[test]
+    fn a_proxy_header_and_a_listener_clash_on_a_wildcard_are_refused() {
+        let i = issues("[proxy]\nendpoint_header = \"Proxy-Status\"\n");
+        assert_eq!(i.len(), 1, "{i:?}");
+        assert_eq!((i[0].line, i[0].key.as_str()), (2, "proxy.endpoint_header"));
+        let i = issues("[proxy]\nlisten = \"0.0.0.0:18080\"\nadmin_listen = \"127.0.0.1:18080\"\n");
+        assert_eq!(i.len(), 1, "{i:?}");
+        assert_eq!((i[0].line, i[0].key.as_str()), (3, "proxy.admin_listen"));
+        let ok = "[proxy]\nlisten = \"0.0.0.0:18080\"\nadmin_listen = \"127.0.0.1:18081\"\n";
+        assert!(Config::parse(ok).is_ok());
+    }
+
     /// A floor above an inherited rate is reported at the floor's line (before: at
     /// 1:1, under `defaults.rate`, a key the file did not have).
     #[test]

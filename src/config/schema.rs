@@ -117,7 +117,12 @@ impl Reader<'_> {
         let endpoint_header = match self.string(t, p, "endpoint_header") {
             None => HeaderName::from_static("x-endpoint-id"),
             Some((s, at)) => match HeaderName::from_bytes(s.as_bytes()) {
-                Ok(h) if RESERVED_HEADERS.contains(&h.as_str()) => {
+                // (Sixth session of 2026-12-07) Every `Proxy-*` header, as SPEC says: a
+                // listed three used to be all.
+                Ok(h)
+                    if RESERVED_HEADERS.contains(&h.as_str())
+                        || h.as_str().starts_with("proxy-") =>
+                {
                     self.issue(
                         at,
                         "proxy.endpoint_header",
@@ -152,7 +157,14 @@ impl Reader<'_> {
         let listen = self.addr(t, p, "listen", "127.0.0.1:8080");
         let admin_listen = self.addr(t, p, "admin_listen", "127.0.0.1:9090");
         // Port 0 picks a free port for each: only a fixed address can be taken twice.
-        if listen == admin_listen && listen.port() != 0 {
+        // A wildcard address takes its port on every address (until the sixth session of
+        // 2026-12-07 `0.0.0.0:8080` beside `127.0.0.1:8080` passed `check`, and `run`
+        // could not listen).
+        let clash = listen.port() == admin_listen.port()
+            && (listen.ip() == admin_listen.ip()
+                || listen.ip().is_unspecified()
+                || admin_listen.ip().is_unspecified());
+        if clash && listen.port() != 0 {
             let at = t.get("admin_listen").map_or(0, |v| v.span().start);
             self.issue(
                 at,
