@@ -357,9 +357,9 @@ impl Resilient {
                 .unwrap_or_else(PoisonError::into_inner);
             self.rejoin_under_way.store(true, Ordering::Release);
         }
-        let r = self.rejoin_now().await;
-        self.rejoin_under_way.store(false, Ordering::Release);
-        r
+        // Lowered however the rejoin ends, a call dropped mid-way included.
+        let _under_way = Lowers(&self.rejoin_under_way);
+        self.rejoin_now().await
     }
 
     /// [`Resilient::rejoin`]'s steps, under its lock.
@@ -543,6 +543,15 @@ impl Resilient {
                 Err(e)
             }
         }
+    }
+}
+
+/// Lowers its flag when dropped.
+struct Lowers<'a>(&'a AtomicBool);
+
+impl Drop for Lowers<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
