@@ -742,7 +742,7 @@ async fn forward_request(
     };
     trace.upstream = Some(sent.elapsed());
     // The slot went with the body, on the exchange's task.
-    let _ = counted(app, admitted, resp.status(), trace);
+    counted(app, &admitted, resp.status(), trace);
     let mut resp = resp;
     // Framed twice by the upstream: its chunked framing won (hyper decoded it), so its
     // `Content-Length` says nothing true of the body (RFC 9112 §6.3).
@@ -845,7 +845,8 @@ pub(crate) async fn answered(
 ) -> Option<Slot> {
     heed(app, &admitted, status, headers).await;
     app.metrics.upstream_code(&admitted.label, status.as_u16());
-    counted(app, admitted, status, trace)
+    counted(app, &admitted, status, trace);
+    admitted.slot
 }
 
 /// Feeds an answer to the endpoint's adaptive state when it carries something (429s,
@@ -860,12 +861,11 @@ async fn heed(app: &App, admitted: &Admitted, status: StatusCode, headers: &Head
 }
 
 /// Counts the outcome of an answered request and traces it (its status code is
-/// counted with the answer, where the exchange ran); returns the in-flight slot.
-fn counted(app: &App, admitted: Admitted, status: StatusCode, trace: &mut Trace) -> Option<Slot> {
+/// counted with the answer, where the exchange ran).
+fn counted(app: &App, admitted: &Admitted, status: StatusCode, trace: &mut Trace) {
     trace.status = Some(status.as_u16());
     trace.outcome = admitted.outcome;
     app.metrics.outcome(&admitted.label, admitted.outcome);
-    admitted.slot
 }
 
 /// A send that failed after admission: when nothing left for the receiver (the resolved

@@ -288,9 +288,8 @@ impl Limiter {
                 });
             }
         }
-        let mut held = None;
-        // The start of the reservation being confirmed (and on the store's clock).
-        let mut reserved: Option<(Instant, Option<f64>)> = None;
+        // The reservation being confirmed: its generation and its start.
+        let mut held: Option<(u64, Start)> = None;
         loop {
             // When this outcome was asked for: a cooldown notice since then means
             // confirming, and its start is counted from then. (Until 2026-12-07 a
@@ -302,7 +301,7 @@ impl Limiter {
                 None => {
                     let now = Instant::now();
                     let budget = policy.max_wait.saturating_sub(now - started);
-                    let ask = Ask::new(policy, micros(budget), held);
+                    let ask = Ask::new(policy, micros(budget), held.map(|(g, _)| g));
                     let outcome = self
                         .store
                         .acquire(endpoint, ask)
@@ -326,8 +325,8 @@ impl Limiter {
                     at_us,
                 } if wait_us <= 0.0 => {
                     // A confirmed reservation's own start is the one it waited for.
-                    let (start, at_us) = match &reserved {
-                        Some(due) if held == Some(generation) => *due,
+                    let (start, at_us) = match held {
+                        Some((g, start)) if g == generation => (start.due, start.at_us),
                         _ => (asked, at_us),
                     };
                     return Ok(Grant {
@@ -375,8 +374,7 @@ impl Limiter {
                             at_us: start.at_us,
                         });
                     }
-                    held = Some(generation);
-                    reserved = Some((start.due, start.at_us));
+                    held = Some((generation, start));
                 }
             }
         }
@@ -470,8 +468,7 @@ impl Limiter {
             };
             let leased = self.store.acquire_leased(endpoint, ask, lease).await;
             if leased.is_ok() {
-                // Answered: the lease is held (its `Slot` releases it) or was not taken.
-                std::mem::forget(pending);
+                pending.answered();
             }
             let retry_us = match leased.map_err(|_| Refusal::StoreUnavailable)? {
                 Leased::Took(o @ Outcome::Granted { .. }) => {
@@ -547,14 +544,18 @@ impl Limiter {
             // (Until the sixth session of 2026-12-07 "due now" whenever it was: a start
             // that went by with reservations behind it gave its token back, and the
             // next request left beside the latest of them.)
-            due_in_us: micros(grant.start.saturating_duration_since(now))
-                - micros(now.saturating_duration_since(grant.start)),
+            due_in_us: micros_until(grant.start, now),
             at_us: grant.at_us,
         };
         if let Err(e) = self.store.release(endpoint, ask, unused).await {
             tracing::debug!(endpoint, error = %e, "could not refund a token");
         }
     }
+}
+
+/// Microseconds from `now` until `at` (negative: `at` went by).
+fn micros_until(at: Instant, now: Instant) -> f64 {
+    micros(at.saturating_duration_since(now)) - micros(now.saturating_duration_since(at))
 }
 
 fn micros(d: Duration) -> f64 {
@@ -612,6 +613,13 @@ struct PendingLease<'a> {
     id: u64,
 }
 
+impl PendingLease<'_> {
+    /// Answered: the lease is held (its `Slot` releases it) or was not taken.
+    fn answered(self) {
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for PendingLease<'_> {
     fn drop(&mut self) {
         let (store, endpoint) = (Arc::clone(self.store), Arc::clone(self.endpoint));
@@ -662,11 +670,7 @@ impl Drop for Reservation {
         let endpoint = std::mem::take(&mut self.endpoint);
         let unused = Unused {
             generation: self.generation,
-            due_in_us: {
-                let now = Instant::now();
-                micros(free.due.saturating_duration_since(now))
-                    - micros(now.saturating_duration_since(free.due))
-            },
+            due_in_us: micros_until(free.due, Instant::now()),
             at_us: free.at_us,
         };
         let ask = self.ask;
