@@ -9,8 +9,46 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
+
+/// What the receiver saw: each request's path, when it arrived, when its answer ended.
+type Seen = Arc<std::sync::Mutex<Vec<(String, Instant, Instant)>>>;
+
+/// The receiver answers a request [`THINK`] after its arrival, then sends the body a
+/// byte every tenth of [`HOLD`]: it is at work from the arrival until `THINK + HOLD`.
+const THINK: Duration = Duration::from_millis(400);
+const HOLD: Duration = Duration::from_millis(1200);
+
+/// Reads one request head on `c` and answers it slowly (see [`THINK`]), logging it.
+async fn slow_answer<C: AsyncRead + AsyncWrite + Unpin>(mut c: C, log: Seen) {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match c.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let arrived = Instant::now();
+    let text = String::from_utf8_lossy(&head).into_owned();
+    let path = text.split(' ').nth(1).unwrap_or("").to_owned();
+    tokio::time::sleep(THINK).await;
+    let start = b"HTTP/1.1 200 OK\r\nContent-Length: 14\r\nConnection: close\r\n\r\nok";
+    let mut ok = c.write_all(start).await.is_ok() && c.flush().await.is_ok();
+    for _ in 0..10 {
+        if !ok {
+            break;
+        }
+        tokio::time::sleep(HOLD / 10).await;
+        ok = c.write_all(b"x").await.is_ok() && c.flush().await.is_ok();
+    }
+    if ok {
+        let _ = c.write_all(b"ok").await;
+        let _ = c.flush().await;
+    }
+    log.lock().unwrap().push((path, arrived, Instant::now()));
+}
 
 /// A sender that leaves after its request reached the receiver and *before* the
 /// response head (an HTTP/2 stream reset, a client timeout, a closed HTTP/1.0 or
@@ -20,48 +58,15 @@ use tokio::net::TcpListener;
 /// free it). The lane keeps the slot (it drains the body when its write to the gone
 /// sender fails); hyper's path dropped the exchange's output when the head arrived, so
 /// the slot went at the head and the upstream connection was closed mid-body.
-///
-/// The receiver answers each request `THINK` after its arrival, then sends the body a
-/// byte every tenth of `HOLD`: it is at work from the arrival until `THINK + HOLD`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_that_leaves_before_the_head_keeps_its_slot_until_the_body_ends() {
-    const THINK: Duration = Duration::from_millis(400);
-    const HOLD: Duration = Duration::from_millis(1200);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let seen: Arc<std::sync::Mutex<Vec<(String, Instant, Instant)>>> = Arc::default();
+    let seen: Seen = Arc::default();
     let log = Arc::clone(&seen);
     let server = tokio::spawn(async move {
-        while let Ok((mut c, _)) = listener.accept().await {
-            let log = Arc::clone(&log);
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match c.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let arrived = Instant::now();
-                let text = String::from_utf8_lossy(&head).into_owned();
-                let path = text.split(' ').nth(1).unwrap_or("").to_owned();
-                tokio::time::sleep(THINK).await;
-                let start = b"HTTP/1.1 200 OK\r\nContent-Length: 14\r\nConnection: close\r\n\r\nok";
-                let mut ok = c.write_all(start).await.is_ok();
-                for _ in 0..10 {
-                    if !ok {
-                        break;
-                    }
-                    tokio::time::sleep(HOLD / 10).await;
-                    ok = c.write_all(b"x").await.is_ok();
-                }
-                if ok {
-                    let _ = c.write_all(b"ok").await;
-                }
-                // At work until its last write (or the failed one).
-                log.lock().unwrap().push((path, arrived, Instant::now()));
-            });
+        while let Ok((c, _)) = listener.accept().await {
+            tokio::spawn(slow_answer(c, Arc::clone(&log)));
         }
     });
     let s = common::sluice(
@@ -86,6 +91,8 @@ async fn a_sender_that_leaves_before_the_head_keeps_its_slot_until_the_body_ends
         for i in 0..2 {
             left.push(send(format!("/{connection}/left/{i}")).await);
         }
+        // They give up a quarter of the receiver's think time in (a client timeout,
+        // as the HTTP/2 test's), before the answer's head.
         tokio::time::sleep(THINK / 4).await;
         drop(left);
         // Two more, read whole.
@@ -114,8 +121,14 @@ async fn a_sender_that_leaves_before_the_head_keeps_its_slot_until_the_body_ends
                 "{r}"
             );
         }
-        // Let the receiver's handlers of the first two finish and log.
-        tokio::time::sleep(HOLD).await;
+        // The receiver's handlers of the first two finish and log.
+        let done = if connection == "keep-alive" { 4 } else { 8 };
+        let log = Arc::clone(&seen);
+        common::wait_for("the receiver's four answers", 3 * HOLD, || {
+            let n = log.lock().unwrap().len();
+            async move { n >= done }
+        })
+        .await;
     }
     let seen = seen.lock().unwrap().clone();
     eprintln!("{seen:#?}");
@@ -142,8 +155,6 @@ async fn a_sender_that_leaves_before_the_head_keeps_its_slot_until_the_body_ends
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_h2_stream_reset_before_the_head_keeps_its_slot_until_the_body_ends() {
     use common::tls::TestPki;
-    const THINK: Duration = Duration::from_millis(400);
-    const HOLD: Duration = Duration::from_millis(1200);
     let dir = tempfile::tempdir().unwrap();
     let files = sluice::tls::generate_ca(&dir.path().join("ca")).unwrap();
     let pki = TestPki::new(&["localhost"]);
@@ -151,41 +162,15 @@ async fn an_h2_stream_reset_before_the_head_keeps_its_slot_until_the_body_ends()
     let acceptor = pki.acceptor();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let seen: Arc<std::sync::Mutex<Vec<(String, Instant, Instant)>>> = Arc::default();
+    let seen: Seen = Arc::default();
     let log = Arc::clone(&seen);
     let server = tokio::spawn(async move {
         while let Ok((tcp, _)) = listener.accept().await {
             let (log, acceptor) = (Arc::clone(&log), acceptor.clone());
             tokio::spawn(async move {
-                let Ok(mut c) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let mut head = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match c.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
+                if let Ok(c) = acceptor.accept(tcp).await {
+                    slow_answer(c, log).await;
                 }
-                let arrived = Instant::now();
-                let text = String::from_utf8_lossy(&head).into_owned();
-                let path = text.split(' ').nth(1).unwrap_or("").to_owned();
-                tokio::time::sleep(THINK).await;
-                let start = b"HTTP/1.1 200 OK\r\nContent-Length: 14\r\nConnection: close\r\n\r\nok";
-                let mut ok = c.write_all(start).await.is_ok() && c.flush().await.is_ok();
-                for _ in 0..10 {
-                    if !ok {
-                        break;
-                    }
-                    tokio::time::sleep(HOLD / 10).await;
-                    ok = c.write_all(b"x").await.is_ok() && c.flush().await.is_ok();
-                }
-                if ok {
-                    let _ = c.write_all(b"ok").await;
-                    let _ = c.flush().await;
-                }
-                log.lock().unwrap().push((path, arrived, Instant::now()));
             });
         }
     });
@@ -210,7 +195,12 @@ async fn an_h2_stream_reset_before_the_head_keeps_its_slot_until_the_body_ends()
     let r = client.get(url("/warm")).send().await.unwrap();
     assert_eq!(r.version(), reqwest::Version::HTTP_2);
     let _ = r.bytes().await;
-    tokio::time::sleep(THINK + HOLD).await;
+    let log = Arc::clone(&seen);
+    common::wait_for("the warm-up's answer", 3 * HOLD, || {
+        let n = log.lock().unwrap().len();
+        async move { n >= 1 }
+    })
+    .await;
     // Two streams reset by their sender before the head.
     let mut left = Vec::new();
     for i in 0..2 {
@@ -231,7 +221,12 @@ async fn an_h2_stream_reset_before_the_head_keeps_its_slot_until_the_body_ends()
     for n in next {
         assert_eq!(n.await.unwrap(), "okxxxxxxxxxxok");
     }
-    tokio::time::sleep(HOLD).await;
+    let log = Arc::clone(&seen);
+    common::wait_for("the receiver's five answers", 3 * HOLD, || {
+        let n = log.lock().unwrap().len();
+        async move { n >= 5 }
+    })
+    .await;
     let seen = seen.lock().unwrap().clone();
     eprintln!("{seen:#?}");
     assert_eq!(seen.len(), 5);
