@@ -5,6 +5,11 @@
 //! path prefix) match the target; the destination host itself under `[defaults]` (or a
 //! 403 when `unknown = "reject"`).
 //!
+//! A host rule written with a port (`hooks.example.com:8443`) matches only requests to
+//! that port, the request's effective one: 80 for `http://` without a port, 443 for
+//! `https://`, the CONNECT authority's port inside a tunnel. Without a port it matches
+//! every port.
+//!
 //! A path prefix takes a request when it starts the path as sent or as receivers commonly
 //! read it ([`path_as_read`]): `/%61pi`, `//api` and `/./api` are `/api` to most
 //! servers, and `/api/../x` is still under `/api` to one that routes the raw path.
@@ -72,12 +77,13 @@ impl Resolver {
 
     /// Whether a request to `host` (normalised: lowercase) that names no endpoint by
     /// header or proxy user resolves by its host alone: no rule for that host refines
-    /// it by path prefix.
+    /// it by path prefix or by port (a connection may send to one host on two ports).
     pub fn by_host_alone(&self, host: &str) -> bool {
-        !self
-            .rules
-            .iter()
-            .any(|r| r.path_prefix.is_some() && r.hosts.iter().any(|h| h == host))
+        !self.rules.iter().any(|r| {
+            r.hosts
+                .iter()
+                .any(|h| h.host == host && (r.path_prefix.is_some() || h.port.is_some()))
+        })
     }
 
     /// Configured endpoints with their policies (for `/endpoints`).
@@ -94,12 +100,14 @@ impl Resolver {
     }
 
     /// Resolves a request. `proxy_user` is the user name of the connection's
-    /// `Proxy-Authorization` (from this request, or from the CONNECT of its tunnel).
+    /// `Proxy-Authorization` (from this request, or from the CONNECT of its tunnel);
+    /// `port` is the target's effective port (the scheme's default when it names none).
     pub fn resolve(
         &self,
         headers: &HeaderMap,
         proxy_user: Option<&str>,
         host: &str,
+        port: u16,
         path: &str,
     ) -> Result<Resolved, ProxyError> {
         if let Some(v) = headers.get(&self.header) {
@@ -122,11 +130,10 @@ impl Resolver {
         // read it: a receiver may route either.
         let read = path_as_read(path);
         let under = |p: &str| path.starts_with(p) || read.starts_with(p);
-        if let Some(rule) = self
-            .rules
-            .iter()
-            .find(|r| r.hosts.contains(&host) && r.path_prefix.as_deref().is_none_or(under))
-        {
+        if let Some(rule) = self.rules.iter().find(|r| {
+            r.hosts.iter().any(|h| h.matches(&host, port))
+                && r.path_prefix.as_deref().is_none_or(under)
+        }) {
             return Ok(Resolved {
                 id: Arc::clone(&rule.id),
                 policy: Arc::clone(&rule.policy),
@@ -199,11 +206,17 @@ mod tests {
             "/v1/%2e%2e/x",
             "/v1/..%2Fx",
         ] {
-            let id = r.resolve(&h, None, "hooks.example.com", path).unwrap().id;
+            let id = r
+                .resolve(&h, None, "hooks.example.com", 443, path)
+                .unwrap()
+                .id;
             assert_eq!(&*id, "hooks", "{path}");
         }
         for path in ["/v2", "/x/../v2", "/%76%32"] {
-            let id = r.resolve(&h, None, "hooks.example.com", path).unwrap().id;
+            let id = r
+                .resolve(&h, None, "hooks.example.com", 443, path)
+                .unwrap()
+                .id;
             assert_eq!(&*id, "all", "{path}");
         }
         assert!(matches!(path_as_read("/plain/path"), Cow::Borrowed(_)));
@@ -236,25 +249,63 @@ mod tests {
         assert!(r.by_host_alone("c.example"));
     }
 
+    /// A rule with a port takes only requests to that port (the effective one); a rule
+    /// without takes every port; a host with a port rule never resolves by host alone
+    /// (a connection's last endpoint would otherwise carry over to the other port).
+    #[test]
+    fn a_host_rule_with_a_port_takes_only_that_port() {
+        let r = resolver(
+            "[[endpoints]]\nid = \"tls\"\nhosts = [\"hooks.example.com:8443\", \"[::1]:8443\"]\n\
+             [[endpoints]]\nid = \"plain\"\nhosts = [\"hooks.example.com:80\"]\n\
+             [[endpoints]]\nid = \"rest\"\nhosts = [\"hooks.example.com\"]\n",
+        );
+        let h = HeaderMap::new();
+        let id = |host: &str, port| r.resolve(&h, None, host, port, "/").unwrap().id;
+        assert_eq!(&*id("hooks.example.com", 8443), "tls");
+        assert_eq!(&*id("HOOKS.example.com", 8443), "tls");
+        assert_eq!(&*id("hooks.example.com", 80), "plain");
+        assert_eq!(&*id("hooks.example.com", 443), "rest");
+        assert_eq!(&*id("hooks.example.com", 9443), "rest");
+        assert_eq!(&*id("::1", 8443), "tls");
+        assert_eq!(
+            &*id("::1", 443),
+            "::1",
+            "no rule for ::1 on 443: the host's own"
+        );
+        assert!(!r.by_host_alone("hooks.example.com"));
+        assert!(!r.by_host_alone("::1"));
+        assert!(r.by_host_alone("other.example"));
+        let mut named = HeaderMap::new();
+        named.insert("x-endpoint-id", "ep_9".parse().unwrap());
+        let ep = r
+            .resolve(&named, None, "hooks.example.com", 8443, "/")
+            .unwrap();
+        assert_eq!(&*ep.id, "ep_9", "the header still wins over a port rule");
+    }
+
     #[test]
     fn header_wins_then_rules_then_host() {
         let r = resolver(RULES);
         let mut h = HeaderMap::new();
         assert_eq!(
-            &*r.resolve(&h, None, "hooks.example.com", "/v1/x")
+            &*r.resolve(&h, None, "hooks.example.com", 443, "/v1/x")
                 .unwrap()
                 .id,
             "hooks"
         );
         assert_eq!(
-            &*r.resolve(&h, None, "HOOKS.example.com", "/v2").unwrap().id,
+            &*r.resolve(&h, None, "HOOKS.example.com", 443, "/v2")
+                .unwrap()
+                .id,
             "all"
         );
-        let other = r.resolve(&h, None, "api.other.com", "/").unwrap();
+        let other = r.resolve(&h, None, "api.other.com", 443, "/").unwrap();
         assert_eq!(&*other.id, "api.other.com");
         assert_eq!(other.policy.rate, 10.0);
         h.insert("x-endpoint-id", "ep_42".parse().unwrap());
-        let ep = r.resolve(&h, None, "hooks.example.com", "/v1").unwrap();
+        let ep = r
+            .resolve(&h, None, "hooks.example.com", 443, "/v1")
+            .unwrap();
         assert_eq!((&*ep.id, ep.policy.rate), ("ep_42", 100.0));
     }
 
@@ -266,11 +317,14 @@ mod tests {
         ));
         let h = HeaderMap::new();
         assert_eq!(
-            &*off.resolve(&h, Some("ep_42"), "x.com", "/").unwrap().id,
+            &*off
+                .resolve(&h, Some("ep_42"), "x.com", 443, "/")
+                .unwrap()
+                .id,
             "x.com"
         );
         assert_eq!(
-            &*on.resolve(&h, Some("ep_42"), "x.com", "/").unwrap().id,
+            &*on.resolve(&h, Some("ep_42"), "x.com", 443, "/").unwrap().id,
             "ep_42"
         );
     }
@@ -280,16 +334,16 @@ mod tests {
         let r = resolver(&format!("[defaults]\nunknown = \"reject\"\n{RULES}"));
         let mut h = HeaderMap::new();
         assert!(matches!(
-            r.resolve(&h, None, "x.com", "/"),
+            r.resolve(&h, None, "x.com", 443, "/"),
             Err(ProxyError::UnknownEndpoint(_))
         ));
         h.insert("x-endpoint-id", "nope".parse().unwrap());
         assert!(matches!(
-            r.resolve(&h, None, "x.com", "/"),
+            r.resolve(&h, None, "x.com", 443, "/"),
             Err(ProxyError::UnknownEndpoint(_))
         ));
         assert!(
-            r.resolve(&HeaderMap::new(), None, "hooks.example.com", "/")
+            r.resolve(&HeaderMap::new(), None, "hooks.example.com", 443, "/")
                 .is_ok()
         );
     }
@@ -300,7 +354,7 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-endpoint-id", "a b".parse().unwrap());
         assert!(matches!(
-            r.resolve(&h, None, "x.com", "/"),
+            r.resolve(&h, None, "x.com", 443, "/"),
             Err(ProxyError::BadRequest(_))
         ));
     }

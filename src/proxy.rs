@@ -474,9 +474,10 @@ async fn admission(
     let (ep, known) = match recalled {
         Some(hit) => hit,
         None => {
-            let ep =
-                rt.resolver
-                    .resolve(headers, who.endpoint_hint.as_deref(), &target.host, path)?;
+            let hint = who.endpoint_hint.as_deref();
+            let ep = rt
+                .resolver
+                .resolve(headers, hint, &target.host, target.port, path)?;
             let known = app.metrics.existing_label(&ep.id);
             (ep, known)
         }
@@ -1270,7 +1271,7 @@ mod tests {
         let h = Named::Header(headers.get("x-endpoint-id").unwrap());
         let ep = before
             .resolver
-            .resolve(&headers, None, "x.example", "/")
+            .resolve(&headers, None, "x.example", 80, "/")
             .unwrap();
         let label = metrics.label(&ep.id);
         let last = LastEndpoint::default();

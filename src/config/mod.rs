@@ -239,12 +239,32 @@ pub struct EndpointRule {
     pub id: Arc<str>,
     /// Its limit.
     pub policy: Arc<Policy>,
-    /// Lower-cased destination hosts that map here without the header.
-    pub hosts: Vec<String>,
+    /// Destination hosts (each with an optional port) that map here without the header.
+    pub hosts: Vec<HostRule>,
     /// Optional refinement of `hosts`.
     pub path_prefix: Option<String>,
     /// Enforced or shadow.
     pub mode: Mode,
+}
+
+/// One `hosts` entry of an `[[endpoints]]` rule: a host, and the one port it is kept to
+/// when written with one (`hooks.example.com:8443`, `[::1]:8443`), so two receivers on
+/// one host can have buckets of their own without a header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRule {
+    /// The host as a request's host is read ([`crate::host::normalise_host`]):
+    /// lowercase, no trailing dot, IPv6 without brackets, IPv4 in dotted decimal.
+    pub host: String,
+    /// `Some`: only requests to this port; `None`: every port.
+    pub port: Option<u16>,
+}
+
+impl HostRule {
+    /// Whether a request to `host` (normalised) on its effective `port` (80 for
+    /// `http://` without one, 443 for `https://`, a tunnel's CONNECT port) matches.
+    pub fn matches(&self, host: &str, port: u16) -> bool {
+        self.host == host && self.port.is_none_or(|p| p == port)
+    }
 }
 
 /// `[proxy]`.
@@ -915,7 +935,7 @@ mod tests {
                 "proxy.admin_listen",
             ),
             (
-                "[[endpoints]]\nid = \"a\"\nhosts = [\"127.0.0.1:8080\"]",
+                "[[endpoints]]\nid = \"a\"\nhosts = [\"127.0.0.1:0\"]",
                 "endpoints[0].hosts",
             ),
             (
@@ -1108,6 +1128,82 @@ mod tests {
         );
     }
 
+    /// A host rule may name a port (IPv6 in brackets); one that is not a port, or that
+    /// an earlier rule always takes first, is refused at its line.
+    #[test]
+    fn a_host_rule_with_a_port_is_read_and_checked_where_it_is() {
+        let c = Config::parse(
+            "[[endpoints]]\nid = \"a\"\nhosts = [\"Hooks.Example.com.:8443\", \"[::1]:8443\", \"::1\", \"127.1:80\"]\n\
+             [[endpoints]]\nid = \"b\"\nhosts = [\"hooks.example.com:9443\", \"hooks.example.com\"]\n",
+        )
+        .unwrap();
+        let rule = |host: &str, port| HostRule {
+            host: host.into(),
+            port,
+        };
+        assert_eq!(
+            c.endpoints[0].hosts,
+            [
+                rule("hooks.example.com", Some(8443)),
+                rule("::1", Some(8443)),
+                rule("::1", None),
+                rule("127.0.0.1", Some(80)),
+            ]
+        );
+        assert_eq!(
+            c.endpoints[1].hosts[0],
+            rule("hooks.example.com", Some(9443))
+        );
+        let ep = "[[endpoints]]\nid = \"a\"\nhosts = ";
+        for bad in [
+            "[\"h.example:0\"]",
+            "[\"h.example:65536\"]",
+            "[\"h.example:https\"]",
+            "[\"h.example:\"]",
+            "[\"h.example:+80\"]",
+            "[\"[::1]8443\"]",
+            "[\"[::1:8443\"]",
+            "[\"h.example:80:90\"]",
+            "[\"bad_host!:80\"]",
+        ] {
+            let i = issues(&format!("{ep}{bad}\n"));
+            assert_eq!(i.len(), 1, "{bad}: {i:?}");
+            assert_eq!(
+                (i[0].line, i[0].key.as_str()),
+                (3, "endpoints[0].hosts"),
+                "{bad}"
+            );
+        }
+        // An earlier rule on every port, or on the same port, shadows a later one; one
+        // on another port does not.
+        let two = |first: &str, second: &str| {
+            format!(
+                "[[endpoints]]\nid = \"a\"\nhosts = [\"{first}\"]\n\
+                 [[endpoints]]\nid = \"b\"\nhosts = [\"{second}\"]\n"
+            )
+        };
+        for (first, second) in [
+            ("x.example", "x.example:8443"),
+            ("x.example:8443", "X.example.:8443"),
+        ] {
+            let i = issues(&two(first, second));
+            assert_eq!(
+                (i[0].line, i[0].key.as_str()),
+                (6, "endpoints[1].hosts"),
+                "{first} {second}"
+            );
+        }
+        for (first, second) in [
+            ("x.example:8443", "x.example"),
+            ("x.example:8443", "x.example:9443"),
+        ] {
+            assert!(
+                Config::parse(&two(first, second)).is_ok(),
+                "{first} {second}"
+            );
+        }
+    }
+
     #[test]
     fn endpoints_inherit_defaults_and_override() {
         let c = Config::parse(
@@ -1119,7 +1215,13 @@ mod tests {
         let ep = &c.endpoints[0];
         assert_eq!(ep.policy.rate, 100.0);
         assert_eq!(ep.policy.burst, 8.0);
-        assert_eq!(ep.hosts, ["hooks.example.com"]);
+        assert_eq!(
+            ep.hosts,
+            [HostRule {
+                host: "hooks.example.com".into(),
+                port: None
+            }]
+        );
         assert_eq!(ep.policy.adaptive.unwrap().floor, 5.0);
         assert_eq!(c.endpoints[1].policy.adaptive, None);
         assert_eq!(c.defaults.adaptive.unwrap().floor, 2.0);

@@ -779,24 +779,28 @@ impl Reader<'_> {
         let mut hosts = Vec::new();
         for (h, at) in self.strings(t, &path, "hosts") {
             let key = join(&path, "hosts");
-            let host = match crate::host::normalise_host(&h) {
-                Ok(host) => host,
-                Err(e) => {
+            let rule = match host_rule(&h) {
+                Ok(rule) => rule,
+                Err(why) => {
                     self.issue(
                         at,
                         &key,
                         format!(
-                            "\"{h}\" is not a host name or IP address ({}): hosts are matched \
-                             exactly, without a port or wildcards",
-                            e.0
+                            "\"{h}\" is not a host name or IP address with an optional port \
+                             ({why}): hosts are matched exactly, without wildcards; write an \
+                             IPv6 address with a port as [::1]:8443"
                         ),
                     );
                     continue;
                 }
             };
+            // An earlier rule takes every request this one would when it names the host
+            // on every port or on this one, and its prefix covers this one's.
             let prefix = path_prefix.as_deref().unwrap_or("");
             let earlier = seen.iter().position(|r| {
-                r.hosts.contains(&host)
+                r.hosts
+                    .iter()
+                    .any(|e| e.host == rule.host && (e.port.is_none() || e.port == rule.port))
                     && prefix.starts_with(r.path_prefix.as_deref().unwrap_or(""))
             });
             if let Some(j) = earlier {
@@ -809,7 +813,7 @@ impl Reader<'_> {
                     ),
                 );
             }
-            hosts.push(host);
+            hosts.push(rule);
         }
         let mode = self.mode(t, &path, default_mode);
         Some(EndpointRule {
@@ -908,4 +912,34 @@ impl Reader<'_> {
         }
         out
     }
+}
+
+/// One `hosts` entry read as a [`HostRule`]: `hooks.example.com`, `hooks.example.com:8443`,
+/// `[::1]:8443`; a bare IPv6 address (`::1`) names no port, as its colons are its own.
+/// The host is normalised as a request's host is, so a rule matches every spelling.
+fn host_rule(raw: &str) -> Result<HostRule, String> {
+    let (host, port) = if raw.starts_with('[') {
+        match raw.find(']') {
+            Some(i) if i + 1 == raw.len() => (raw, None),
+            Some(i) => match raw[i + 1..].strip_prefix(':') {
+                Some(port) => (&raw[..=i], Some(port)),
+                None => return Err("text after ']' that is not a port".into()),
+            },
+            None => return Err("unclosed '['".into()),
+        }
+    } else {
+        match raw.split_once(':') {
+            Some((host, port)) if !port.contains(':') => (host, Some(port)),
+            _ => (raw, None),
+        }
+    };
+    let port = match port {
+        None => None,
+        Some(p) => match p.parse::<u16>() {
+            Ok(n) if n != 0 && p.bytes().all(|b| b.is_ascii_digit()) => Some(n),
+            _ => return Err(format!("port {p:?} is not a number from 1 to 65535")),
+        },
+    };
+    let host = crate::host::normalise_host(host).map_err(|e| e.0.to_owned())?;
+    Ok(HostRule { host, port })
 }
