@@ -221,7 +221,7 @@ mod tests {
             "0x7f000001",
             "017700000001",
             "0x7f.1",
-            // (2026-12-07) IPv4-mapped IPv6, bracketed as in a URL or bare.
+            // IPv4-mapped IPv6, bracketed as in a URL or bare.
             "[::ffff:127.0.0.1]",
             "[::FFFF:7f00:1]",
             "[0:0:0:0:0:ffff:127.0.0.1]",

@@ -167,8 +167,8 @@ mod tests {
         assert_eq!(idle.len(), 1, "key 1's expired connections were swept");
     }
 
-    /// Expired connections go at a sweep with no sender coming again (before, only a
-    /// later `put` dropped them: an idle proxy kept its sockets for ever), and no more
+    /// Expired connections go at a sweep with no sender coming again (were only a later
+    /// `put` to drop them, an idle proxy would keep its sockets for ever), and no more
     /// than [`MAX_KEPT`] are kept in all, however many destinations.
     #[tokio::test(start_paused = true)]
     async fn an_idle_shelf_empties_on_its_own_and_is_bounded_in_all() {

@@ -453,8 +453,8 @@ mod tests {
 
     #[test]
     fn an_endpoint_named_like_the_overflow_label_is_that_label() {
-        // (2026-12-07, later session) A host-derived ID `_other` (from `http://_other/`)
-        // got a label of its own beside the overflow one.
+        // A host-derived ID `_other` (from `http://_other/`) is the overflow label, not
+        // a label of its own beside it.
         let m = Metrics::new(10, std::iter::empty());
         let l = m.label(&Arc::from(OTHER));
         assert!(l == m.other());

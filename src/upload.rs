@@ -4,8 +4,8 @@
 //! `upstream_timeout` is the longest a forwarded request may go without moving: while
 //! its body uploads, the longest neither side moves a byte of it; once the body is all
 //! with the upstream, the longest the upstream may take to start its answer. A long
-//! upload that keeps moving is never cut (before, a body still uploading when
-//! `upstream_timeout` had passed since the head left was cut with a 504). It must keep
+//! upload that keeps moving is never cut, however long after the head left it is still
+//! uploading. It must keep
 //! moving on average, too: an upload gets `upstream_timeout` plus one second for every
 //! [`MIN_UPLOAD_RATE`] bytes it has sent (Apache's `mod_reqtimeout` rule), so a sender
 //! trickling a byte just inside the timeout cannot hold a connection and a

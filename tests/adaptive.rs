@@ -362,7 +362,7 @@ macro_rules! both_stores {
 both_stores! {
     cooldown_from_delta_seconds => |f| cooldown_holds_everywhere(f, "2".into(), Duration::from_millis(1990)), with POLICY;
     cooldown_from_http_date => |f| cooldown_holds_everywhere(f, http_date_in(3), Duration::from_millis(1900)), with POLICY;
-    // (2026-12-07 review) "Retry now", or a date a receiver's slow clock already left
+    // "Retry now", or a date a receiver's slow clock already left
     // behind: no pause, but the bucket still restarts empty at the decreased rate.
     no_burst_after_retry_after_zero => |f| cooldown_holds_everywhere(f, "0".into(), Duration::ZERO), with POLICY;
     no_burst_after_a_past_date => |f| cooldown_holds_everywhere(f, http_date_ago(3600), Duration::ZERO), with POLICY;

@@ -274,9 +274,8 @@ async fn a_crashed_replicas_slots_return_within_the_lease_ttl() {
 
 /// A sender that gives up while its request is at the receiver (a client timeout, the
 /// common webhook pattern) does not free the request's slot: the receiver is still
-/// working on it. Before, on hyper's path, the slot went with the sender's connection,
-/// and each round of senders timing out put `max_in_flight` more requests on the
-/// receiver at once.
+/// working on it. A slot that went with the sender's connection would let each round
+/// of senders timing out put `max_in_flight` more requests on the receiver at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_that_gives_up_keeps_its_slot_until_the_receiver_answers() {
     use tokio::io::AsyncWriteExt;
@@ -343,13 +342,13 @@ async fn a_sender_that_gives_up_keeps_its_slot_until_the_receiver_answers() {
     s.stop().await;
 }
 
-/// (2026-12-07 review) A sender that leaves after the response head (an HTTP/2 stream
-/// reset, a client that reads the status and hangs up) does not free the slot while
-/// the receiver is still sending the body: sluice reads the rest and throws it away,
-/// holding the slot. Before, on hyper's path, the slot went with the sender, and a
-/// sender resetting each stream after its head had 12 requests at a receiver whose
-/// `max_in_flight` was 2; on the lane, the sender's first failed write closed the
-/// upstream connection and freed the slot (5 at once against 2). Each request occupies
+/// A sender that leaves after the response head (an HTTP/2 stream reset, a client that
+/// reads the status and hangs up) does not free the slot while the receiver is still
+/// sending the body: sluice reads the rest and throws it away, holding the slot. A slot
+/// that went with the sender would let a sender resetting each stream after its head
+/// put 12 requests at a receiver whose `max_in_flight` is 2 on hyper's path; on the
+/// lane, a first failed write that closed the upstream connection and freed the slot
+/// would put 5 there at once. Each request occupies
 /// this receiver from its arrival until its body's last byte is written, `HOLD` later,
 /// a byte every tenth of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -464,10 +463,10 @@ async fn a_sender_that_leaves_after_the_head_keeps_its_slot_until_the_body_ends(
     s.stop().await;
 }
 
-/// (Found 2026-12-07, later session, by a review) A lease that vanishes from Redis while
-/// its request runs (evicted, deleted, lost with a restart) is counted again at its next
-/// renewal. Before, each renewal only warned, and the endpoint saw one request more than
-/// `max_in_flight` for as long as the request ran.
+/// A lease that vanishes from Redis while its request runs (evicted, deleted, lost with
+/// a restart) is counted again at its next renewal. A renewal that only warned would let
+/// the endpoint see one request more than `max_in_flight` for as long as the request
+/// ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_gone_from_redis_is_counted_again_at_its_renewal() {
     let redis = common::redis::RedisServer::start();
@@ -526,12 +525,11 @@ async fn a_lease_gone_from_redis_is_counted_again_at_its_renewal() {
     sluice.stop().await;
 }
 
-/// (2026-12-07, fifth session) `max_in_flight` on a Redis Cluster with one master
-/// dead: a replica whose calls for an endpoint on that node failed keeps the shared
-/// lease set of an endpoint on a live node, so two replicas saturating it hold at
-/// most `max_in_flight` there between them. Before, the first replica took that
-/// endpoint's slots locally too (its share, 1 of 2) beside the 2 the other took in
-/// the shared set.
+/// `max_in_flight` on a Redis Cluster with one master dead: a replica whose calls for
+/// an endpoint on that node failed keeps the shared lease set of an endpoint on a live
+/// node, so two replicas saturating it hold at most `max_in_flight` there between them.
+/// A whole-store fallback would have the first replica take that endpoint's slots
+/// locally too (its share, 1 of 2) beside the 2 the other takes in the shared set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_cluster_master_leaves_the_live_endpoints_leases_shared() {
     let mut cluster = common::redis::RedisCluster::start_partial();

@@ -1,10 +1,10 @@
-//! Cooldown notices over a subscription that dies without a word (sixth session of
-//! 2026-12-07, a review): when its TCP flow goes silently dead (a NAT, firewall or load
-//! balancer dropping the long-idle subscriber flow, a partition, a host gone without a
-//! reset) while the command connections keep working, the subscription used to vouch
-//! for every waiter until the process restarted, and a cooldown (even this replica's
-//! own 429) never held back requests already waiting (guarantee 4). It is now pinged
-//! through itself, and vouches for nobody once a ping goes unanswered.
+//! Cooldown notices over a subscription that dies without a word: when its TCP flow
+//! goes silently dead (a NAT, firewall or load balancer dropping the long-idle
+//! subscriber flow, a partition, a host gone without a reset) while the command
+//! connections keep working, nothing ends the subscription, and if it went on vouching
+//! for every waiter a cooldown (even this replica's own 429) would never hold back
+//! requests already waiting (guarantee 4). So it is pinged through itself, and vouches
+//! for nobody once a ping goes unanswered.
 
 mod common;
 
@@ -143,8 +143,8 @@ async fn run(kill_flow: bool) {
 
     let outcome = waiter.await.unwrap();
     // The waiter's reservation was voided by the cooldown, and with 3 s of budget
-    // against a 10 s cooldown it is refused `cooldown`. Before, it left at 1 s, 9 s into
-    // a cooldown the receiver asked for.
+    // against a 10 s cooldown it is refused `cooldown`, never sent at 1 s, 9 s into a
+    // cooldown the receiver asked for.
     assert!(
         outcome.is_err(),
         "a request already waiting left during the cooldown: {outcome:?}"

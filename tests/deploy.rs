@@ -232,7 +232,7 @@ fn collapse(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// (2026-12-07, fifth session) The chart's optional PrometheusRule carries the alerts
+/// The chart's optional PrometheusRule carries the alerts
 /// docs/operations.md gives, by name and expression, and is off by default.
 #[test]
 fn the_charts_prometheus_rule_has_the_documented_alerts() {

@@ -1,8 +1,7 @@
 //! A sender gone before the answer's head, on hyper's path (HTTP/1.0 senders, odd
 //! `Connection` headers, HTTP/2 in intercepted tunnels): the slot stays the receiver's
-//! until the body ends, as on the lane. Found by a review the sixth session of
-//! 2026-12-07; both tests failed before (the slot went at the head: 4 in flight where
-//! `max_in_flight = 2`).
+//! until the body ends, as on the lane. A slot that went at the head would put 4 in
+//! flight where `max_in_flight = 2`.
 
 mod common;
 

@@ -1,6 +1,6 @@
 //! Concurrency leases (`max_in_flight`) against a real redis-server and a real sluice
-//! process: the cases a review found (sixth session of 2026-12-07), each of which
-//! failed before its fix.
+//! process: a leased call left without an answer, leases of different `lease_ttl`s,
+//! and a lane sender that stops reading.
 
 mod common;
 

@@ -413,12 +413,12 @@ async fn reload_changes_limits_under_load_and_refuses_bad_files() {
     );
 }
 
-/// An edit followed by a SIGHUP is one reload, logged once: before, the file watch saw
-/// the edit again on its next tick and refused the same file a second time. (The watch
+/// An edit followed by a SIGHUP is one reload, logged once: the file watch must not see
+/// the edit again on its next tick and refuse the same file a second time. (The watch
 /// may see the edit first when one of its ticks falls between the write and the signal:
 /// then the signal reloads again, as a SIGHUP always does. Each refusal says what asked
-/// for it, so the test tells the two apart; until 2026-12-07 it could not, and CI failed
-/// when the watch's first tick, then at start, came between them.)
+/// for it, so the test tells the two apart, also when the watch's first tick, at start,
+/// comes between them.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edit_and_a_sighup_reload_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -457,9 +457,9 @@ async fn an_edit_and_a_sighup_reload_once() {
     );
 }
 
-/// (2026-12-07 review) A SIGHUP while sluice starts (its listeners bound, the store not
-/// answering yet) is a reload once it has started. Before, it ended the process (status
-/// 129, no log line): a hook that reloads on "port open" killed it.
+/// A SIGHUP while sluice starts (its listeners bound, the store not answering yet) is a
+/// reload once it has started, never the end of the process (status 129, no log line),
+/// so a hook that reloads on "port open" cannot kill it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sighup_during_start_up_does_not_end_the_process() {
     // A Redis that accepts connections and never answers: start-up waits on it.
@@ -604,8 +604,8 @@ async fn logs_never_show_the_redis_password_or_proxy_credentials() {
         .await
         .unwrap();
     assert_eq!(wrong.status(), 407);
-    // Nor userinfo in a request target (2026-12-07 review: it was the decision log's
-    // `destination`), forwarded or refused.
+    // Nor userinfo in a request target (the decision log's `destination` is built from
+    // the checked target), forwarded or refused.
     for auth in [
         "Proxy-Authorization: Basic dXNlcjpzM2NyM3QtcGFzcw==\r\n",
         "",
@@ -800,9 +800,9 @@ async fn every_request_leaves_one_decision_line() {
     assert!(lines[0]["upstream_ms"].is_u64());
 }
 
-/// (2026-12-07 review) A request whose sender leaves while it is at the receiver (an
-/// HTTP/2 stream reset, a closed connection on hyper's path) is still counted and
-/// leaves its decision line: it reached the receiver. Before, it left no trace.
+/// A request whose sender leaves while it is at the receiver (an HTTP/2 stream reset, a
+/// closed connection on hyper's path) is still counted and leaves its decision line: it
+/// reached the receiver.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_sender_leaves_at_the_receiver_is_logged() {
     use tokio::io::AsyncWriteExt;
@@ -851,9 +851,9 @@ async fn a_request_whose_sender_leaves_at_the_receiver_is_logged() {
 
 /// SIGTERM to the real process (sender connections on its worker threads): a request
 /// already at the receiver gets its answer, and one waiting for its token is served
-/// or refused, within `shutdown_grace`; none is dropped without an answer. Before, the
-/// worker pool stopped as soon as the accept loop did, cancelling every connection at
-/// once: the receiver's answer never reached its sender, who would send again.
+/// or refused, within `shutdown_grace`; none is dropped without an answer. A worker pool
+/// that stopped as soon as the accept loop did would cancel every connection at once:
+/// the receiver's answer would never reach its sender, who would send again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_requests_in_flight_and_waiting_finish() {
     let up = Upstream::with(Arc::new(|a: &common::Arrival| {
@@ -909,8 +909,8 @@ async fn sigterm_lets_requests_in_flight_and_waiting_finish() {
 /// A sender cannot forge lines or fields of the text decision log: an endpoint named
 /// through the proxy user (base64, so any byte) with a newline and an ANSI escape, or
 /// through the header with quotes and `key=value` text, is written escaped inside the
-/// one line of its refusal. Before, the refusal's error was written as it came: a
-/// second line of the sender's choosing, and raw escape bytes.
+/// one line of its refusal, never as it came (a second line of the sender's choosing,
+/// raw escape bytes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn senders_cannot_forge_decision_log_lines() {
     use base64::Engine;
@@ -957,7 +957,7 @@ async fn senders_cannot_forge_decision_log_lines() {
     assert_eq!(up.count(), 0);
 }
 
-/// (Added 2026-12-07, later session, after a review) A Redis that may evict keys to make
+/// A Redis that may evict keys to make
 /// room (`maxmemory` with `volatile-lru`, ElastiCache's default: every bucket key has a
 /// TTL) drops buckets under memory pressure, and an evicted bucket comes back full: a
 /// second burst. sluice says so at start; with `noeviction` it says nothing.
@@ -993,11 +993,10 @@ async fn an_evicting_redis_is_named_at_start() {
     }
 }
 
-/// (Found 2026-12-07, later session, by a review) An endpoint past
-/// `metrics_max_endpoints` that a receiver throttles is still watched: `/endpoints`
-/// lists it with its cooldown, and the observer logs its cooldown's end. Before, once
-/// the label cap was full, new endpoints' cooldowns, floors and stuck-at-floor warnings
-/// were invisible everywhere but the "cooldown started" line.
+/// An endpoint past `metrics_max_endpoints` that a receiver throttles is still watched:
+/// `/endpoints` lists it with its cooldown, and the observer logs its cooldown's end, so
+/// a full label cap does not hide new endpoints' cooldowns, floors and stuck-at-floor
+/// warnings.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_endpoint_past_the_label_cap_is_still_watched() {
     let up = Upstream::with(Arc::new(|a: &common::Arrival| {

@@ -557,7 +557,7 @@ async fn redis_killed_under_load_falls_back_locally_and_recovers_when_back_empty
     let times = times_of(&up, "out");
     // The fallback bucket starts empty, and the restarted (empty) Redis is told, before it
     // decides again, how far ahead the lost bucket was spoken for and how little the
-    // local one has left: no fresh burst on top (before the tenth session: one more).
+    // local one has left: no fresh burst on top.
     assert_no_overdraw(&times, 20.0, 4.0);
     // Back on Redis by itself.
     until_back_on_redis(&c, &up, "out", &redis, Duration::from_secs(5)).await;
@@ -1210,8 +1210,8 @@ async fn in_flight_slots_count_across_a_store_stall_and_its_end() {
 
 /// Requests waiting on shared reservations when a 429 starts a cooldown, and a store
 /// that stalls before they wake: they do not leave during the cooldown (guarantee 4).
-/// Before, a shared reservation waking during the outage left unasked, although this
-/// replica had started the cooldown itself.
+/// A shared reservation waking during the outage asks afresh rather than leaving
+/// unasked, since this replica started the cooldown itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_waiting_when_a_cooldown_starts_hold_it_through_a_stall() {
     const RETRY_AFTER: Duration = Duration::from_secs(3);
@@ -1317,12 +1317,11 @@ async fn rebuilds(s: &sluice::app::Running) -> u64 {
         .expect("sluice_store_rebuilds_total in /metrics")
 }
 
-/// (Found 2026-12-07, later session; fixed in the session after) A Redis that loses its
-/// state between two requests, with no failed call for sluice to notice (an operator's
-/// `FLUSHALL`, a restart between two calls, an eviction, a failover before the last
-/// writes reached the replica), gave the endpoint a fresh burst on top of the
-/// reservations already handed out: 15 arrivals within a second against a bound of 10.
-/// Now each acquire sends how long the replica last heard the bucket stays busy, and a
+/// A Redis that loses its state between two requests, with no failed call for sluice
+/// to notice (an operator's `FLUSHALL`, a restart between two calls, an eviction, a
+/// failover before the last writes reached the replica), must not give the endpoint a
+/// fresh burst on top of the reservations already handed out (15 arrivals within a
+/// second against a bound of 10). Each acquire sends how long the replica last heard the bucket stays busy, and a
 /// key missing before then is rebuilt busy for that long. A bucket that went idle and
 /// expired on its own is still a fresh full one: a burst after it is not refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1394,9 +1393,9 @@ async fn a_redis_that_loses_its_state_between_two_requests_gives_no_second_burst
     t.stop().await;
 }
 
-/// (Review, 2026-12-07, the session after the later one) A Redis that goes back in time
-/// (a failover to a replica the last writes had not reached, a restart from an older
-/// snapshot) keeps the key, only older: fuller than it is. Each key now counts its
+/// A Redis that goes back in time (a failover to a replica the last writes had not
+/// reached, a restart from an older snapshot) keeps the key, only older: fuller than it
+/// is. Each key counts its
 /// writes, and a replica that heard a higher count has it rebuilt as busy as it knows.
 /// Without that: 11 arrivals within 0.25 s against a bound of 7.25, as with a key lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1434,13 +1433,12 @@ async fn a_redis_that_goes_back_in_time_gives_no_second_burst() {
     t.stop().await;
 }
 
-/// (Named by a review the session before, fixed 2026-12-07, fourth session) A
-/// reservation given back on a shared store is named by its start on the store's own
-/// clock. It used to be named in µs from when the give-back was sent, counted from
-/// when its acquire was *sent*: an acquire that waited in Redis (a `CLIENT PAUSE` here;
-/// a fork, a slow command or a failover in production) put the start it left for the
-/// next sender that long early, beside the one before it. Here the sender on another
-/// replica that took it arrived 0.15 s after the one before it, at 2 requests/s.
+/// A reservation given back on a shared store is named by its start on the store's own
+/// clock. Named in µs from when the give-back was sent, counted from when its acquire
+/// was *sent*, an acquire that waited in Redis (a `CLIENT PAUSE` here; a fork, a slow
+/// command or a failover in production) would put the start it left for the next sender
+/// that long early, beside the one before it: here the sender on another replica that
+/// took it would arrive 0.15 s after the one before it, at 2 requests/s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_given_back_stays_where_the_store_put_it_however_long_its_call_waited() {
     start_given_back_after_a_call_held_up_in_redis("").await;
@@ -1531,12 +1529,11 @@ async fn start_given_back_after_a_call_held_up_in_redis(extra: &str) {
     }
 }
 
-/// (2026-12-07, fourth session) A loss after a burst of immediate grants
-/// alone, no reservation among them, gives no second burst either: the answers of
-/// those grants said how long the bucket stays busy, and the replica rebuilds from
-/// that. (The docs said until now that such a loss gave one more burst.) Without the
+/// A loss after a burst of immediate grants alone, no reservation among them, gives no
+/// second burst either: the answers of those grants say how long the bucket stays
+/// busy, and the replica rebuilds from that. Without the
 /// rebuild: 6 arrivals within 0.014 s, against a bound of 5.32 with 50 ms of jitter
-/// (`assert_no_overdraw`'s token of slack hid it).
+/// (`assert_no_overdraw`'s token of slack would hide it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_loses_its_state_after_a_burst_of_immediate_grants_gives_no_second_burst() {
     let (rate, burst) = (5.0, 5.0);
@@ -1561,11 +1558,10 @@ async fn a_redis_that_loses_its_state_after_a_burst_of_immediate_grants_gives_no
     t.stop().await;
 }
 
-/// (2026-12-07, fourth session) The same loss on an endpoint with `max_in_flight`,
-/// whose slot and token `lease.lua` takes in one call, rebuilds the same way. Without
-/// the rebuild there: 6 arrivals within 0.029 s against a bound of 5.39 with 50 ms of
-/// jitter, one more than allowed, which `assert_no_overdraw`'s token of slack hid (the
-/// rebuild in `lease.lua` had no test failing without it until now).
+/// The same loss on an endpoint with `max_in_flight`, whose slot and token `lease.lua`
+/// takes in one call, rebuilds the same way. Without the rebuild there: 6 arrivals
+/// within 0.029 s against a bound of 5.39 with 50 ms of jitter, one more than allowed,
+/// which `assert_no_overdraw`'s token of slack would hide, hence the strict bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_loses_its_state_gives_a_leased_endpoint_no_second_burst() {
     let (rate, burst) = (5.0, 5.0);
@@ -1593,9 +1589,7 @@ async fn a_redis_that_loses_its_state_gives_a_leased_endpoint_no_second_burst() 
     t.stop().await;
 }
 
-/// (2026-12-07, fourth session; item (29) of docs/BENCHMARKS.md said `/readyz` could
-/// end the degraded state while a cluster node was down) With one of a cluster's
-/// masters dead, `/readyz` says `degraded` at every look, while senders keep asking
+/// With one of a cluster's masters dead, `/readyz` says `degraded` at every look, while senders keep asking
 /// for an endpoint on that node and for one on a live node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_dead_cluster_master_keeps_readyz_degraded_while_it_is_down() {
@@ -1637,13 +1631,12 @@ async fn one_dead_cluster_master_keeps_readyz_degraded_while_it_is_down() {
     s.stop().await;
 }
 
-/// (2026-12-07, fifth session; SPEC guarantee 1 listed it as not covered) With one of a
-/// cluster's masters dead, a replica that asks for an endpoint on that node falls back
+/// With one of a cluster's masters dead, a replica that asks for an endpoint on that node falls back
 /// to its local buckets for the endpoints of that node only: an endpoint on a live node
 /// stays on its shared bucket, which another replica, one that never asked the dead
-/// node, goes on using at the whole rate. Before, the first replica decided every
-/// endpoint locally, at its share, on top of what the other drew from the shared
-/// bucket: 1.5 times the limit on the live endpoint for as long as the node was down.
+/// node, goes on using at the whole rate. Were the first replica to decide every
+/// endpoint locally, at its share, on top of what the other draws from the shared
+/// bucket, the live endpoint would see 1.5 times the limit while the node is down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets() {
     let mut cluster = common::redis::RedisCluster::start_partial();
@@ -1710,7 +1703,7 @@ async fn a_dead_cluster_master_sends_only_its_own_endpoints_to_the_local_buckets
     }
 }
 
-/// (2026-12-07, fifth session) A managed cluster's failover: the master serving an
+/// A managed cluster's failover: the master serving an
 /// endpoint dies under load and its replica takes over. sluice follows without a
 /// restart: the endpoint is decided locally until then and on the promoted replica
 /// after, every request is forwarded once, the bound holds throughout, and `/readyz`
@@ -1771,7 +1764,7 @@ async fn a_cluster_failover_is_followed_without_a_restart() {
     s.stop().await;
 }
 
-/// (2026-12-07, fifth session) A cluster master that hangs (SIGSTOP: no answer and no
+/// A cluster master that hangs (SIGSTOP: no answer and no
 /// reset, as behind a dead network link) holds up only its own endpoints: such an
 /// endpoint waits out `store.timeout` and is then decided locally, while an endpoint on
 /// a live node goes on being decided in Redis, every request.
@@ -1829,7 +1822,7 @@ async fn a_hung_cluster_master_holds_up_only_its_own_endpoints() {
     s.stop().await;
 }
 
-/// (2026-12-07, fifth session) A cluster master that comes back ends the degraded
+/// A cluster master that comes back ends the degraded
 /// state though its endpoints get no request after it: `/readyz` says `ok` again
 /// (with `on_error = "deny"` it would otherwise answer 503 and hold the replica out of
 /// rotation for good). Here the observer's look at each endpoint it watches tries the
@@ -1866,7 +1859,7 @@ async fn a_cluster_master_back_ends_the_degraded_state_without_a_request_for_it(
     s.stop().await;
 }
 
-/// (2026-12-07, fifth session) `on_error = "deny"` on a cluster with one master dead:
+/// `on_error = "deny"` on a cluster with one master dead:
 /// only that master's endpoints are refused (`store_unavailable`, nothing forwarded);
 /// an endpoint on a live node is served by its shared bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

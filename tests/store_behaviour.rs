@@ -443,13 +443,12 @@ async fn cancelled_waiter_gives_its_slot_back(s: Subject) {
     );
 }
 
-/// (Found 2026-12-07, later session) A waiter that hangs up while others wait behind it
-/// leaves its start to the next sender: those behind keep theirs, and the sender after
-/// takes the slot after the last of them. Its token back to the balance used to give a
-/// new sender the last one's start again: two arrivals at one instant against a burst
-/// of 1, one more for every sender that left; and keeping nothing (a review) left
-/// those starts unused while new senders queued behind them. Given back from the end,
-/// slots come back one by one.
+/// A waiter that hangs up while others wait behind it leaves its start to the next
+/// sender: those behind keep theirs, and the sender after takes the slot after the last
+/// of them. Its token back to the balance would give a new sender the last one's start
+/// again (two arrivals at one instant against a burst of 1, one more for every sender
+/// that left); keeping nothing would leave those starts unused while new senders queue
+/// behind them. Given back from the end, slots come back one by one.
 async fn a_waiter_with_others_behind_it_leaves_its_start_to_the_next_sender(s: Subject) {
     let rate = 4.0;
     let slot = 1e6 / rate;
@@ -620,10 +619,9 @@ async fn recovery_climbs_linearly(s: Subject) {
     }
 }
 
-/// (2026-12-07, later session, a review) During the climb after a decrease, a new
-/// reservation comes after the ones made while the rate was lower, never among them:
-/// the balance refills at the climbing rate, and placing by the balance alone put 125
-/// arrivals in 10 s against a bound of 101.
+/// During the climb after a decrease, a new reservation comes after the ones made while
+/// the rate was lower, never among them: the balance refills at the climbing rate, and
+/// placing by the balance alone would put 125 arrivals in 10 s against a bound of 101.
 async fn the_climb_never_puts_a_start_among_slower_ones(s: Subject) {
     let mut p = policy(10.0, 1.0, 30_000);
     let mut a = p.adaptive.unwrap();
@@ -1105,8 +1103,8 @@ async fn a_batch_decides_as_one_call_per_ask() {
         singles.push(reply.rsplit(' ').next().unwrap().to_owned());
         single_left = tokens;
     }
-    // The single calls' bucket refilled while they ran, at 1 token a second (until
-    // 2026-12-07 this allowed 10 ms for nine round trips, and a loaded CI box took 18).
+    // The single calls' bucket refilled while they ran, at 1 token a second: measured,
+    // not assumed (a loaded CI box takes 18 ms for nine round trips).
     let refilled = singles_began.elapsed().as_secs_f64();
     assert_eq!(singles, ["G"; 5]);
     assert!((left - 2.0).abs() < 0.01, "{left} tokens left, not 2");
@@ -1122,12 +1120,12 @@ async fn a_batch_decides_as_one_call_per_ask() {
     assert!((900_000.0..=1_000_000.0).contains(&wait), "{batch}");
 }
 
-/// (Review, 2026-12-07, the session after the later one) What `acquire.lua` tells a
+/// What `acquire.lua` tells a
 /// replica of how long a bucket stays busy, which a rebuild after a loss turns into a
 /// balance at the configured rate, is the time until it is full again at that rate: not
-/// its time to idle, counted at the adaptive floor (and through a recovery), which kept
+/// its time to idle, counted at the adaptive floor (and through a recovery), which keeps
 /// the key. A bucket half empty at 100/s with a floor of 1/s after a 429 is full again in
-/// half a second; rebuilt from its time to idle (50 s) it refused for 49 s.
+/// half a second; rebuilt from its time to idle (50 s) it would refuse for 49 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_hears_how_long_until_full_at_the_configured_rate() {
     let server = common::redis::RedisServer::start();
@@ -1252,15 +1250,15 @@ async fn concurrent_calls_on_one_connection_each_take_one_round_trip() {
     assert!(slowest < 3 * DELAY, "slowest call took {slowest:?}");
 }
 
-/// (Sixth session of 2026-12-07, a review) A cooldown voids every reservation of
-/// generation 0 and empties the bucket (`la` = 0, `ho` = ''): its key expired soon
-/// after the cooldown ended while voided starts were still ahead, the next call made
-/// the key afresh, at generation 0 again, and the voided reservation's confirmation
-/// (`held` = 0) passed, taking nothing, beside a fresh burst. The key now outlives
-/// the voided starts (`vu`). Rate 1/s, burst 1: starts 0..5 s at generation 0; a 1 ms quota
-/// pause (not a 429, no decrease) at once; one new grant at ~1 s; the key is gone by
-/// 3.5 s; a new request goes at 3.5 s, and the waiter of the 4 s start, voided,
-/// confirms at 4 s and goes too: two 0.5 s apart at 1/s, burst 1.
+/// A cooldown voids every reservation of generation 0 and empties the bucket (`la` = 0,
+/// `ho` = ''): were its key to expire soon after the cooldown ended while voided starts
+/// are still ahead, the next call would make the key afresh, at generation 0 again, and
+/// the voided reservation's confirmation (`held` = 0) would pass, taking nothing, beside
+/// a fresh burst. So the key outlives the voided starts (`vu`). The failure this guards
+/// against, rate 1/s, burst 1: starts 0..5 s at generation 0; a 1 ms quota pause (not a
+/// 429, no decrease) at once; one new grant at ~1 s; the key gone by 3.5 s; a new
+/// request going at 3.5 s, and the waiter of the 4 s start, voided, confirming at 4 s
+/// and going too: two 0.5 s apart at 1/s, burst 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_voided_reservation_is_never_confirmed_by_a_key_made_afresh() {
     let s = redis().await;

@@ -351,7 +351,7 @@ async fn a_client_that_does_not_trust_the_ca_fails_its_handshake() {
     tokio::io::AsyncWriteExt::write_all(&mut silent, connect.as_bytes())
         .await
         .unwrap();
-    // (Added 2026-12-07, later session) An operator sees each way an intercepted
+    // An operator sees each way an intercepted
     // handshake ends without reading logs: a fleet that does not trust the CA shows as
     // handshake_failed.
     for (result, n) in [
@@ -410,12 +410,11 @@ async fn the_leaf_cache_stays_within_its_bound() {
     s.stop().await;
 }
 
-/// (2026-12-07 review) An HTTP/2 sender that stops taking a response (its stream window
-/// shut) while it keeps the connection busy with PINGs does not hold the endpoint's
-/// `max_in_flight` slot for ever: after `idle_timeout` untaken, sluice takes the body
-/// from it, reads the rest for the receiver and frees the slot. Before, the slot stayed
-/// held for as long as the sender liked, and every other sender of the endpoint got
-/// 503 `concurrency_limited`.
+/// An HTTP/2 sender that stops taking a response (its stream window shut) while it
+/// keeps the connection busy with PINGs does not hold the endpoint's `max_in_flight`
+/// slot for ever: after `idle_timeout` untaken, sluice takes the body from it, reads the
+/// rest for the receiver and frees the slot, so the endpoint's other senders do not get
+/// 503 `concurrency_limited` for as long as that sender likes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_h2_sender_that_stops_reading_frees_its_slot_after_idle_timeout() {
     let st = setup();
@@ -482,7 +481,7 @@ async fn an_h2_sender_that_stops_reading_frees_its_slot_after_idle_timeout() {
     s.stop().await;
 }
 
-/// (2026-12-07, fourth session) Inside an intercepted tunnel too, a head no HTTP/1.1
+/// Inside an intercepted tunnel too, a head no HTTP/1.1
 /// server would read gets sluice's own refusal (the lane reads those heads), and the
 /// TLS session then ends.
 #[tokio::test]

@@ -295,9 +295,8 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
         // The latest start (within half a slot: a shared store's clocks differ a
         // little) is free again for the next sender. Only then: a start already past
         // with others behind it leaves `last` at the latest of them (as release.lua
-        // does), or new starts would go among those made at a lower rate (until the
-        // sixth session of 2026-12-07, one refund of a past start put 12 arrivals over
-        // the bound during a climb).
+        // does), or new starts would go among those made at a lower rate (during a
+        // climb, one refund of a past start could put 12 arrivals over the bound).
         s.last = s.last.min(due - MICROS / rate);
     }
     s.tokens = (s.tokens + (1.0 - behind).clamp(0.0, 1.0)).min(ask.burst);
@@ -546,11 +545,11 @@ mod tests {
 
     #[test]
     fn the_climb_after_a_decrease_never_puts_new_starts_among_slower_ones() {
-        // (2026-12-07, later session, a review) Rate 10, burst 1; a 429 halves it and
-        // pauses 2 s, then it climbs back over 10 s. Sixty senders queued during the
-        // pause got starts 1/5 s apart (the rate then); senders asking later, as the
-        // balance refilled at the climbing rate, were given starts among theirs: 125
-        // arrivals in 10 s against 101.
+        // Rate 10, burst 1; a 429 halves it and pauses 2 s, then it climbs back over
+        // 10 s. Sixty senders queued during the pause get starts 1/5 s apart (the rate
+        // then); senders asking later, as the balance refills at the climbing rate, must
+        // not be given starts among theirs (that would be 125 arrivals in 10 s against
+        // 101).
         let p = climbing();
         let a = p.adaptive.unwrap();
         let ask = Ask::new(&p, 100.0 * S, None);
@@ -574,11 +573,11 @@ mod tests {
 
     #[test]
     fn a_start_given_back_after_it_passed_keeps_the_climbs_order() {
-        // (Sixth session of 2026-12-07, a review) The climb above, and the sender of the
-        // 8.0 s start leaves then but never reaches its receiver (its address is
-        // refused): its token comes back 50 ms later, a start already past with 30
-        // reservations behind it. That lowered `last` to 7.9 s, and senders asking
-        // later got starts among the slower ones again: 12 arrivals over the bound.
+        // The climb above, and the sender of the 8.0 s start leaves then but never
+        // reaches its receiver (its address is refused): its token comes back 50 ms
+        // later, a start already past with 30 reservations behind it. Lowering `last`
+        // to 7.9 s would give senders asking later starts among the slower ones again:
+        // 12 arrivals over the bound.
         let p = climbing();
         let a = p.adaptive.unwrap();
         let ask = Ask::new(&p, 100.0 * S, None);
@@ -619,10 +618,10 @@ mod tests {
 
     #[test]
     fn a_bucket_with_starts_still_ahead_is_never_idle() {
-        // (Sixth session of 2026-12-07, a review) Starts made at 1/s reach 5 s; the rate
-        // is raised to 10/s, and by 0.9 s the balance is full at the new rate. The
-        // memory store evicted such a bucket: the next requests met a fresh full one,
-        // beside the starts still to come (4 arrivals over the bound).
+        // Starts made at 1/s reach 5 s; the rate is raised to 10/s, and by 0.9 s the
+        // balance is full at the new rate. A store that evicted such a bucket would meet
+        // the next requests with a fresh full one, beside the starts still to come (4
+        // arrivals over the bound).
         let old = Ask::new(&policy(1.0, 1.0), 10.0 * S, None);
         let mut s = fresh(1.0, 0.0);
         for _ in 0..6 {

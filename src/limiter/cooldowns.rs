@@ -12,9 +12,8 @@
 //!
 //! A subscription can also die without a word (a NAT or firewall dropping the idle
 //! flow, a partition, a host gone without a reset): nothing ends the stream then, and
-//! until the sixth session of 2026-12-07 it vouched for waiters until the process
-//! restarted, so they left during cooldowns they never heard of. The subscription is
-//! now pinged every [`PING_EVERY`] through itself: a ping unanswered within
+//! it would vouch for waiters until the process restarted, so they would leave during
+//! cooldowns they never heard of. So the subscription is pinged every [`PING_EVERY`] through itself: a ping unanswered within
 //! [`PING_WITHIN`] ends it (and a new one is made), and it vouches for nobody while its
 //! last answer is older than [`STALE_AFTER`].
 

@@ -508,8 +508,7 @@ impl Resilient {
                 }
                 // A rejoin is reading, or has read, what the local buckets have left to
                 // cap the shared ones: a local decision now would come on top of the cap
-                // (a review, sixth session of 2026-12-07: 10 requests in 9 ms against a
-                // burst of 5). Once it ends, the shared store decides, capped, unless it
+                // (10 requests in 9 ms against a burst of 5). Once it ends, the shared store decides, capped, unless it
                 // failed meanwhile.
                 drop(self.rejoining.lock().await);
                 if self.registered.load(Ordering::Acquire) {
@@ -1132,10 +1131,10 @@ pub(super) mod tests {
         }
     }
 
-    /// (Sixth session of 2026-12-07, a review) The rejoin reads what the local bucket has left, then caps the shared
-    /// bucket with it over a round trip, then the probing request's own call takes
-    /// another: meanwhile the replica is still degraded and the local bucket goes on
-    /// granting what the cap already handed the shared bucket. Both bursts leave
+    /// The rejoin reads what the local bucket has left, then caps the shared bucket with
+    /// it over a round trip, then the probing request's own call takes another:
+    /// meanwhile the replica is still degraded, and a local bucket that went on granting
+    /// would hand out what the cap already handed the shared bucket, both bursts leaving
     /// within a few milliseconds.
     #[tokio::test(start_paused = true)]
     async fn local_grants_during_the_rejoin_are_not_on_top_of_the_shared_cap() {
@@ -1195,12 +1194,12 @@ pub(super) mod tests {
         assert_bound(left, 10.0, 5.0);
     }
 
-    /// (Sixth session of 2026-12-07, a review) Three replicas share the store; it goes away for longer than the
+    /// Three replicas share the store; it goes away for longer than the
     /// heartbeat ttl (a Sentinel failover takes ~30 s). This replica is the first back:
     /// its registration finds it alone (the others' heartbeats lapsed during the
     /// outage, they register on their own next probe). The store fails again before
-    /// its next heartbeat: it takes the whole rate locally while the other two take
-    /// their thirds (5/3 of the limit for as long as the second outage lasts).
+    /// its next heartbeat: it must not take the whole rate locally while the other two
+    /// take their thirds (5/3 of the limit for as long as the second outage lasts).
     #[tokio::test(start_paused = true)]
     async fn a_replica_first_back_from_a_long_outage_keeps_counting_the_others() {
         let switched = Arc::new(Switched {

@@ -292,10 +292,10 @@ impl Limiter {
         let mut held: Option<(u64, Start)> = None;
         loop {
             // When this outcome was asked for: a cooldown notice since then means
-            // confirming, and its start is counted from then. (Until 2026-12-07 a
-            // queued request's first one counted from `started`, before its wait for
-            // the queue and a slot: a give-back then put the start it left for the next
-            // sender seconds early, onto another request's start.)
+            // confirming, and its start is counted from then. (Counting a queued
+            // request's first one from `started`, before its wait for the queue and a
+            // slot, would put the start a give-back leaves for the next sender seconds
+            // early, onto another request's start.)
             let (asked, outcome) = match first.take() {
                 Some(first) => first,
                 None => {
@@ -541,9 +541,9 @@ impl Limiter {
         let now = Instant::now();
         let unused = Unused {
             generation: grant.generation,
-            // (Until the sixth session of 2026-12-07 "due now" whenever it was: a start
-            // that went by with reservations behind it gave its token back, and the
-            // next request left beside the latest of them.)
+            // Named by its own start, not "due now": a start that went by with
+            // reservations behind it must not give its token back, or the next request
+            // would leave beside the latest of them.
             due_in_us: micros_until(grant.start, now),
             at_us: grant.at_us,
         };
@@ -602,8 +602,8 @@ struct Reservation {
 
 /// A leased acquire whose answer has not come. Dropped so (the call failed, timed out,
 /// or the request went away while waiting for it), the script may still run in the
-/// store and add the lease, which nothing would renew or release: the slot stayed taken
-/// for `lease_ttl` with nothing in flight (a review, sixth session of 2026-12-07). Its
+/// store and add the lease, which nothing would renew or release: the slot would stay
+/// taken for `lease_ttl` with nothing in flight. Its
 /// release is sent from the same thread, so on the thread's own store connection it
 /// comes after the call.
 struct PendingLease<'a> {
@@ -806,12 +806,12 @@ mod tests {
         assert_eq!(waits, [Ok(Duration::ZERO), Ok(quarter), Ok(quarter)]);
     }
 
-    /// (Review, 2026-12-07, the session after the later one) A queued request's start
-    /// is counted from the call that reserved it, not from before its wait for a slot:
-    /// when it leaves with others behind it, the start it leaves for the next sender is
-    /// its own. Before, X waited 0.4 s for a slot, was given the start at 1.05 s, and
-    /// leaving left another one: the next sender started at 0.999 s, 0.05 s after
-    /// another request's start (at 10/s, two within half a slot).
+    /// A queued request's start is counted from the call that reserved it, not from
+    /// before its wait for a slot: when it leaves with others behind it, the start it
+    /// leaves for the next sender is its own. Counted from before the wait, X (0.4 s
+    /// waiting for a slot, given the start at 1.05 s) would leave another one: the next
+    /// sender would start at 0.999 s, 0.05 s after another request's start (at 10/s,
+    /// two within half a slot).
     #[tokio::test(start_paused = true)]
     async fn a_queued_request_leaving_leaves_its_own_start() {
         let limiter = Limiter::new(Arc::new(MemoryStore::new()));
@@ -868,12 +868,12 @@ mod tests {
         );
     }
 
-    /// (2026-12-07, the session after the later one) Senders waiting behind ones that
-    /// leave move up a start each, in their order, and the starts left over go back:
-    /// four of eight waiters hang up, the other four leave at the first four starts (a
-    /// quarter second apart), and a sender arriving then comes after them. Before, the
-    /// four kept their starts (1.25 s to 2 s) while the given-up ones went only to
-    /// senders arriving later: with none, the endpoint idled for a second.
+    /// Senders waiting behind ones that leave move up a start each, in their order, and
+    /// the starts left over go back: four of eight waiters hang up, the other four leave
+    /// at the first four starts (a quarter second apart), and a sender arriving then
+    /// comes after them. Were the four to keep their starts (1.25 s to 2 s), with the
+    /// given-up ones only for senders arriving later, the endpoint would idle for a
+    /// second when none arrives.
     #[tokio::test(start_paused = true)]
     async fn senders_behind_ones_that_leave_move_up_in_their_order() {
         let limiter = Limiter::new(Arc::new(MemoryStore::new()));
@@ -967,11 +967,11 @@ mod tests {
         }
     }
 
-    /// (Sixth session of 2026-12-07, a review) A refund (the address was refused after
-    /// admission) counted the start as due when the refund came: at 1/s, A left at 0
-    /// s, B reserved 1.0 s, and A's refund at 0.99 s gave back 0.99 of a token, so C
-    /// left at 1.01 s, 10 ms after B. A start already past gives back only what the
-    /// balance has not regained since, and nothing with B behind it.
+    /// A refund (the address was refused after admission) counts from the grant's
+    /// start, not from when the refund comes: at 1/s, A leaves at 0 s, B reserves 1.0 s,
+    /// and A's refund at 0.99 s must not give back 0.99 of a token (C would leave at
+    /// 1.01 s, 10 ms after B). A start already past gives back only what the balance has
+    /// not regained since, and nothing with B behind it.
     #[tokio::test(start_paused = true)]
     async fn a_refund_after_the_start_went_by_gives_nothing_with_a_reservation_behind_it() {
         let limiter = Limiter::new(Arc::new(MemoryStore::new()));
@@ -993,11 +993,11 @@ mod tests {
         );
     }
 
-    /// (Sixth session of 2026-12-07, a review) A reload raises the rate from 2/s to
-    /// 10/s while ten requests wait for starts 0.5 s apart; new requests go after
-    /// them. The first waiter's address is refused and refunded just after its start:
-    /// the refund lowered the latest start, and the 40 requests after it left among
-    /// the old reservations (9 over the bound).
+    /// A reload raises the rate from 2/s to 10/s while ten requests wait for starts
+    /// 0.5 s apart; new requests go after them. The first waiter's address is refused
+    /// and refunded just after its start: a refund that lowered the latest start would
+    /// let the 40 requests after it leave among the old reservations (9 over the
+    /// bound).
     #[tokio::test(start_paused = true)]
     async fn a_refund_after_a_rate_raise_keeps_new_requests_after_the_old_reservations() {
         let limiter = Limiter::new(Arc::new(MemoryStore::new()));
@@ -1033,10 +1033,9 @@ mod tests {
         assert!(excess <= 1e-6, "{excess} arrivals over 10·W + 1");
     }
 
-    /// (Sixth session of 2026-12-07, a review) The memory store's sweep evicted a bucket
-    /// whose balance had refilled at a raised rate while starts made at the old one
-    /// were still ahead: new requests met a fresh bucket beside them (4 over the
-    /// bound).
+    /// The memory store's sweep keeps a bucket whose balance has refilled at a raised
+    /// rate while starts made at the old one are still ahead: evicting it would meet new
+    /// requests with a fresh bucket beside them (4 over the bound).
     #[tokio::test(start_paused = true)]
     async fn a_sweep_after_a_rate_raise_keeps_the_starts_still_ahead() {
         let store = Arc::new(MemoryStore::new());
@@ -1069,12 +1068,13 @@ mod tests {
         assert!(excess <= 1e-6, "{excess} arrivals over 10·W + 1");
     }
 
-    /// (Sixth session of 2026-12-07, a review) A waiter moved up to the start of one
-    /// that hung up leaves at that start, but its `Grant` named its own original start,
-    /// which went back to the store (or to the waiter behind it) when it moved. Its refund (the address
-    /// was refused after admission) gives that start back a second time: at 1/s, A (1 s),
-    /// B (2 s), C (3 s) wait; A hangs up, B moves to 1 s, C to 2 s, 3 s goes back. B's
-    /// refund at 1 s names 2 s, C's start: the next sender D is given 2 s, beside C.
+    /// A waiter moved up to the start of one that hung up leaves at that start, and its
+    /// refund names that start, not its own original one, which went back to the store
+    /// (or to the waiter behind it) when it moved. A refund (the address was refused
+    /// after admission) naming the original would give that start back a second time:
+    /// at 1/s, A (1 s), B (2 s), C (3 s) wait; A hangs up, B moves to 1 s, C to 2 s, 3 s
+    /// goes back. B's refund at 1 s would name 2 s, C's start, and the next sender D be
+    /// given 2 s, beside C.
     #[tokio::test(start_paused = true)]
     async fn a_moved_up_grant_refunds_the_start_it_took() {
         let limiter = Limiter::new(Arc::new(MemoryStore::new()));
@@ -1111,12 +1111,13 @@ mod tests {
         );
     }
 
-    /// (Sixth session of 2026-12-07, a review) A cooldown voids the reservations of
-    /// generation 0 and empties the bucket (`last` = 0), so the bucket was idle again
-    /// soon after it ended, while voided starts could still be ahead. The idle bucket went (the memory store's sweep; in Redis its
-    /// key expires), and the next one is made afresh, at generation 0 again: a voided
-    /// reservation of generation 0 is then confirmed, taking nothing, beside a fresh
-    /// burst. At 1/s, burst 1: W4 and W5 wait for 4 s and 5 s; a quota answer pauses
+    /// A cooldown voids the reservations of generation 0 and empties the bucket
+    /// (`last` = 0), so the bucket is idle again soon after it ends, while voided starts
+    /// can still be ahead. The bucket is kept until they are past: were it to go (the
+    /// memory store's sweep; in Redis its key expires) and the next one be made afresh,
+    /// at generation 0 again, a voided reservation of generation 0 would be confirmed,
+    /// taking nothing, beside a fresh burst. The failure this guards against, at 1/s,
+    /// burst 1: W4 and W5 wait for 4 s and 5 s; a quota answer pauses
     /// the endpoint 1 ms at 0.1 s; the senders of the starts between (on another replica)
     /// hang up; N1 takes
     /// 1.1 s. By 3.5 s the bucket is idle and swept; N2 leaves at 3.5 s, W4 confirms and

@@ -45,13 +45,13 @@ impl Peers {
     /// A lower count takes effect only once the higher one has gone unheard for
     /// [`HEARTBEAT_TTL`]: the replicas it no longer counts may be alive, unregistered
     /// because the store lost its state (restarted empty) just before this replica
-    /// registered again. Counting itself alone then, a replica took the whole rate during
-    /// the next outage while the others took their shares (15.6/s against 10).
+    /// registered again. Counting itself alone then, a replica would take the whole rate
+    /// during the next outage while the others take their shares (15.6/s against 10).
     ///
     /// Time the store spent not answering does not count towards that: the replicas
-    /// counted went unheard because nothing could be heard. (Until the sixth session of
-    /// 2026-12-07, the first replica back from an outage longer than the ttl counted
-    /// itself alone, and took the whole rate if the store failed again soon after.)
+    /// counted went unheard because nothing could be heard, so the first replica back
+    /// from an outage longer than the ttl does not count itself alone and take the whole
+    /// rate if the store fails again soon after.
     pub(super) fn heard(&self, n: usize) {
         let now = Instant::now();
         let counted = {

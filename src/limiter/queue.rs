@@ -283,8 +283,8 @@ mod tests {
 
     /// One head at a time, also while waiters give up (their budget runs out) at the
     /// moment the head passes on: a waiter that gave up is never counted as having
-    /// passed the headship on. Before, a waiter whose receiver was gone when the head
-    /// passed, and who then found itself out of the queue, passed again: two heads.
+    /// passed the headship on: a waiter whose receiver was gone when the head passed,
+    /// and who then finds itself out of the queue, must not pass it again (two heads).
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn one_head_at_a_time_while_waiters_give_up() {
         let gates = Arc::new(Gates::default());

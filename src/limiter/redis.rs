@@ -247,9 +247,9 @@ impl Busy {
     /// µs left at `now` of how long `endpoint`'s bucket is known to stay busy, and the
     /// highest write count heard (0 and 0: nothing known). Once that time is over, 0 and
     /// 0: the bucket is full again by then, so an older copy of it is no fuller, and its
-    /// key may have expired and been made afresh, counting its writes from 1 (until
-    /// 2026-12-07 the count stayed, and the next call after an expiry "rebuilt" a bucket
-    /// nothing had happened to).
+    /// key may have expired and been made afresh, counting its writes from 1 (keeping the
+    /// count would make the next call after an expiry "rebuild" a bucket nothing happened
+    /// to).
     fn known(&self, endpoint: &str, now: Instant) -> (f64, u64) {
         let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         match map.get(endpoint) {

@@ -117,12 +117,12 @@ impl Drop for Slot {
 /// - a sender that drops the body before its end (an HTTP/2 stream reset after the
 ///   response head) does not free the slot while the receiver may still be at work: the
 ///   rest of the body is read and thrown away on a task of its own, which holds the slot
-///   until the body ends or no byte came for `drain_limit` (before, 12 streams reset
-///   after their heads had 12 requests at a receiver whose `max_in_flight` was 2);
+///   until the body ends or no byte came for `drain_limit` (otherwise streams reset
+///   after their heads would put more requests at a receiver than `max_in_flight`);
 /// - a sender that stops taking the body for `stall_limit` (`idle_timeout`) while the
 ///   receiver has more to send (an HTTP/2 stream whose window stays shut, its
 ///   connection kept busy with PINGs) has the body taken from it: drained the same way,
-///   the stream then fails. Before, such a sender held its slot for as long as it liked.
+///   the stream then fails, so such a sender cannot hold its slot for as long as it likes.
 pub struct HeldBody {
     /// A body without a slot: read in place.
     plain: Option<Incoming>,

@@ -3,9 +3,10 @@
 //!
 //! Each reservation starts `1/rate` after the one before it. When a sender waiting for
 //! one hangs up, the store can only keep its start for the next sender to *arrive*
-//! (`bucket::release`'s holes); the senders already waiting behind it kept their later
-//! starts, and a start nobody arrived for in time was lost: with senders timing out
-//! while they wait, a review measured 0.80–0.95 of the rate. Here, the senders of this
+//! (`bucket::release`'s holes); the senders already waiting behind it would keep their
+//! later starts, and a start nobody arrived for in time would be lost: with senders
+//! timing out while they wait, the endpoint would get 0.80–0.95 of its rate. Here, the
+//! senders of this
 //! replica waiting behind the one that left each move up one start, in their order: the
 //! first behind it takes its start, the next the first one's, and so on; only the last
 //! one's start goes back to the store, the way the leaver's own would have. So the
@@ -202,7 +203,7 @@ mod tests {
         assert_eq!(w.start("f", &elsewhere), Some(at(t, 500)));
         // The last one waiting: its own start is left.
         assert_eq!(w.left("e", &places[3]), Some(at(t, 300)));
-        // (Review, 2026-12-07) A start already past moves nobody.
+        // A start already past moves nobody.
         let behind = w.join("e", 1, at(t, 600));
         tokio::time::advance(Duration::from_millis(250)).await;
         assert_eq!(w.left("e", &places[2]), Some(at(t, 200)));
