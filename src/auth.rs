@@ -11,10 +11,13 @@
 //! before the first `+` is the user whose password is checked; the rest names the
 //! endpoint when `proxy.endpoint_from_proxy_user = true`.
 //!
-//! Credentials are never logged. The cache is keyed by a SHA-256 of the header value, so
-//! no password is kept in memory after verification; bcrypt's own comparison is
-//! constant-time, and a cache hit compares digests of the secret, which tell an
-//! attacker nothing about it. A user name that is not listed costs the same bcrypt as
+//! Credentials are never logged. The cache is keyed by the decoded credential, a SHA-256
+//! of the user (before any `+`) and the password, so no password is kept in memory after
+//! verification, and every spelling of one credential (the scheme in any case, any
+//! whitespace, any endpoint after `+`) is one entry: a sender cannot fill the cache by
+//! respelling its header. A full cache of verified credentials evicts the one used least
+//! recently. bcrypt's own comparison is constant-time, and a cache hit compares digests
+//! of the secret, which tell an attacker nothing about it. A user name that is not listed costs the same bcrypt as
 //! one that is (against a decoy hash of a listed user's cost, picked by the name), so the
 //! time of a refusal does not tell which names exist. Refused and in-progress values are kept
 //! apart from verified ones: a flood of wrong values can fill and flush only its own
@@ -39,12 +42,12 @@ use tokio::time::Instant;
 
 use crate::config::UserGrant;
 
-/// How long a verified `Proxy-Authorization` value stays cached after its last use.
+/// How long a verified credential stays cached after its last use.
 const CACHE_TTL: Duration = Duration::from_secs(60);
 /// How long a refused value is remembered (a sender retrying a wrong password costs
 /// one bcrypt per this period, not one per request).
 const NEGATIVE_TTL: Duration = Duration::from_secs(5);
-/// Cached credential digests, at most.
+/// Cached credential digests, at most (verified ones; and apart from them, the others).
 const CACHE_CAPACITY: usize = 10_000;
 
 /// An authenticated sender.
@@ -129,8 +132,8 @@ impl Drop for Turn<'_> {
     }
 }
 
-/// Header values by digest: the verified ones, and apart from them the refused ones and
-/// those being verified (each part bounded on its own).
+/// Credentials by [`credential_key`]: the verified ones, and apart from them the refused
+/// ones and those being verified (each part bounded on its own).
 #[derive(Default)]
 struct Cache {
     verified: HashMap<[u8; 32], Cached>,
@@ -144,7 +147,8 @@ enum Slot {
     Verifying(Arc<OnceCell<Option<Identity>>>),
 }
 
-/// A verified value: who it is, until when (renewed by use).
+/// A verified credential: who it is (without an endpoint: that is each request's own),
+/// until when (renewed by use, so the earliest is the least recently used).
 struct Cached {
     identity: Identity,
     until: Instant,
@@ -296,19 +300,24 @@ impl Users {
         let value = headers
             .get(http::header::PROXY_AUTHORIZATION)
             .ok_or(AuthError::Missing)?;
-        let digest = digest(value.as_bytes());
-        let cell = match self.lookup(&digest, Instant::now()) {
-            Lookup::Hit(identity) => return identity.ok_or(AuthError::Refused),
+        let (name, password) = decode_basic(value.as_bytes()).ok_or(AuthError::Refused)?;
+        let (user, endpoint) = match name.split_once('+') {
+            Some((u, e)) => (u, Some(Arc::from(e)).filter(|e: &Arc<str>| !e.is_empty())),
+            None => (name.as_str(), None),
+        };
+        let key = credential_key(user, &password);
+        let cell = match self.lookup(&key, Instant::now()) {
+            Lookup::Hit(identity) => return with_endpoint(identity, endpoint),
             Lookup::Verifying(cell) => cell,
         };
         // The first request to get here verifies; the others wait for its verdict (and
         // one of them takes over if that request hangs up meanwhile).
         let identity = cell
-            .get_or_init(|| self.verify(value.as_bytes(), peer))
+            .get_or_init(|| self.verify(user, password, peer))
             .await
             .clone();
-        self.remember(digest, &cell, identity.clone(), Instant::now());
-        identity.ok_or(AuthError::Refused)
+        self.remember(key, &cell, identity.clone(), Instant::now());
+        with_endpoint(identity, endpoint)
     }
 
     /// bcrypt runs so far: one per header value verified (not per request).
@@ -370,10 +379,16 @@ impl Users {
         };
         cache.others.remove(&digest);
         let verified = &mut cache.verified;
-        if verified.len() >= CACHE_CAPACITY {
+        if verified.len() >= CACHE_CAPACITY && !verified.contains_key(&digest) {
             verified.retain(|_, c| c.until > now);
-            if verified.len() >= CACHE_CAPACITY {
-                verified.clear();
+            // Still full of live entries: the one used least recently makes room (one
+            // scan per bcrypt run, which costs far more), so the senders at work stay.
+            let oldest = verified
+                .iter()
+                .min_by_key(|(_, c)| c.until)
+                .map(|(k, _)| *k);
+            if let (true, Some(oldest)) = (verified.len() >= CACHE_CAPACITY, oldest) {
+                verified.remove(&oldest);
             }
         }
         let until = now + CACHE_TTL;
@@ -421,26 +436,16 @@ impl Users {
         }
     }
 
-    async fn verify(&self, header: &[u8], peer: IpAddr) -> Option<Identity> {
-        let (name, password) = decode_basic(header)?;
+    /// Checks `user`'s password after `peer`'s other new credentials; the identity it
+    /// gives names no endpoint (each request adds its own).
+    async fn verify(&self, user: &str, password: String, peer: IpAddr) -> Option<Identity> {
         let turn = self.turn(peer);
         let _mine = turn.gate.acquire().await.ok()?;
-        self.verify_password(name, password).await
-    }
-
-    async fn verify_password(&self, name: String, password: String) -> Option<Identity> {
-        let (user, endpoint) = match name.split_once('+') {
-            Some((u, e)) => (
-                u.to_owned(),
-                Some(Arc::from(e)).filter(|e: &Arc<str>| !e.is_empty()),
-            ),
-            None => (name, None),
-        };
         // A name not listed costs the same bcrypt as one that is.
-        let listed = self.hashes.get(&user).cloned();
+        let listed = self.hashes.get(user).cloned();
         let hash = match &listed {
             Some(h) => h.clone(),
-            None => self.decoy(&user).await?,
+            None => self.decoy(user).await?,
         };
         let _permit = self.verifying.acquire().await.ok()?;
         self.bcrypt_runs.fetch_add(1, Ordering::Relaxed);
@@ -451,16 +456,42 @@ impl Users {
         let verified_against = Arc::from(listed?);
         ok.then(|| Identity {
             user: user.into(),
-            endpoint,
+            endpoint: None,
             verified_against,
         })
     }
 }
 
-/// `Basic base64(name:password)` → (name, password).
+/// A cached verdict on a credential, for a request naming `endpoint`.
+fn with_endpoint(
+    identity: Option<Identity>,
+    endpoint: Option<Arc<str>>,
+) -> Result<Identity, AuthError> {
+    let identity = identity.ok_or(AuthError::Refused)?;
+    Ok(Identity {
+        endpoint,
+        ..identity
+    })
+}
+
+/// The cache key of a decoded credential: a digest of the user (before any `+`) and the
+/// password. A user name has no `:` (Basic splits at the first), so the pair is
+/// unambiguous.
+fn credential_key(user: &str, password: &str) -> [u8; 32] {
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(user.as_bytes());
+    ctx.update(b":");
+    ctx.update(password.as_bytes());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(ctx.finish().as_ref());
+    out
+}
+
+/// `Basic base64(name:password)` → (name, password): the scheme in any case, then any
+/// run of spaces or tabs (RFC 9110 §11.1 allows one or more) before the base64.
 fn decode_basic(header: &[u8]) -> Option<(String, String)> {
     let text = std::str::from_utf8(header).ok()?.trim();
-    let (scheme, creds) = text.split_once(' ')?;
+    let (scheme, creds) = text.split_once([' ', '\t'])?;
     if !scheme.eq_ignore_ascii_case("basic") {
         return None;
     }
@@ -718,6 +749,70 @@ mod tests {
         assert!(
             u.turns.lock().unwrap().is_empty(),
             "no address is remembered after"
+        );
+    }
+
+    /// Spellings of one credential (the scheme in any case, any run of spaces before
+    /// the base64) are one cache entry, checked by one bcrypt run, and never evict
+    /// another user's entry. Before, the cache was keyed by the header value: each
+    /// spelling cost a bcrypt run of its own, and 10,001 of them cleared the full cache,
+    /// bob's entry with it.
+    #[tokio::test]
+    async fn spellings_of_one_credential_do_not_evict_another_users_entry() {
+        let (a, b) = (
+            bcrypt::hash("s3cret", 4).unwrap(),
+            bcrypt::hash("hunter2", 4).unwrap(),
+        );
+        let u = Users::parse(&format!("alice:{a}\nbob:{b}\n"), &[]).unwrap();
+        let bob = header(&basic("bob:hunter2"));
+        u.authenticate(&bob, PEER).await.unwrap();
+        let creds = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
+        for n in 1..=CACHE_CAPACITY + 1 {
+            let scheme = ["Basic", "basic", "BASIC"][n % 3];
+            let value = format!("{scheme}{}{creds}", " ".repeat(n));
+            u.authenticate(&header(&value), PEER).await.unwrap();
+        }
+        let runs = u.bcrypt_runs();
+        u.authenticate(&bob, PEER).await.unwrap();
+        assert_eq!(u.bcrypt_runs(), runs, "bob's entry is still cached");
+        assert_eq!(
+            runs, 2,
+            "one run for bob, one for every spelling of alice's"
+        );
+    }
+
+    /// A full cache of verified values makes room by evicting the one used least
+    /// recently: a sender at work keeps its entry. Before, a full cache was cleared.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_cache_evicts_the_least_recently_used_value() {
+        let u = users();
+        let alice = header(&basic("alice:s3cret"));
+        let identity = u.authenticate(&alice, PEER).await.unwrap();
+        let fill = |from: u32, to: u32| {
+            for i in from..to {
+                let key = digest(&i.to_le_bytes());
+                let Lookup::Verifying(cell) = u.lookup(&key, Instant::now()) else {
+                    panic!("a new value is verified");
+                };
+                u.remember(key, &cell, Some(identity.clone()), Instant::now());
+            }
+        };
+        tokio::time::advance(Duration::from_secs(1)).await;
+        fill(0, CACHE_CAPACITY as u32 - 1);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        // alice is used again: the fillers are now the least recently used.
+        u.authenticate(&alice, PEER).await.unwrap();
+        fill(CACHE_CAPACITY as u32, CACHE_CAPACITY as u32 + 10);
+        let runs = u.bcrypt_runs();
+        u.authenticate(&alice, PEER).await.unwrap();
+        assert_eq!(u.bcrypt_runs(), runs, "alice's value is still cached");
+        let cache = u.lock();
+        assert_eq!(cache.verified.len(), CACHE_CAPACITY);
+        let newest = CACHE_CAPACITY as u32..CACHE_CAPACITY as u32 + 10;
+        assert!(
+            newest
+                .into_iter()
+                .all(|i| cache.verified.contains_key(&digest(&i.to_le_bytes())))
         );
     }
 
