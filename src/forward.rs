@@ -32,7 +32,7 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::connect::dns::Name;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
 
@@ -818,13 +818,12 @@ pub fn strip_sluice_headers(h: &mut HeaderMap) {
 
 /// Copies bytes both ways between a sender's upgraded CONNECT and the upstream socket,
 /// until either side closes or no byte moved either way for `idle`.
-pub async fn tunnel(
-    upgraded: hyper::upgrade::Upgraded,
-    upstream: TcpStream,
-    idle: Duration,
-) -> std::io::Result<()> {
+pub async fn tunnel<C>(client: C, upstream: TcpStream, idle: Duration) -> std::io::Result<()>
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let activity = Activity::new();
-    let mut client = Watched::new(TokioIo::new(upgraded), Arc::clone(&activity));
+    let mut client = Watched::new(client, Arc::clone(&activity));
     let mut upstream = Watched::new(upstream, Arc::clone(&activity));
     tokio::select! {
         r = tokio::io::copy_bidirectional(&mut client, &mut upstream) => r.map(|_| ()),
@@ -934,7 +933,7 @@ mod tests {
         let s = TcpStream::connect(listener.local_addr().unwrap())
             .await
             .unwrap();
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
             .await
             .unwrap();
         tokio::spawn(conn);

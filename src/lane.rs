@@ -97,32 +97,61 @@ pub async fn serve(
     timeouts: Timeouts,
     shutdown: watch::Receiver<bool>,
 ) {
-    serve_on(app, stream, conn, timeouts, shutdown, Writes::Flat).await;
+    serve_on(app, stream, Bytes::new(), conn, timeouts, shutdown, Writes::Flat).await;
 }
 
-/// Serves the HTTP/1.1 session inside an intercepted CONNECT tunnel (`conn.tunnel` is
-/// set): origin-form requests in the lane, sent to the tunnel's authority over TLS,
-/// and the whole session by hyper from the first request that is not of that kind.
+/// Serves the HTTP/1.1 requests inside a CONNECT tunnel (`conn.tunnel` is set): an
+/// intercepted TLS session's, or a tunnel's carrying plain HTTP (`pre` is what was
+/// read of it already). Origin-form requests in the lane, sent to the tunnel's
+/// authority (over TLS when the tunnel's requests go so), and the whole session by
+/// hyper from the first request that is not of that kind.
 pub async fn serve_tunnel<S: SenderIo>(
     app: Arc<App>,
     stream: S,
+    pre: Bytes,
     conn: Arc<Conn>,
     timeouts: Timeouts,
     shutdown: watch::Receiver<bool>,
 ) {
-    serve_on(app, stream, conn, timeouts, shutdown, Writes::Default).await;
+    serve_on(app, stream, pre, conn, timeouts, shutdown, Writes::Default).await;
 }
 
-/// [`serve`] on any sender stream; `writes` is how hyper writes if it takes over.
+/// Leaves a plain TCP connection to a tunnel's authority, opened for a CONNECT whose
+/// tunnel turned out to carry plain HTTP, on the idle shelf: its first request takes
+/// it instead of opening another. Checked by the destination policy in force now.
+pub(crate) fn shelve_plain(app: &App, conn: &Conn, tcp: TcpStream) {
+    let Some(tunnel) = conn.tunnel.as_ref().filter(|t| !t.tls) else {
+        return;
+    };
+    let authority = tunnel.authority.as_str();
+    let host: Box<str> = match tunnel.authority.port_u16() {
+        Some(80) | None => tunnel.authority.host().into(),
+        Some(_) => authority.into(),
+    };
+    let up = Upstream {
+        authority: authority.into(),
+        generation: app.forwarder.generation(),
+        stream: UpIo::Tcp(tcp),
+        buf: BytesMut::with_capacity(8192),
+        host,
+    };
+    app.idle.put((false, authority.into()), up);
+}
+
+/// [`serve`] on any sender stream, `pre` read of it already; `writes` is how hyper
+/// writes if it takes over.
 async fn serve_on<S: SenderIo>(
     app: Arc<App>,
     stream: S,
+    pre: Bytes,
     conn: Arc<Conn>,
     timeouts: Timeouts,
     shutdown: watch::Receiver<bool>,
     writes: Writes,
 ) {
     let in_tunnel = conn.tunnel.is_some();
+    // A TLS session ends with its close_notify.
+    let tls_session = conn.tunnel.as_ref().is_some_and(|t| t.tls);
     let activity = Activity::new();
     activity.expect_head();
     let idle = Arc::clone(&activity).watch(timeouts.idle, Some(timeouts.header_read));
@@ -132,7 +161,11 @@ async fn serve_on<S: SenderIo>(
         conn,
         stream,
         activity,
-        inb: BytesMut::with_capacity(8192),
+        inb: {
+            let mut inb = BytesMut::with_capacity(8192.max(pre.len()));
+            inb.extend_from_slice(&pre);
+            inb
+        },
         out: Vec::with_capacity(1024),
         up: None,
         timer,
@@ -156,7 +189,7 @@ async fn serve_on<S: SenderIo>(
     let pre = match ended {
         Ok(Ok(Some(pre))) => pre,
         Ok(Ok(None)) => {
-            if in_tunnel {
+            if tls_session {
                 // A TLS session the lane ends (the sender asked for `close`, or an
                 // answer left its body unread) ends with its close_notify, as hyper
                 // ends one: the sender's client sees a clean end, not a cut.
@@ -197,8 +230,7 @@ struct Lane<S> {
     up: Option<Upstream>,
     /// The upstream timeout, set again for each request (one timer per connection).
     timer: Pin<Box<Sleep>>,
-    /// Inside an intercepted tunnel: requests are origin-form, for the tunnel's
-    /// authority, over TLS.
+    /// Inside a tunnel: requests are origin-form, for the tunnel's authority.
     in_tunnel: bool,
 }
 
@@ -370,7 +402,8 @@ impl<S: SenderIo> Lane<S> {
             .take()
             .filter(|u| *u.authority == *authority && usable(u));
         // Else one another sender connection left, else a new one.
-        let kept = kept.or_else(|| app.idle.take((self.in_tunnel, authority.into()), usable));
+        let tls = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
+        let kept = kept.or_else(|| app.idle.take((tls, authority.into()), usable));
         let mut up = match kept {
             Some(u) => u,
             None => match Box::pin(open(&app, &target.host, target.port, &uri)).await {

@@ -7,6 +7,8 @@
 //! - [`app`]: wiring: builds the app from a config, binds, runs, reloads.
 //! - [`config`]: TOML → validated, typed [`config::Config`]; every rule tested.
 //! - [`server`]: the proxy and admin accept loops, their caps, graceful shutdown.
+//! - [`sniff`]: what a CONNECT tunnel carries (TLS, plain HTTP or other bytes), read
+//!   from its first bytes.
 //! - [`conn`]: one connection: serving HTTP/1.1 or HTTP/2, idle timeouts, lifecycle.
 //! - [`proxy`]: one request: target → identify → resolve → destination → label → admit
 //!   → forward → observe; the same admission for plain HTTP, CONNECT and intercepted
@@ -55,6 +57,7 @@ pub mod metrics;
 pub mod observer;
 pub mod proxy;
 pub mod server;
+pub mod sniff;
 pub mod tls;
 pub mod upload;
 pub mod version;

@@ -48,6 +48,7 @@ use crate::forward::{
 };
 use crate::limiter::{Ask, Grant, HeldBody, Place, Refusal, Shadow, Slot};
 use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED, InterceptLabels};
+use crate::sniff::Opening;
 use crate::upload::Upload;
 
 /// Names the sender for fair shares when proxy authentication does not (removed before
@@ -72,6 +73,9 @@ pub struct Conn {
     pub endpoint: LastEndpoint,
     /// The target its last request named, checked.
     pub target: LastTarget,
+    /// Inside a non-intercepted tunnel carrying plain HTTP: the CONNECT's admission,
+    /// its first request's.
+    pub prepaid: Prepaid,
 }
 
 /// The target a connection's last request named, parsed and checked: the next request
@@ -185,6 +189,12 @@ pub struct Tunnel {
     pub authority: Authority,
     /// The sender as the CONNECT identified it.
     pub who: Who,
+    /// The requests inside go upstream over TLS (an intercepted TLS session) or as
+    /// plain HTTP (a tunnel carrying plain HTTP).
+    pub tls: bool,
+    /// The endpoint the CONNECT named by header: the endpoint of the requests inside
+    /// that name none of their own.
+    pub endpoint: Option<http::HeaderValue>,
 }
 
 /// Who sends, as far as endpoint resolution and grants care.
@@ -309,6 +319,10 @@ struct Asking<'a> {
     peer: IpAddr,
     /// The sender connection's last endpoint named by header.
     last: &'a LastEndpoint,
+    /// A CONNECT's admission kept for the first request inside its tunnel.
+    prepaid: Option<&'a Prepaid>,
+    /// Inside a tunnel: the endpoint its CONNECT named by header.
+    inherited: Option<&'a http::HeaderValue>,
 }
 
 /// A request admitted to leave.
@@ -444,7 +458,23 @@ async fn admission(
         resolve_dns,
         peer,
         last,
+        prepaid,
+        inherited,
     } = ask;
+    // A request inside a tunnel that names no endpoint is under the one its CONNECT
+    // named (a clone: a tunnel's requests only).
+    let with_inherited;
+    let headers = match inherited {
+        Some(v) if !headers.contains_key(rt.resolver.header()) => {
+            with_inherited = {
+                let mut h = headers.clone();
+                h.insert(rt.resolver.header().clone(), v.clone());
+                h
+            };
+            &with_inherited
+        }
+        _ => headers,
+    };
     // Two endpoint headers would be two answers to which bucket pays: refused, as a
     // second `Host` is, before a connection's last endpoint is recalled (a name with
     // several values is rare: counting them is cheaper than a lookup).
@@ -515,8 +545,10 @@ async fn admission(
     if let Some(n) = remember {
         last.remember(rt, &n, &ep, &label);
     }
-    let (grant, outcome, slot) = match ep.mode {
-        Mode::Enforce => {
+    let prepaid = prepaid.and_then(|p| p.take_for(&ep.id));
+    let (grant, outcome, slot) = match (prepaid, ep.mode) {
+        (Some(p), _) => (p.grant, p.outcome, p.slot),
+        (None, Mode::Enforce) => {
             let place = Turn::of(&ep, headers, who, peer);
             let (grant, slot) =
                 enforce(app, &ep, &label, place)
@@ -527,7 +559,7 @@ async fn admission(
                     })?;
             (grant, FORWARDED, slot)
         }
-        Mode::Shadow => {
+        (None, Mode::Shadow) => {
             let shadowing = Box::pin(shadow(app, &ep));
             let (grant, outcome) = shadowing.await;
             (grant, outcome, None)
@@ -828,6 +860,8 @@ pub(crate) async fn admit_plain(
         resolve_dns: false,
         peer: conn.peer.ip(),
         last: &conn.endpoint,
+        prepaid: conn.tunnel.as_ref().map(|_| &conn.prepaid),
+        inherited: conn.tunnel.as_ref().and_then(|t| t.endpoint.as_ref()),
     };
     let admitted = admission(app, &rt, ask, trace).await?;
     Ok((rt, uri, target, admitted))
@@ -899,7 +933,8 @@ fn refused_after(a: &Admitted, e: ForwardError) -> Refused {
 }
 
 /// The absolute URI to forward to: the request's own, or rebuilt from the tunnel's
-/// CONNECT authority for requests inside an intercepted tunnel.
+/// CONNECT authority for requests inside a tunnel (`https://` inside an intercepted TLS
+/// session, `http://` inside a tunnel carrying plain HTTP).
 fn target_uri(uri: &Uri, tunnel: Option<&Tunnel>) -> Result<Uri, ProxyError> {
     match (uri.authority(), tunnel) {
         (Some(_), None) => match uri.scheme() {
@@ -924,8 +959,9 @@ fn target_uri(uri: &Uri, tunnel: Option<&Tunnel>) -> Result<Uri, ProxyError> {
                 .path_and_query()
                 .cloned()
                 .unwrap_or_else(|| PathAndQuery::from_static("/"));
+            let scheme = if t.tls { Scheme::HTTPS } else { Scheme::HTTP };
             Uri::builder()
-                .scheme(Scheme::HTTPS)
+                .scheme(scheme)
                 .authority(t.authority.clone())
                 .path_and_query(pq)
                 .build()
@@ -1056,6 +1092,7 @@ async fn connect(
     let rt = app.runtime.load_full();
     let who = identify(&rt, req.headers(), conn).await?;
     trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
+    let named = req.headers().get(rt.resolver.header()).cloned();
     let on_upgrade = hyper::upgrade::on(&mut req);
     if let Some(interceptor) = app
         .interceptor
@@ -1071,8 +1108,15 @@ async fn connect(
             interceptor,
             peer: conn.peer,
             slot: Arc::clone(&conn.slot),
-            tunnel: Tunnel { authority, who },
-            host: target.host,
+            headers: req.headers().clone(),
+            tunnel: Tunnel {
+                authority,
+                who,
+                tls: true,
+                endpoint: named,
+            },
+            target,
+            reloads,
         };
         // Boxed: the session's future is kilobytes, copied on its way into a task.
         app.lifecycle.spawn(Box::pin(session.run(on_upgrade)));
@@ -1080,7 +1124,8 @@ async fn connect(
         return Ok(ok_empty());
     }
 
-    // Not intercepted: the tunnel is one unit, admitted once.
+    // Not intercepted: the tunnel is admitted once, as one unit; when it turns out to
+    // carry plain HTTP, that admission is its first request's.
     let ask = Asking {
         headers: req.headers(),
         who: &who,
@@ -1089,88 +1134,288 @@ async fn connect(
         resolve_dns: true,
         peer: conn.peer.ip(),
         last: &conn.endpoint,
+        prepaid: None,
+        inherited: None,
     };
     let admitted = admission(app, &rt, ask, trace).await?;
     let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
         Ok(s) => s,
         Err(e) => return Err(after_admission(app, &admitted, e).await),
     };
-    let label = admitted.label;
-    // The tunnel holds its in-flight slot (max_in_flight) until it closes.
-    let held = admitted.slot;
     trace.outcome = admitted.outcome;
-    app.metrics.outcome(&label, admitted.outcome);
-    app.metrics
-        .tunnels
-        .get_or_create(&EndpointLabels { endpoint: label })
-        .inc();
-    let slot = Arc::clone(&conn.slot);
-    let idle = rt.config.proxy.tunnel_idle_timeout;
-    let endpoint = Arc::clone(&admitted.ep.id);
-    let watching = Arc::clone(app);
-    app.lifecycle.spawn(async move {
-        // The tunnel keeps the connection's place under max_connections until it ends.
+    let opened = Opened {
+        app: Arc::clone(app),
+        peer: conn.peer,
+        slot: Arc::clone(&conn.slot),
+        tunnel: Tunnel {
+            authority,
+            who,
+            tls: false,
+            endpoint: named,
+        },
+        reloads,
+    };
+    app.lifecycle
+        .spawn(Box::pin(opened.run(on_upgrade, admitted, upstream)));
+    Ok(ok_empty())
+}
+
+/// How long the grant a non-intercepted CONNECT took stays its first request's, from
+/// the `200`: a sender that tunnels plain HTTP sends its request at once. Later, the
+/// request is admitted on its own and the CONNECT's token stays spent, so a grant
+/// cannot be hoarded and spent beside later ones.
+const PREPAID_FOR: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The admission a non-intercepted CONNECT took, kept for the first plain request
+/// inside its tunnel (see [`PREPAID_FOR`]).
+#[derive(Default)]
+pub struct Prepaid(std::sync::Mutex<Option<(Admitted, tokio::time::Instant)>>);
+
+impl Prepaid {
+    fn arm(&self, admitted: Admitted) {
+        if let Ok(mut kept) = self.0.lock() {
+            *kept = Some((admitted, tokio::time::Instant::now() + PREPAID_FOR));
+        }
+    }
+
+    /// The kept admission, once, when it is for `endpoint` and still fresh. A stale or
+    /// other endpoint's admission is dropped (its token stays spent, its in-flight
+    /// slot is freed).
+    fn take_for(&self, endpoint: &str) -> Option<Admitted> {
+        let (admitted, until) = self.0.lock().ok()?.take()?;
+        (*admitted.ep.id == *endpoint && tokio::time::Instant::now() <= until).then_some(admitted)
+    }
+}
+
+/// A non-intercepted CONNECT, admitted and connected, whose `200` is on its way.
+struct Opened {
+    app: Arc<App>,
+    peer: SocketAddr,
+    slot: Arc<ConnSlot>,
+    tunnel: Tunnel,
+    reloads: tokio::sync::watch::Receiver<()>,
+}
+
+impl Opened {
+    async fn run(
+        self,
+        on_upgrade: hyper::upgrade::OnUpgrade,
+        admitted: Admitted,
+        upstream: tokio::net::TcpStream,
+    ) {
+        let mut client = match on_upgrade.await {
+            Ok(u) => TokioIo::new(u),
+            Err(e) => return tracing::debug!(error = %e, "CONNECT upgrade failed"),
+        };
+        let cfg = Arc::clone(&self.app.runtime.load().config);
+        let idle = cfg.proxy.tunnel_idle_timeout;
+        let mut pre = bytes::BytesMut::new();
+        let opening = tokio::select! {
+            o = crate::sniff::sniff(&mut client, &mut pre) => o,
+            // The receiver speaks first (SMTP, a database): bytes, not requests.
+            r = upstream.readable() => r.map(|()| Opening::Other),
+            // Nobody spoke: the tunnel idles out as a byte tunnel would.
+            () = tokio::time::sleep(idle) => return,
+        };
+        match opening {
+            Ok(Opening::Http) => {
+                let conn = tunnel_conn(self.peer, self.slot, self.tunnel);
+                conn.prepaid.arm(admitted);
+                crate::lane::shelve_plain(&self.app, &conn, upstream);
+                serve_inside(self.app, client, pre.freeze(), conn, Version::HTTP_11).await;
+            }
+            Ok(_) => {
+                let relay = Relay {
+                    app: self.app,
+                    slot: self.slot,
+                    who: self.tunnel.who,
+                    reloads: self.reloads,
+                    idle,
+                };
+                relay.run(admitted, client, pre, upstream).await;
+            }
+            Err(e) => tracing::debug!(error = %e, "tunnel closed before its first bytes"),
+        }
+    }
+}
+
+/// A tunnel relayed as bytes: admitted once, as one unit, holding its in-flight slot
+/// and its connection's place until it closes, idles out or a reload no longer admits
+/// its sender.
+struct Relay {
+    app: Arc<App>,
+    slot: Arc<ConnSlot>,
+    who: Who,
+    reloads: tokio::sync::watch::Receiver<()>,
+    idle: std::time::Duration,
+}
+
+impl Relay {
+    async fn run<C>(
+        self,
+        admitted: Admitted,
+        client: C,
+        pre: bytes::BytesMut,
+        mut upstream: tokio::net::TcpStream,
+    ) where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let Relay {
+            app,
+            slot,
+            who,
+            reloads,
+            idle,
+        } = self;
         let _slot = slot;
+        let Admitted {
+            ep, label, slot: held, outcome, ..
+        } = admitted;
         let _held = held;
+        app.metrics.outcome(&label, outcome);
+        app.metrics
+            .tunnels
+            .get_or_create(&EndpointLabels { endpoint: label })
+            .inc();
         let bytes = async {
-            match on_upgrade.await {
-                Ok(upgraded) => {
-                    if let Err(e) = crate::forward::tunnel(upgraded, upstream, idle).await {
-                        tracing::debug!(error = %e, "tunnel closed with an error");
-                    }
+            if !pre.is_empty() {
+                if let Err(e) = tokio::io::AsyncWriteExt::write_all(&mut upstream, &pre).await {
+                    return tracing::debug!(error = %e, "tunnel closed with an error");
                 }
-                Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
+            }
+            if let Err(e) = crate::forward::tunnel(client, upstream, idle).await {
+                tracing::debug!(error = %e, "tunnel closed with an error");
             }
         };
         tokio::select! {
             () = bytes => {}
-            () = revoked(&watching, reloads, &who, &endpoint) => tracing::info!(
-                endpoint = %endpoint,
+            () = revoked(&app, reloads, &who, &ep.id) => tracing::info!(
+                endpoint = %ep.id,
                 user = who.identity.as_ref().map(|i| &*i.user),
                 "closing a tunnel: a reload no longer admits its sender"
             ),
         }
-    });
-    Ok(ok_empty())
+    }
 }
 
-/// An intercepted CONNECT: TLS terminated with a minted leaf, then every request inside
-/// is served by [`handle`] like any other.
+/// The connection the requests inside a tunnel arrive on.
+fn tunnel_conn(peer: SocketAddr, slot: Arc<ConnSlot>, tunnel: Tunnel) -> Arc<Conn> {
+    Arc::new(Conn {
+        peer,
+        slot,
+        tunnel: Some(tunnel),
+        upstream: Default::default(),
+        endpoint: Default::default(),
+        target: Default::default(),
+        prepaid: Default::default(),
+    })
+}
+
+/// Serves the requests inside a tunnel (plain HTTP, or the TLS session of an
+/// intercepted one): HTTP/1.1 in the lane (when on), else, and HTTP/2, by hyper.
+/// `pre` is what was read of the stream already.
+async fn serve_inside<S: crate::lane::SenderIo>(
+    app: Arc<App>,
+    stream: S,
+    pre: Bytes,
+    conn: Arc<Conn>,
+    protocol: Version,
+) {
+    let cfg = Arc::clone(&app.runtime.load().config);
+    let timeouts = Timeouts {
+        header_read: cfg.proxy.header_read_timeout,
+        idle: cfg.proxy.idle_timeout,
+    };
+    let stop = app.lifecycle.signal();
+    if protocol == Version::HTTP_11 && crate::lane::enabled() {
+        return crate::lane::serve_tunnel(app, stream, pre, conn, timeouts, stop).await;
+    }
+    let svc = hyper::service::service_fn(move |req| {
+        let (app, conn) = (Arc::clone(&app), Arc::clone(&conn));
+        async move { Ok::<_, std::convert::Infallible>(handle_boxed(app, req, conn).await) }
+    });
+    let writes = crate::conn::Writes::Default;
+    let io = TokioIo::new(stream);
+    crate::conn::serve(pre, io, svc, protocol, timeouts, writes, stop).await;
+}
+
+/// An intercepted CONNECT: its first bytes read, then TLS terminated with a minted leaf
+/// and every request inside served by [`handle`] like any other; plain HTTP is served
+/// the same way without TLS, and other bytes are relayed (admitted once).
 struct Intercepted {
     app: Arc<App>,
     interceptor: Arc<crate::tls::Interceptor>,
     peer: SocketAddr,
     slot: Arc<ConnSlot>,
+    /// The CONNECT's own head, for the admission of a tunnel relayed as bytes.
+    headers: HeaderMap,
     tunnel: Tunnel,
-    host: String,
+    target: Target,
+    reloads: tokio::sync::watch::Receiver<()>,
 }
 
 impl Intercepted {
     async fn run(self, on_upgrade: hyper::upgrade::OnUpgrade) {
-        let upgraded = match on_upgrade.await {
-            Ok(u) => u,
+        let mut client = match on_upgrade.await {
+            Ok(u) => TokioIo::new(u),
             Err(e) => return tracing::debug!(error = %e, "CONNECT upgrade failed"),
         };
         let cfg = Arc::clone(&self.app.runtime.load().config);
-        let handshake = self.interceptor.accept(TokioIo::new(upgraded), &self.host);
-        let ended = tokio::time::timeout(cfg.tls.handshake_timeout, handshake).await;
-        let result = match &ended {
-            Ok(Ok(_)) => "established",
-            Ok(Err(_)) => "handshake_failed",
-            Err(_) => "handshake_timeout",
+        let mut pre = bytes::BytesMut::new();
+        let sniffing = crate::sniff::sniff(&mut client, &mut pre);
+        let opening = match tokio::time::timeout(cfg.tls.handshake_timeout, sniffing).await {
+            Ok(Ok(o)) => o,
+            Ok(Err(e)) => return tracing::debug!(error = %e, "tunnel closed before its first bytes"),
+            Err(_) => {
+                self.count("handshake_timeout");
+                return tracing::info!(
+                    host = %self.target.host,
+                    timeout_ms = cfg.tls.handshake_timeout.as_millis() as u64,
+                    "intercepted tunnel sent nothing in time"
+                );
+            }
         };
+        match opening {
+            Opening::Tls => {
+                let client = crate::sniff::Prefixed::new(pre, client);
+                self.terminate(client, cfg.tls.handshake_timeout).await;
+            }
+            Opening::Http => {
+                let conn = tunnel_conn(self.peer, self.slot, plain(self.tunnel));
+                serve_inside(self.app, client, pre.freeze(), conn, Version::HTTP_11).await;
+            }
+            Opening::Other => self.relay(client, pre).await,
+        }
+    }
+
+    /// Counts how an intercepted tunnel's handshake ended.
+    fn count(&self, result: &'static str) {
         self.app
             .metrics
             .intercepted
             .get_or_create(&InterceptLabels { result })
             .inc();
+    }
+
+    /// Terminates the sender's TLS and serves the requests inside.
+    async fn terminate<C>(self, client: C, timeout: std::time::Duration)
+    where
+        C: crate::lane::SenderIo,
+    {
+        let handshake = self.interceptor.accept(client, &self.target.host);
+        let ended = tokio::time::timeout(timeout, handshake).await;
+        self.count(match &ended {
+            Ok(Ok(_)) => "established",
+            Ok(Err(_)) => "handshake_failed",
+            Err(_) => "handshake_timeout",
+        });
         let tls = match ended {
             Ok(Ok((tls, _sni))) => tls,
             Ok(Err(e)) => return tracing::warn!("{e}"),
             Err(_) => {
                 return tracing::info!(
-                    host = %self.host,
-                    timeout_ms = cfg.tls.handshake_timeout.as_millis() as u64,
+                    host = %self.target.host,
+                    timeout_ms = timeout.as_millis() as u64,
                     "intercepted TLS handshake timed out"
                 );
             }
@@ -1180,30 +1425,65 @@ impl Intercepted {
         } else {
             Version::HTTP_11
         };
-        let conn = Arc::new(Conn {
-            peer: self.peer,
-            slot: self.slot,
-            tunnel: Some(self.tunnel),
-            upstream: Default::default(),
-            endpoint: Default::default(),
-            target: Default::default(),
-        });
-        let timeouts = Timeouts {
-            header_read: cfg.proxy.header_read_timeout,
-            idle: cfg.proxy.idle_timeout,
+        let conn = tunnel_conn(self.peer, self.slot, self.tunnel);
+        serve_inside(self.app, tls, Bytes::new(), conn, protocol).await;
+    }
+
+    /// Neither TLS nor plain HTTP: the tunnel is admitted once and relayed as bytes.
+    /// Its `200` is sent, so a refusal can only close it.
+    async fn relay<C>(self, client: C, pre: bytes::BytesMut)
+    where
+        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let app = &self.app;
+        let rt = app.runtime.load_full();
+        let last = LastEndpoint::default();
+        let ask = Asking {
+            headers: &self.headers,
+            who: &self.tunnel.who,
+            target: &self.target,
+            path: "",
+            resolve_dns: true,
+            peer: self.peer.ip(),
+            last: &last,
+            prepaid: None,
+            inherited: None,
         };
-        let stop = self.app.lifecycle.signal();
-        if protocol == Version::HTTP_11 && crate::lane::enabled() {
-            return crate::lane::serve_tunnel(self.app, tls, conn, timeouts, stop).await;
-        }
-        let app = Arc::clone(&self.app);
-        let svc = hyper::service::service_fn(move |req| {
-            let (app, conn) = (Arc::clone(&app), Arc::clone(&conn));
-            async move { Ok::<_, std::convert::Infallible>(handle_boxed(app, req, conn).await) }
-        });
-        let writes = crate::conn::Writes::Default;
-        let io = TokioIo::new(tls);
-        crate::conn::serve(Bytes::new(), io, svc, protocol, timeouts, writes, stop).await;
+        let mut trace = Trace {
+            destination: Some(self.tunnel.authority.clone()),
+            ..Trace::default()
+        };
+        let admitted = match admission(app, &rt, ask, &mut trace).await {
+            Ok(a) => a,
+            Err(r) => {
+                drop(refuse(app, r, self.peer, "CONNECT", &trace));
+                return;
+            }
+        };
+        let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
+            Ok(s) => s,
+            Err(e) => {
+                let r = after_admission(app, &admitted, e).await;
+                drop(refuse(app, r, self.peer, "CONNECT", &trace));
+                return;
+            }
+        };
+        let relay = Relay {
+            app: Arc::clone(app),
+            slot: self.slot,
+            who: self.tunnel.who,
+            reloads: self.reloads,
+            idle: rt.config.proxy.tunnel_idle_timeout,
+        };
+        relay.run(admitted, client, pre, upstream).await;
+    }
+}
+
+/// A tunnel's context for the plain HTTP inside it.
+fn plain(tunnel: Tunnel) -> Tunnel {
+    Tunnel {
+        tls: false,
+        ..tunnel
     }
 }
 

@@ -108,6 +108,7 @@ async fn accept_proxy(
                 upstream: Default::default(),
                 endpoint: Default::default(),
                 target: Default::default(),
+                prepaid: Default::default(),
             });
             let signal = app.lifecycle.signal();
             async move {
