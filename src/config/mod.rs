@@ -158,7 +158,42 @@ pub struct Adaptive {
     pub max_cooldown: Duration,
     /// Warn when an endpoint has stayed at its floor this long.
     pub floor_warn_after: Duration,
+    /// Which requests a receiver's 429 (or 503 with `Retry-After`) is absorbed for: held
+    /// behind the cooldown and sent again within the wait budget instead of passed on.
+    pub absorb: Absorb,
+    /// At most this many resends of one request after its receiver's refusals (1–10).
+    pub absorb_attempts: u32,
+    /// Bodies up to this many bytes are kept for a resend; a larger one is never resent.
+    pub absorb_max_body: u64,
 }
+
+/// `absorb`: which requests sluice sends again itself when the receiver refuses them
+/// with a 429 (or a 503 with `Retry-After`) and the cooldown ends within what is left of
+/// the request's wait budget. Every webhook platform counts a refusal passed on as a
+/// spent attempt and retries on its own, much later, schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Absorb {
+    /// Never: every refusal is passed on to the sender.
+    Off,
+    /// Requests that are safe to send twice: the methods RFC 9110 calls idempotent,
+    /// any request carrying `Idempotency-Key`, and every request to an endpoint with
+    /// `absorb_post = true` (a 429 says the request was not processed, and webhook
+    /// receivers deduplicate on the message ID).
+    #[default]
+    Safe,
+    /// Every request whose body can be replayed, whatever its method.
+    All,
+}
+
+/// Default `absorb_attempts`.
+pub const DEFAULT_ABSORB_ATTEMPTS: u32 = 2;
+/// Most `absorb_attempts` a config may ask for: each resend waits out a cooldown, and
+/// more than this is a receiver that does not want the request.
+pub const MAX_ABSORB_ATTEMPTS: u32 = 10;
+/// Default `absorb_max_body`: 1 MiB, larger than nearly every webhook payload.
+pub const DEFAULT_ABSORB_MAX_BODY: u64 = 1 << 20;
+/// Largest `absorb_max_body`: a kept body is memory held for the whole wait, per request.
+pub const MAX_ABSORB_MAX_BODY: u64 = 64 << 20;
 
 impl Default for Adaptive {
     fn default() -> Self {
@@ -169,6 +204,9 @@ impl Default for Adaptive {
             default_cooldown: Duration::from_secs(1),
             max_cooldown: Duration::from_secs(300),
             floor_warn_after: Duration::from_secs(300),
+            absorb: Absorb::Safe,
+            absorb_attempts: DEFAULT_ABSORB_ATTEMPTS,
+            absorb_max_body: DEFAULT_ABSORB_MAX_BODY,
         }
     }
 }
@@ -192,6 +230,9 @@ pub struct Policy {
     pub lease_ttl: Duration,
     /// Weights of senders (`shares`); `None`: no fair queue, plain arrival order.
     pub shares: Option<Arc<Shares>>,
+    /// `absorb_post`: a receiver's refusal of any request to this endpoint, POST
+    /// included, may be absorbed under `absorb = "safe"` (its receiver deduplicates).
+    pub absorb_post: bool,
 }
 
 /// `shares = { svix = 3, batch = 1 }`: the weight of each named sender on an endpoint.
@@ -228,6 +269,7 @@ impl Default for Policy {
             max_in_flight: None,
             lease_ttl: DEFAULT_LEASE_TTL,
             shares: None,
+            absorb_post: false,
         }
     }
 }
@@ -1201,6 +1243,123 @@ mod tests {
                 Config::parse(&two(first, second)).is_ok(),
                 "{first} {second}"
             );
+        }
+    }
+
+    /// The absorb keys: defaults, inheritance by endpoints and their overrides.
+    #[test]
+    fn absorb_keys_default_inherit_and_override() {
+        let c = Config::parse("").unwrap();
+        let a = c.defaults.adaptive.unwrap();
+        assert_eq!(
+            (a.absorb, a.absorb_attempts, a.absorb_max_body),
+            (Absorb::Safe, 2, 1_048_576)
+        );
+        assert!(!c.defaults.absorb_post);
+        let c = Config::parse(
+            "[defaults]\nabsorb_post = true\n\
+             [defaults.adaptive]\nabsorb = \"all\"\nabsorb_attempts = 3\nabsorb_max_body = 0\n\
+             [[endpoints]]\nid = \"inherits\"\n\
+             [[endpoints]]\nid = \"own\"\nabsorb_post = false\n\
+             adaptive = { absorb = \"off\", absorb_attempts = 10, absorb_max_body = 67_108_864 }\n",
+        )
+        .unwrap();
+        let d = c.defaults.adaptive.unwrap();
+        assert_eq!(
+            (d.absorb, d.absorb_attempts, d.absorb_max_body),
+            (Absorb::All, 3, 0)
+        );
+        assert!(c.defaults.absorb_post);
+        let inherits = &c.endpoints[0].policy;
+        assert_eq!(inherits.adaptive, c.defaults.adaptive);
+        assert!(inherits.absorb_post);
+        let own = &c.endpoints[1].policy;
+        let o = own.adaptive.unwrap();
+        assert_eq!(
+            (o.absorb, o.absorb_attempts, o.absorb_max_body),
+            (Absorb::Off, 10, 64 << 20)
+        );
+        assert!(!own.absorb_post);
+    }
+
+    /// Each rejected absorb value is named with its key and line.
+    #[test]
+    fn absorb_values_are_refused_where_they_are() {
+        let cases = [
+            ("absorb = \"maybe\"", "absorb", "is not one of"),
+            ("absorb = true", "absorb", "expected a string"),
+            ("absorb_attempts = 0", "absorb_attempts", "from 1 to 10"),
+            ("absorb_attempts = 11", "absorb_attempts", "from 1 to 10"),
+            ("absorb_attempts = -1", "absorb_attempts", "from 1 to 10"),
+            (
+                "absorb_attempts = 2.5",
+                "absorb_attempts",
+                "expected a whole number",
+            ),
+            (
+                "absorb_attempts = \"2\"",
+                "absorb_attempts",
+                "expected a whole number",
+            ),
+            (
+                "absorb_max_body = -1",
+                "absorb_max_body",
+                "from 0 to 67108864",
+            ),
+            (
+                "absorb_max_body = 67108865",
+                "absorb_max_body",
+                "from 0 to 67108864",
+            ),
+            (
+                "absorb_max_body = \"1MiB\"",
+                "absorb_max_body",
+                "expected a whole number",
+            ),
+            (
+                "absorb_max_body = 1e6",
+                "absorb_max_body",
+                "expected a whole number",
+            ),
+            (
+                "absorb_atempts = 1",
+                "absorb_atempts",
+                "did you mean `absorb_attempts`",
+            ),
+        ];
+        for (line, key, says) in cases {
+            let i = issues(&format!("[proxy]\n[defaults.adaptive]\n{line}\n"));
+            assert_eq!(i.len(), 1, "{line}: {i:?}");
+            assert_eq!(
+                (i[0].line, i[0].key.as_str()),
+                (3, format!("defaults.adaptive.{key}").as_str()),
+                "{line}"
+            );
+            assert!(i[0].message.contains(says), "{line}: {}", i[0].message);
+            let i = issues(&format!(
+                "[[endpoints]]\nid = \"e\"\nadaptive = {{ {line} }}\n"
+            ));
+            assert_eq!(
+                (i[0].line, i[0].key.as_str()),
+                (3, format!("endpoints[0].adaptive.{key}").as_str()),
+                "{line}"
+            );
+        }
+        for (text, at, key) in [
+            (
+                "[defaults]\nabsorb_post = \"yes\"\n",
+                2,
+                "defaults.absorb_post",
+            ),
+            (
+                "[[endpoints]]\nid = \"e\"\nabsorb_post = 1\n",
+                3,
+                "endpoints[0].absorb_post",
+            ),
+        ] {
+            let i = issues(text);
+            assert_eq!(i.len(), 1, "{text}: {i:?}");
+            assert_eq!((i[0].line, i[0].key.as_str()), (at, key), "{text}");
         }
     }
 

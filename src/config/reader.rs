@@ -167,6 +167,43 @@ impl Reader<'_> {
         }
     }
 
+    /// A whole number in `range` (an integer, not `2.5` or `"2"`), or `default` (with an
+    /// issue naming the range) when absent or out of it.
+    pub(super) fn whole(
+        &mut self,
+        t: &Table<'_>,
+        path: &str,
+        name: &str,
+        default: u64,
+        range: std::ops::RangeInclusive<u64>,
+    ) -> u64 {
+        let Some(v) = t.get(name) else {
+            return default;
+        };
+        let DeValue::Integer(i) = v.get_ref() else {
+            let want = format!("a whole number from {} to {}", range.start(), range.end());
+            self.type_issue(v, &join(path, name), &want, v.get_ref().type_str());
+            return default;
+        };
+        let text = i.as_str().replace('_', "");
+        match u64::from_str_radix(&text, i.radix()) {
+            Ok(n) if range.contains(&n) => n,
+            _ => {
+                self.issue(
+                    v.span().start,
+                    &join(path, name),
+                    format!(
+                        "{} is invalid: must be a whole number from {} to {}",
+                        i.as_str(),
+                        range.start(),
+                        range.end()
+                    ),
+                );
+                default
+            }
+        }
+    }
+
     pub(super) fn duration(
         &mut self,
         t: &Table<'_>,

@@ -39,6 +39,7 @@ impl Reader<'_> {
                 "max_in_flight",
                 "lease_ttl",
                 "shares",
+                "absorb_post",
             ],
         );
         let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
@@ -552,6 +553,7 @@ impl Reader<'_> {
             max_in_flight,
             lease_ttl: self.lease_ttl(t, path, base.lease_ttl),
             shares: self.shares(t, path).or_else(|| base.shares.clone()),
+            absorb_post: self.boolean(t, path, "absorb_post", base.absorb_post),
         }
     }
 
@@ -612,6 +614,9 @@ impl Reader<'_> {
                 "default_cooldown",
                 "max_cooldown",
                 "floor_warn_after",
+                "absorb",
+                "absorb_attempts",
+                "absorb_max_body",
             ],
         );
         let enabled = self.boolean(t, p, "enabled", base_on);
@@ -637,6 +642,31 @@ impl Reader<'_> {
             default_cooldown: self.duration(t, p, "default_cooldown", base.default_cooldown),
             max_cooldown: self.duration(t, p, "max_cooldown", base.max_cooldown),
             floor_warn_after: self.duration(t, p, "floor_warn_after", base.floor_warn_after),
+            absorb: self.enumerated(
+                t,
+                p,
+                "absorb",
+                base.absorb,
+                &[
+                    ("off", Absorb::Off),
+                    ("safe", Absorb::Safe),
+                    ("all", Absorb::All),
+                ],
+            ),
+            absorb_attempts: self.whole(
+                t,
+                p,
+                "absorb_attempts",
+                base.absorb_attempts.into(),
+                1..=MAX_ABSORB_ATTEMPTS.into(),
+            ) as u32,
+            absorb_max_body: self.whole(
+                t,
+                p,
+                "absorb_max_body",
+                base.absorb_max_body,
+                0..=MAX_ABSORB_MAX_BODY,
+            ),
         };
         if a.max_cooldown < a.default_cooldown {
             let at = t
@@ -732,6 +762,7 @@ impl Reader<'_> {
                 "max_in_flight",
                 "lease_ttl",
                 "shares",
+                "absorb_post",
             ],
         );
         let id = match self.string(t, &path, "id") {
