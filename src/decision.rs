@@ -31,6 +31,9 @@ pub struct Trace {
     pub upstream: Option<Duration>,
     /// `forwarded`, a `shadow_*` outcome, or the refusal reason.
     pub outcome: &'static str,
+    /// Times sluice sent the request again after its receiver refused it (absorbed
+    /// 429s).
+    pub retried: u32,
     /// The request left for the receiver (its outcome is set then), and the label its
     /// outcome is counted under (hyper's path: the count of a request whose sender
     /// leaves before the answer).
@@ -73,6 +76,7 @@ macro_rules! request_line {
             waited_ms = t.waited.as_millis() as u64,
             status = t.status.unwrap_or(0),
             upstream_ms = t.upstream.map_or(0, |d| d.as_millis() as u64),
+            retried = t.retried,
             $message
         );
     }};

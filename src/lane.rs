@@ -97,7 +97,16 @@ pub async fn serve(
     timeouts: Timeouts,
     shutdown: watch::Receiver<bool>,
 ) {
-    serve_on(app, stream, Bytes::new(), conn, timeouts, shutdown, Writes::Flat).await;
+    serve_on(
+        app,
+        stream,
+        Bytes::new(),
+        conn,
+        timeouts,
+        shutdown,
+        Writes::Flat,
+    )
+    .await;
 }
 
 /// Serves the HTTP/1.1 requests inside a CONNECT tunnel (`conn.tunnel` is set): an
@@ -383,75 +392,120 @@ impl<S: SenderIo> Lane<S> {
         let admitting = proxy::admit_plain(&app, &head.uri, &head.headers, &self.conn, trace);
         // A sender that leaves while its request waits takes the request with it.
         let admitted = while_sender_stays(&mut self.stream, &mut self.inb, admitting).await;
-        let (rt, uri, target, admitted) = admitted
+        let (rt, uri, target, mut admitted) = admitted
             .map_err(Failure::Io)?
             .map_err(|r| Failure::Refused(r, true))?;
-        let fail = |e: ForwardError, clean: bool| {
-            let app = &app;
-            let admitted = &admitted;
-            async move {
-                let failing = Box::pin(proxy::after_admission(app, admitted, e));
-                Failure::Refused(failing.await, clean)
+        let limit = app.forwarder.timeout();
+        // A request that may be sent again (its receiver's 429 absorbed) is read whole
+        // before it leaves, to be written again as it was.
+        let mut resend =
+            proxy::Resend::plan(&admitted, &head.method, &head.headers, Some(head.body));
+        if resend.is_some() && (self.inb.len() as u64) < head.body {
+            if let Err(e) = self.read_body(head.body as usize, limit).await {
+                return Err(failure(&app, &admitted, e, false).await);
             }
-        };
+        }
         let authority = uri.authority().map_or("", |a| a.as_str());
+        let tls = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
         let generation = app.forwarder.generation();
         let usable = |u: &Upstream| u.generation == generation && still_open(u);
-        let kept = self
-            .up
-            .take()
-            .filter(|u| *u.authority == *authority && usable(u));
-        // Else one another sender connection left, else a new one.
-        let tls = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
-        let kept = kept.or_else(|| app.idle.take((tls, authority.into()), usable));
-        let mut up = match kept {
-            Some(u) => u,
-            None => match Box::pin(open(&app, &target.host, target.port, &uri)).await {
-                Ok(u) => u,
-                Err(e) => return Err(fail(e, true).await),
-            },
-        };
-        up.generation = generation;
-        // The request head, and whatever of its body came with it.
-        let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
-        request_head(&mut self.out, head, &uri, &up.host, &own);
-        let with_head = (self.inb.len() as u64).min(head.body) as usize;
-        self.out.extend_from_slice(&self.inb[..with_head]);
-        self.inb.advance(with_head);
-        let body_left = head.body - with_head as u64;
+        let mut replay: Option<Vec<u8>> = None;
+        let (up, answer, slot) =
+            loop {
+                let kept = self
+                    .up
+                    .take()
+                    .filter(|u| *u.authority == *authority && usable(u));
+                // Else one another sender connection left, else a new one.
+                let kept = kept.or_else(|| app.idle.take((tls, authority.into()), usable));
+                let mut up = match kept {
+                    Some(u) => u,
+                    None => match Box::pin(open(&app, &target.host, target.port, &uri)).await {
+                        Ok(u) => u,
+                        Err(e) => {
+                            let clean = replay.is_none();
+                            return Err(failure(&app, &admitted, e, clean).await);
+                        }
+                    },
+                };
+                up.generation = generation;
+                let body_left = match &replay {
+                    // A resend: the request as first written, body and all.
+                    Some(bytes) => {
+                        self.out.clear();
+                        self.out.extend_from_slice(bytes);
+                        0
+                    }
+                    None => {
+                        // The request head, and whatever of its body came with it.
+                        let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
+                        request_head(&mut self.out, head, &uri, &up.host, &own);
+                        let with_head = (self.inb.len() as u64).min(head.body) as usize;
+                        self.out.extend_from_slice(&self.inb[..with_head]);
+                        self.inb.advance(with_head);
+                        if resend.is_some() {
+                            replay = Some(self.out.clone());
+                        }
+                        head.body - with_head as u64
+                    }
+                };
 
-        let sent = Instant::now();
-        let limit = app.forwarder.timeout();
-        self.timer.as_mut().reset(sent + limit);
-        // Watched only while a body is still to come (`upload`'s rule for the timeout).
-        let progress = (body_left > 0).then(Progress::new);
-        let sending = send(
-            &mut up,
-            &mut self.out,
-            &mut self.stream,
-            &mut self.inb,
-            body_left,
-            Ask {
-                head_request: head.method == Method::HEAD,
-                close: head.close,
-            },
-            progress.as_ref(),
-        );
-        let answer =
-            match upload::within(self.timer.as_mut(), progress.as_ref(), limit, sending).await {
-                Ok(Ok(a)) => a,
-                Ok(Err(e)) => return Err(fail(e, head.body == 0).await),
-                Err(Stalled::Upstream) => {
-                    return Err(fail(ForwardError::Timeout(limit), head.body == 0).await);
+                let sent = Instant::now();
+                self.timer.as_mut().reset(sent + limit);
+                // Watched only while a body is still to come (`upload`'s rule for the timeout).
+                let progress = (body_left > 0).then(Progress::new);
+                let sending = send(
+                    &mut up,
+                    &mut self.out,
+                    &mut self.stream,
+                    &mut self.inb,
+                    body_left,
+                    Ask {
+                        head_request: head.method == Method::HEAD,
+                        close: head.close,
+                    },
+                    progress.as_ref(),
+                );
+                let clean = head.body == 0 && replay.is_none();
+                let answer =
+                    match upload::within(self.timer.as_mut(), progress.as_ref(), limit, sending)
+                        .await
+                    {
+                        Ok(Ok(a)) => a,
+                        Ok(Err(e)) => return Err(failure(&app, &admitted, e, clean).await),
+                        Err(Stalled::Upstream) => {
+                            let e = ForwardError::Timeout(limit);
+                            return Err(failure(&app, &admitted, e, clean).await);
+                        }
+                        Err(Stalled::Sender) => {
+                            let e = ForwardError::SenderStalled(limit);
+                            return Err(failure(&app, &admitted, e, false).await);
+                        }
+                    };
+                trace.upstream = Some(sent.elapsed());
+                let empty = HeaderMap::new();
+                let headers = answer.headers.as_ref().unwrap_or(&empty);
+                proxy::heeded(&app, &admitted, answer.status, headers).await;
+                if let Some(again) = resend.as_mut() {
+                    if again
+                        .again(&app, &mut admitted, answer.status, headers)
+                        .await
+                    {
+                        // The refusal's body is not read: its connection goes.
+                        drop(up);
+                        continue;
+                    }
                 }
-                Err(Stalled::Sender) => {
-                    return Err(fail(ForwardError::SenderStalled(limit), false).await);
-                }
+                let slot = proxy::final_answer(&app, admitted, answer.status, trace);
+                break (up, answer, slot);
             };
-        trace.upstream = Some(sent.elapsed());
-        let empty = HeaderMap::new();
-        let headers = answer.headers.as_ref().unwrap_or(&empty);
-        let slot = proxy::answered(&app, admitted, answer.status, headers, trace).await;
+        if let Some(n) = resend.as_ref().map(|r| r.retried).filter(|&n| n > 0) {
+            trace.retried = n;
+            // Before the head's closing empty line.
+            let end = self.out.len() - 2;
+            let line = format!("{}: {n}\r\n", crate::absorb::RETRIED_HEADER);
+            self.out.splice(end..end, line.into_bytes());
+        }
 
         // The response head (in `out`) with the body bytes that came with it, then the
         // rest of the body as it comes.
@@ -510,6 +564,25 @@ impl<S: SenderIo> Lane<S> {
         Ok(delimited && !head.close && !answer.early)
     }
 
+    /// Reads from the sender until `inb` holds `len` bytes: a request body kept whole
+    /// before it leaves. A sender that sends nothing for `limit` has stalled.
+    async fn read_body(&mut self, len: usize, limit: Duration) -> Result<(), ForwardError> {
+        while self.inb.len() < len {
+            let (inb, stream) = (&mut self.inb, &mut self.stream);
+            let reading = std::future::poll_fn(|cx| poll_read(stream, inb, cx));
+            match tokio::time::timeout(limit, reading).await {
+                Ok(Ok(0)) => {
+                    let why = "the sender closed before the end of its body";
+                    return Err(ForwardError::SenderBody(why.into()));
+                }
+                Ok(Ok(_)) => self.activity.read(),
+                Ok(Err(e)) => return Err(ForwardError::SenderBody(e.to_string())),
+                Err(_) => return Err(ForwardError::SenderStalled(limit)),
+            }
+        }
+        Ok(())
+    }
+
     /// Writes sluice's own answer. `body` is the request's `Content-Length` when none
     /// of it was read yet: skipped when all of it is here, and the connection carries
     /// on; otherwise it closes. An answer to `HEAD` (`head_only`) says its length and
@@ -560,6 +633,13 @@ impl<S: SenderIo> Lane<S> {
         self.activity.touch();
         Ok(keep)
     }
+}
+
+/// The refusal answering a send that failed after admission (the token refunded when
+/// nothing left); `clean` when nothing of the request's body was read yet.
+async fn failure(app: &App, admitted: &proxy::Admitted, e: ForwardError, clean: bool) -> Failure {
+    let failing = Box::pin(proxy::after_admission(app, admitted, e));
+    Failure::Refused(failing.await, clean)
 }
 
 /// What the upstream answered: its head, parsed and rewritten for the sender.

@@ -22,6 +22,8 @@
 //!   [`limiter::bucket`],
 //!   in-flight leases in [`limiter::lease`] and [`limiter::slot`], the per-endpoint
 //!   FIFO / weighted fair / priority queue in [`limiter::queue`].
+//! - [`absorb`]: which refusals of a receiver sluice absorbs (holds the request behind
+//!   the cooldown and sends it again within its wait budget).
 //! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.
 //! - [`forward`]: upstream client (pooled, rustls), hop-by-hop hygiene, CONNECT tunnels.
 //! - [`tls`]: the interception CA on disk ([`tls::ca`]), per-host leaves and their
@@ -36,6 +38,7 @@
 //! - [`version`]: version, git commit and build date stamped by `build.rs`.
 #![deny(missing_docs)]
 
+pub mod absorb;
 pub mod adapt;
 pub mod admin;
 pub mod app;

@@ -141,6 +141,9 @@ pub struct Metrics {
     pub upstream: Family<CodeLabels, Counter>,
     /// `sluice_upstream_throttles_total{endpoint}`: 429s (and 503 + Retry-After) seen.
     pub throttles: Family<EndpointLabels, Counter>,
+    /// `sluice_absorbed_total{endpoint}`: receivers' refusals sluice absorbed, each a
+    /// request held behind the cooldown and sent again instead of passed on.
+    pub absorbed: Family<EndpointLabels, Counter>,
     /// `sluice_endpoint_rate{endpoint}`: current effective rate.
     pub rate: Family<EndpointLabels, Gauge<f64, AtomicU64>>,
     /// `sluice_endpoint_at_floor{endpoint}`.
@@ -181,6 +184,7 @@ impl Metrics {
             shadow_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             upstream: Family::default(),
             throttles: Family::default(),
+            absorbed: Family::default(),
             rate: Family::default(),
             at_floor: Family::default(),
             cooldown: Family::default(),
@@ -238,6 +242,11 @@ impl Metrics {
             "upstream_throttles",
             "Throttling responses (429, 503 with Retry-After)",
             m.throttles.clone(),
+        );
+        registry.register(
+            "absorbed",
+            "Receivers' refusals absorbed: the request held behind the cooldown and sent again",
+            m.absorbed.clone(),
         );
         registry.register(
             "endpoint_rate",

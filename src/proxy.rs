@@ -36,7 +36,7 @@ use hyper_util::rt::TokioIo;
 
 use crate::adapt::{self, CooldownPolicy};
 use crate::auth::Identity;
-use crate::config::{Adaptive, Mode};
+use crate::config::{Adaptive, Mode, Policy};
 use crate::conn::{ConnSlot, Timeouts};
 use crate::core::{App, Runtime};
 use crate::decision::{self, Trace};
@@ -336,6 +336,10 @@ pub(crate) struct Admitted {
     addrs: Vec<SocketAddr>,
     /// The in-flight slot (`max_in_flight`), held until the response body ends.
     slot: Option<Slot>,
+    /// Its place in the endpoint's queue (queued endpoints), for a resend's admission.
+    turn: Option<Turn>,
+    /// When its admission began: a resend waits at most what is left of `max_wait`.
+    arrived: tokio::time::Instant,
 }
 
 /// A refusal, with the label it is counted under (when the endpoint is known).
@@ -461,6 +465,7 @@ async fn admission(
         prepaid,
         inherited,
     } = ask;
+    let arrived = tokio::time::Instant::now();
     // A request inside a tunnel that names no endpoint is under the one its CONNECT
     // named (a clone: a tunnel's requests only).
     let with_inherited;
@@ -546,17 +551,20 @@ async fn admission(
         last.remember(rt, &n, &ep, &label);
     }
     let prepaid = prepaid.and_then(|p| p.take_for(&ep.id));
+    let mut turn = None;
     let (grant, outcome, slot) = match (prepaid, ep.mode) {
-        (Some(p), _) => (p.grant, p.outcome, p.slot),
+        (Some(p), _) => {
+            turn = p.turn;
+            (p.grant, p.outcome, p.slot)
+        }
         (None, Mode::Enforce) => {
-            let place = Turn::of(&ep, headers, who, peer);
-            let (grant, slot) =
-                enforce(app, &ep, &label, place)
-                    .await
-                    .map_err(|error| Refused {
-                        label: Some(label.clone()),
-                        error,
-                    })?;
+            turn = Turn::of(&ep, headers, who, peer);
+            let (grant, slot) = enforce(app, &ep, &label, turn.clone())
+                .await
+                .map_err(|error| Refused {
+                    label: Some(label.clone()),
+                    error,
+                })?;
             (grant, FORWARDED, slot)
         }
         (None, Mode::Shadow) => {
@@ -583,12 +591,15 @@ async fn admission(
         outcome,
         addrs,
         slot,
+        turn,
+        arrived,
     })
 }
 
 /// A request's place in its endpoint's queue: its priority class and, for endpoints
 /// with `shares`, its sender (the authenticated user, else `X-Sluice-Sender`, else the
 /// client address) and that sender's weight. Computed only for queued endpoints.
+#[derive(Clone)]
 struct Turn {
     class: u8,
     sender: Option<(Arc<str>, f64)>,
@@ -723,40 +734,72 @@ async fn forward_request(
         join_cookies(req.headers_mut());
     }
     *req.version_mut() = Version::HTTP_11;
-    // Its body watched on the way up (`upstream_timeout` counts a request's silence).
-    let req = req.map(Upload::new);
+    // A request that may be sent again (its receiver's 429 absorbed) has its body read
+    // whole first; any other's is watched on the way up (`upstream_timeout` counts a
+    // request's silence).
+    let body_len = {
+        use hyper::body::Body as _;
+        match req.body().size_hint().exact() {
+            _ if req.body().is_end_stream() => Some(0),
+            n => n,
+        }
+    };
+    let mut resend = Resend::plan(&admitted, req.method(), req.headers(), body_len);
+    let (req, kept) = match resend {
+        Some(_) => {
+            let keeping = Box::pin(KeptRequest::read(req, app.forwarder.timeout()));
+            match keeping.await {
+                Ok(k) => (k.request(), Some(k)),
+                Err(e) => return Err(after_admission(app, &admitted, e).await),
+            }
+        }
+        None => (req.map(Upload::new), None),
+    };
     trace.outcome = admitted.outcome;
     trace.sent = Some(admitted.label.clone());
     let sent = tokio::time::Instant::now();
     // The exchange runs on a task of its own, as the lane keeps it going: when the
     // sender gives up meanwhile (and this future is dropped), the receiver's answer is
     // still heeded (a 429 starts its cooldown) and the in-flight slot, which is the
-    // receiver's, is held until that answer.
-    // (Sixth session of 2026-12-07, a review.) The answer's body takes the slot on that
-    // task too, and a refused address gives its token back there: a sender gone before
-    // the answer's head used to free the slot at the head (the body cut off, and the
-    // next requests let in while the receiver still sent it: 4 in flight where
-    // `max_in_flight = 2`), and to lose the refund.
+    // receiver's, is held until that answer. The answer's body takes the slot on that
+    // task too, and a refused address gives its token back there, so a sender gone
+    // before the answer's head neither frees the slot while the receiver still sends
+    // nor loses the refund.
     let (drain, stall) = (app.forwarder.timeout(), rt.config.proxy.idle_timeout);
     let (app_, conn_) = (Arc::clone(app), Arc::clone(conn));
     let exchange = tokio::spawn(async move {
         let mut admitted = admitted;
-        let sent_to = app_.forwarder.send_via(&conn_.upstream, req).await;
-        match &sent_to {
-            Ok(r) => {
-                // Counted here, with the answer: also when the sender is gone by now.
-                app_.metrics
-                    .upstream_code(&admitted.label, r.status().as_u16());
-                heed(&app_, &admitted, r.status(), r.headers()).await;
+        let mut req = Some(req);
+        loop {
+            let Some(this) = req
+                .take()
+                .or_else(|| kept.as_ref().map(KeptRequest::request))
+            else {
+                unreachable!("a request is resent only when its body was kept");
+            };
+            let sent_to = app_.forwarder.send_via(&conn_.upstream, this).await;
+            match &sent_to {
+                Ok(r) => {
+                    // Counted and heeded here, with the answer: also when the sender is
+                    // gone by now.
+                    heeded(&app_, &admitted, r.status(), r.headers()).await;
+                    if let Some(again) = resend.as_mut() {
+                        let (status, headers) = (r.status(), r.headers());
+                        if again.again(&app_, &mut admitted, status, headers).await {
+                            continue;
+                        }
+                    }
+                }
+                Err(ForwardError::Denied(_)) => refund(&app_, &admitted).await,
+                Err(_) => {}
             }
-            Err(ForwardError::Denied(_)) => refund(&app_, &admitted).await,
-            Err(_) => {}
+            let slot = admitted.slot.take();
+            let sent_to = sent_to.map(|r| r.map(|body| HeldBody::new(body, slot, drain, stall)));
+            let retried = resend.map_or(0, |r| r.retried);
+            return (sent_to, admitted, retried);
         }
-        let slot = admitted.slot.take();
-        let sent_to = sent_to.map(|r| r.map(|body| HeldBody::new(body, slot, drain, stall)));
-        (sent_to, admitted)
     });
-    let (sent_to, admitted) = exchange
+    let (sent_to, admitted, retried) = exchange
         .await
         .map_err(|e| ProxyError::Upstream(e.to_string()))?;
     // Requests go upstream without `Upgrade`: a 101 answers nothing asked, and is no
@@ -785,7 +828,54 @@ async fn forward_request(
     one_content_length(resp.headers_mut());
     strip_hop_by_hop(resp.headers_mut());
     strip_sluice_headers(resp.headers_mut());
+    if retried > 0 {
+        trace.retried = retried;
+        let n = http::HeaderValue::from(retried);
+        resp.headers_mut().insert(crate::absorb::RETRIED_HEADER, n);
+    }
     Ok(resp.map(Either::Left))
+}
+
+/// A request kept whole to be sent again ([`Resend`]): its head as it goes upstream and
+/// its body, read before the first send.
+struct KeptRequest {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl KeptRequest {
+    /// Reads `req`'s body whole (its length is known and small: [`Resend::plan`]); a
+    /// sender silent for `limit` is stalled.
+    async fn read(
+        req: Request<Incoming>,
+        limit: std::time::Duration,
+    ) -> Result<KeptRequest, ForwardError> {
+        use http_body_util::BodyExt;
+        let (parts, body) = req.into_parts();
+        let body = match tokio::time::timeout(limit, body.collect()).await {
+            Ok(Ok(c)) => c.to_bytes(),
+            Ok(Err(e)) => return Err(ForwardError::SenderBody(e.to_string())),
+            Err(_) => return Err(ForwardError::SenderStalled(limit)),
+        };
+        Ok(KeptRequest {
+            method: parts.method,
+            uri: parts.uri,
+            headers: parts.headers,
+            body,
+        })
+    }
+
+    /// The request, to send (again).
+    fn request(&self) -> Request<Upload> {
+        let mut req = Request::new(Upload::kept(self.body.clone()));
+        *req.method_mut() = self.method.clone();
+        *req.uri_mut() = self.uri.clone();
+        *req.version_mut() = Version::HTTP_11;
+        *req.headers_mut() = self.headers.clone();
+        req
+    }
 }
 
 /// Says the upstream's `Content-Length` once: a repeated or listed equal value is one
@@ -867,19 +957,115 @@ pub(crate) async fn admit_plain(
     Ok((rt, uri, target, admitted))
 }
 
-/// The upstream answered an admitted request: counts and traces the answer, and feeds
-/// it to the endpoint's adaptive state when it carries something (429s, 503 +
-/// `Retry-After`, quota headers). Returns the in-flight slot, to hold until the
-/// response body ends.
-pub(crate) async fn answered(
+/// A request that may be sent again when its receiver refuses it ([`crate::absorb`]).
+pub(crate) struct Resend {
+    /// Resends still allowed.
+    left: u32,
+    /// Resends made so far (`X-Sluice-Retried`).
+    pub(crate) retried: u32,
+}
+
+impl Resend {
+    /// The resends `admitted` may have (`body`: its body's length, `None` when
+    /// unknown), or `None` when it is never resent.
+    pub(crate) fn plan(
+        admitted: &Admitted,
+        method: &Method,
+        headers: &HeaderMap,
+        body: Option<u64>,
+    ) -> Option<Resend> {
+        let ep = &admitted.ep;
+        crate::absorb::attempts(&ep.policy, ep.mode, method, headers, body)
+            .map(|left| Resend { left, retried: 0 })
+    }
+
+    /// After the receiver's answer, already heeded (its cooldown started): whether to
+    /// send the request again. True when the answer is a refusal whose cooldown ends
+    /// within what is left of the request's `max_wait` and the request was admitted
+    /// again within it, behind that cooldown and the bucket as any waiter (`admitted`
+    /// then holds the new grant and slot). False: the answer is the sender's.
+    pub(crate) async fn again(
+        &mut self,
+        app: &App,
+        admitted: &mut Admitted,
+        status: StatusCode,
+        headers: &HeaderMap,
+    ) -> bool {
+        if self.left == 0 {
+            return false;
+        }
+        let policy = &admitted.ep.policy;
+        let Some(adaptive) = policy.adaptive.as_ref() else {
+            return false;
+        };
+        let now = SystemTime::now();
+        let Some(pause) = crate::absorb::refusal_pause(status, headers, adaptive, now) else {
+            return false;
+        };
+        let budget = policy.max_wait.saturating_sub(admitted.arrived.elapsed());
+        if pause > budget {
+            return false;
+        }
+        // The refused attempt's slot goes first: with `max_in_flight = 1` the resend
+        // would otherwise wait for itself.
+        drop(admitted.slot.take());
+        let within = Policy {
+            max_wait: budget,
+            ..(**policy).clone()
+        };
+        let ep = Resolved {
+            id: Arc::clone(&admitted.ep.id),
+            policy: Arc::new(within),
+            mode: admitted.ep.mode,
+        };
+        let waiting = Box::pin(enforce(app, &ep, &admitted.label, admitted.turn.clone()));
+        match waiting.await {
+            Ok((grant, slot)) => {
+                admitted.grant = grant;
+                admitted.slot = slot;
+                self.left -= 1;
+                self.retried += 1;
+                app.metrics
+                    .absorbed
+                    .get_or_create(&EndpointLabels {
+                        endpoint: admitted.label.clone(),
+                    })
+                    .inc();
+                true
+            }
+            Err(e) => {
+                tracing::debug!(
+                    endpoint = %admitted.ep.id,
+                    reason = e.reason(),
+                    "refusal passed on: no token within the wait budget"
+                );
+                false
+            }
+        }
+    }
+}
+
+/// The upstream answered an admitted request: counts the answer's code and feeds it to
+/// the endpoint's adaptive state when it carries something (429s, 503 +
+/// `Retry-After`, quota headers). A resend may follow ([`Resend::again`]).
+pub(crate) async fn heeded(
+    app: &App,
+    admitted: &Admitted,
+    status: StatusCode,
+    headers: &HeaderMap,
+) {
+    heed(app, admitted, status, headers).await;
+    app.metrics.upstream_code(&admitted.label, status.as_u16());
+}
+
+/// The final answer to an admitted request: counts and traces its outcome. Returns the
+/// in-flight slot, to hold until the response body ends.
+pub(crate) fn final_answer(
     app: &App,
     admitted: Admitted,
     status: StatusCode,
-    headers: &HeaderMap,
     trace: &mut Trace,
 ) -> Option<Slot> {
-    heed(app, &admitted, status, headers).await;
-    app.metrics.upstream_code(&admitted.label, status.as_u16());
     counted(app, &admitted, status, trace);
     admitted.slot
 }
@@ -1269,7 +1455,11 @@ impl Relay {
         } = self;
         let _slot = slot;
         let Admitted {
-            ep, label, slot: held, outcome, ..
+            ep,
+            label,
+            slot: held,
+            outcome,
+            ..
         } = admitted;
         let _held = held;
         app.metrics.outcome(&label, outcome);
@@ -1365,7 +1555,9 @@ impl Intercepted {
         let sniffing = crate::sniff::sniff(&mut client, &mut pre);
         let opening = match tokio::time::timeout(cfg.tls.handshake_timeout, sniffing).await {
             Ok(Ok(o)) => o,
-            Ok(Err(e)) => return tracing::debug!(error = %e, "tunnel closed before its first bytes"),
+            Ok(Err(e)) => {
+                return tracing::debug!(error = %e, "tunnel closed before its first bytes");
+            }
             Err(_) => {
                 self.count("handshake_timeout");
                 return tracing::info!(

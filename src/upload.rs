@@ -158,21 +158,38 @@ pub async fn within<F: Future>(
     }
 }
 
-pin_project_lite::pin_project! {
-    /// A request body from a sender on its way upstream through hyper's client, telling
-    /// its [`Progress`] (none for a body that is empty from the start).
-    pub struct Upload {
-        #[pin]
-        inner: Incoming,
-        progress: Option<Arc<Progress>>,
-    }
+/// A request body on its way upstream through hyper's client: the sender's, telling its
+/// [`Progress`] (none for a body that is empty from the start), or a copy kept for a
+/// resend ([`crate::absorb`]).
+pub struct Upload {
+    inner: Source,
+    progress: Option<Arc<Progress>>,
+}
+
+/// Where an [`Upload`]'s bytes come from.
+enum Source {
+    Sender(Incoming),
+    /// A kept body: sent in one frame, then the end.
+    Kept(Option<Bytes>),
 }
 
 impl Upload {
     /// `inner`, watched unless it is empty.
     pub fn new(inner: Incoming) -> Upload {
         let progress = (!inner.is_end_stream()).then(|| Arc::new(Progress::new()));
-        Upload { inner, progress }
+        Upload {
+            inner: Source::Sender(inner),
+            progress,
+        }
+    }
+
+    /// A body kept whole, sent again.
+    pub fn kept(body: Bytes) -> Upload {
+        let body = (!body.is_empty()).then_some(body);
+        Upload {
+            inner: Source::Kept(body),
+            progress: None,
+        }
     }
 
     /// Its progress, for [`within`] (none for an empty body).
@@ -189,9 +206,12 @@ impl Body for Upload {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.project();
-        let polled = this.inner.poll_frame(cx);
-        if let Some(p) = this.progress {
+        let this = self.get_mut();
+        let polled = match &mut this.inner {
+            Source::Sender(inner) => Pin::new(inner).poll_frame(cx),
+            Source::Kept(body) => return Poll::Ready(body.take().map(|b| Ok(Frame::data(b)))),
+        };
+        if let Some(p) = &this.progress {
             match &polled {
                 Poll::Pending => p.waits_on_sender(true),
                 Poll::Ready(Some(Ok(frame))) => {
@@ -204,11 +224,17 @@ impl Body for Upload {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        match &self.inner {
+            Source::Sender(inner) => inner.is_end_stream(),
+            Source::Kept(body) => body.is_none(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.inner {
+            Source::Sender(inner) => inner.size_hint(),
+            Source::Kept(body) => SizeHint::with_exact(body.as_ref().map_or(0, |b| b.len() as u64)),
+        }
     }
 }
 
