@@ -142,9 +142,9 @@ pub fn is_private(ip: IpAddr) -> bool {
 }
 
 /// The IPv4 address an IPv6 address stands for, in the forms routers translate:
-/// IPv4-mapped `::ffff:0:0/96`, IPv4-compatible `::/96`, NAT64 `64:ff9b::/96` and
-/// `64:ff9b:1::/48`, 6to4 `2002::/16`, and Teredo `2001::/32` (the client address,
-/// stored inverted).
+/// IPv4-mapped `::ffff:0:0/96`, SIIT's IPv4-translated `::ffff:0:0:0/96` (RFC 7915),
+/// IPv4-compatible `::/96`, NAT64 `64:ff9b::/96` and `64:ff9b:1::/48`, 6to4 `2002::/16`,
+/// and Teredo `2001::/32` (the client address, stored inverted).
 fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
     if let Some(v4) = v6.to_ipv4_mapped() {
         return Some(v4);
@@ -152,6 +152,9 @@ fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
     let o = v6.octets();
     let s = v6.segments();
     let tail = Ipv4Addr::new(o[12], o[13], o[14], o[15]);
+    if s[..6] == [0, 0, 0, 0, 0xffff, 0] {
+        return Some(tail); // IPv4-translated (SIIT)
+    }
     if s[..6] == [0; 6] && !v6.is_loopback() && !v6.is_unspecified() {
         return Some(tail); // IPv4-compatible (deprecated)
     }
@@ -223,6 +226,25 @@ mod tests {
         // Embedded public IPv4 stays allowed.
         assert!(p.check_host("[64:ff9b::5db8:d822]").is_ok());
         assert!(p.check_host("[2002:5db8:d822::1]").is_ok());
+    }
+
+    /// SIIT's IPv4-translated addresses (`::ffff:0:0:0/96`, RFC 7915) stand for the IPv4
+    /// address in their last 32 bits, like the other embedded forms: a private one is
+    /// refused, a public one allowed. Before, `::ffff:0:127.0.0.1` passed.
+    #[test]
+    fn siit_addresses_are_classified_by_their_ipv4() {
+        let p = policy("");
+        for h in [
+            "[::ffff:0:127.0.0.1]",
+            "[::ffff:0:7f00:1]",
+            "[::ffff:0:10.0.0.1]",
+            "[::ffff:0:169.254.169.254]",
+            "[::ffff:0:192.168.1.1]",
+            "[::ffff:0:0.0.0.0]",
+        ] {
+            assert!(p.check_host(h).is_err(), "{h} should be refused");
+        }
+        assert!(p.check_host("[::ffff:0:93.184.216.34]").is_ok());
     }
 
     #[test]

@@ -5,7 +5,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::process::RunWithin;
+use common::process::{LoggedChild, RunWithin};
 
 /// Longest any child process (curl, the sluice binary) may run before the test fails.
 const CHILD_DEADLINE: Duration = Duration::from_secs(30);
@@ -353,6 +353,40 @@ fn check_warns_of_a_grant_to_a_user_not_in_the_users_file() {
         "{err}"
     );
     assert!(!err.contains("\"alice\""), "{err}");
+}
+
+/// A CA key file its group or others may read (mode & 0o077 != 0) is warned about by
+/// `check` and at start, naming the key and the mode: whoever reads it can impersonate
+/// any site to the senders. It stays a warning (a secret volume may be readable by a
+/// group on purpose). Before, nothing was said.
+#[test]
+fn a_ca_key_others_can_read_is_warned_about() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let made = sluice()
+        .args(["ca", "init", "--dir"])
+        .arg(dir.path().join("ca"))
+        .run_within(CHILD_DEADLINE);
+    assert!(made.status.success(), "{made:?}");
+    let key = dir.path().join("ca/ca.key");
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [tls]\nintercept = true\nca_cert = \"ca/ca.pem\"\nca_key = \"ca/ca.key\"\n",
+    )
+    .unwrap();
+    let warned = |log: &str| log.contains("tls.ca_key") && log.contains("readable by");
+    for mode in [0o600, 0o400, 0o640, 0o604, 0o644] {
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(mode)).unwrap();
+        let out = check_in(dir.path(), &config);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{mode:o}: {err}");
+        assert_eq!(warned(&err), mode & 0o077 != 0, "{mode:o}: {err}");
+    }
+    let mut run = LoggedChild::spawn(sluice().args(["run", "--config"]).arg(&config));
+    run.wait_log("sluice listening", CHILD_DEADLINE);
+    assert!(warned(&run.log()), "{}", run.log());
 }
 
 #[test]

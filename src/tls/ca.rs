@@ -214,6 +214,7 @@ impl CertAuthority {
     pub fn load(cert: &Path, key: &Path) -> Result<Self, MitmError> {
         let cert_der = read_cert(cert)?;
         let key_pair = read_key(key)?;
+        warn_if_exposed(key);
 
         let bad_ca = |reason: String| MitmError::BadCa {
             path: cert.to_path_buf(),
@@ -337,6 +338,26 @@ fn read_cert(path: &Path) -> Result<CertificateDer<'static>, MitmError> {
 }
 
 /// Reads the private key of a PEM file.
+/// Warns when the CA key file may be read by its group or by others: whoever reads it can
+/// impersonate any site to the senders that trust the CA. A warning, not an error: a
+/// mounted secret may be readable by a group on purpose (Kubernetes `fsGroup`).
+fn warn_if_exposed(key: &Path) {
+    let Ok(meta) = fs::metadata(key) else {
+        return;
+    };
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        tracing::warn!(
+            path = %key.display(),
+            mode = format!("{mode:o}"),
+            "tls.ca_key {} is readable by its group or others (mode {mode:o}): anyone who \
+             reads it can impersonate any site to your senders; `chmod 600` it (or set the \
+             secret volume's defaultMode to 0400)",
+            key.display()
+        );
+    }
+}
+
 fn read_key(path: &Path) -> Result<KeyPair, MitmError> {
     let pem = fs::read(path).map_err(|source| read_error("read CA private key", path, source))?;
     let bad = |reason: String| MitmError::BadPem {

@@ -118,3 +118,55 @@ impl RunWithin for Command {
         output_within(self, deadline)
     }
 }
+
+/// A long-running child (`sluice run`) whose stderr is collected as it comes, so a test
+/// can wait for a log line with a deadline; killed on drop like any [`ChildGuard`].
+pub struct LoggedChild {
+    /// The child, killed and reaped on drop.
+    pub guard: ChildGuard,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl LoggedChild {
+    /// Spawns `cmd` with stderr piped (stdin and stdout closed).
+    pub fn spawn(cmd: &mut Command) -> LoggedChild {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut guard = ChildGuard::spawn(cmd);
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let mut stderr = guard.child().stderr.take().expect("piped stderr");
+        let sink = std::sync::Arc::clone(&log);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                let text = String::from_utf8_lossy(&buf[..n]);
+                sink.lock().unwrap().push_str(&text);
+            }
+        });
+        LoggedChild { guard, log }
+    }
+
+    /// Everything the child wrote to stderr so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Waits until the log contains `needle`; fails after `deadline`, or when the child
+    /// exits first, showing the log.
+    pub fn wait_log(&mut self, needle: &str, deadline: Duration) {
+        let end = Instant::now() + deadline;
+        while !self.log().contains(needle) {
+            let exited = self.guard.child().try_wait().ok().flatten();
+            assert!(
+                exited.is_none() && Instant::now() < end,
+                "no {needle:?} in the log within {deadline:?} (exit: {exited:?}):\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
