@@ -183,6 +183,7 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::from(1));
             }
             let summary = c.summary();
+            let warnings = c.warnings.clone();
             if let Err(e) = check_tls(&c) {
                 eprintln!("{}: {e}", path.display());
                 return Ok(ExitCode::from(1));
@@ -191,6 +192,11 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
             if let Err(e) = sluice::core::Runtime::load(std::sync::Arc::new(c)) {
                 eprintln!("{}: {e}", path.display());
                 return Ok(ExitCode::from(1));
+            }
+            // What loads but would misbehave (a wait budget the sender's platform times
+            // out before) is said, without failing the check.
+            for w in &warnings {
+                eprintln!("{}: warning: {w}", path.display());
             }
             println!("{}: {summary}", path.display());
             ExitCode::SUCCESS
@@ -236,6 +242,9 @@ fn run(path: &Path) -> anyhow::Result<ExitCode> {
         Ok(c) => c,
         Err(code) => return Ok(code),
     };
+    for w in &config.warnings {
+        tracing::warn!("{}: {w}", path.display());
+    }
     // Sender connections run on the workers; the main thread accepts, answers the
     // admin listener and runs the background jobs.
     let workers = sluice::workers::Workers::start(config.proxy.workers, config.proxy.pin_workers)
@@ -325,7 +334,11 @@ fn modified(path: &Path) -> Option<SystemTime> {
 /// Reloads `path` into `app`, logging a refusal with what asked for the reload (`by`).
 fn reload(app: &sluice::core::App, path: &Path, by: &'static str) {
     match sluice::app::reload(app, path) {
-        Ok(()) => {}
+        Ok(()) => {
+            for w in &app.runtime.load().config.warnings {
+                tracing::warn!(by, "{}: {w}", path.display());
+            }
+        }
         Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {
             for i in &issues {
                 tracing::error!(%i, by, "reload refused: keeping the running config");

@@ -51,6 +51,12 @@ fn every_shipped_config_passes_check() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(String::from_utf8_lossy(&out.stdout).contains("ok:"));
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("warning:"),
+            "{} warns: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let names: Vec<String> = files
         .iter()
@@ -62,6 +68,7 @@ fn every_shipped_config_passes_check() {
         "config/recipes/svix.toml",
         "config/recipes/convoy.toml",
         "config/recipes/outpost.toml",
+        "config/recipes/hook0.toml",
         "config/recipes/worker-pool.toml",
     ] {
         assert!(
@@ -455,4 +462,64 @@ fn check_rejects_a_file_that_is_not_a_ca() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("tls.ca_cert"), "{err}");
+}
+
+/// A sender profile's platform gives up on a request after its own timeout: an endpoint
+/// whose `max_wait` plus `upstream_timeout` reaches it is warned about by `check` (exit
+/// 0) and in `run`'s start log, naming the endpoint, its line and the figures.
+#[test]
+fn a_budget_the_sender_times_out_before_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        "[sender]\nprofile = \"svix\"\n\
+         [proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [[endpoints]]\nid = \"fits\"\n\
+         [[endpoints]]\nid = \"acme\"\nmax_wait = \"40s\"\n",
+    )
+    .unwrap();
+    let out = sluice()
+        .args(["check", "--config"])
+        .arg(&path)
+        .run_within(CHILD_DEADLINE);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let warned = |log: &str| {
+        log.contains("10:12: endpoints[1].max_wait: endpoint \"acme\": max_wait 40s + proxy.upstream_timeout 7s = 47s")
+            && log.contains("Svix's request timeout of 30s: a duplicate waiting to happen")
+    };
+    assert!(warned(&err), "{err}");
+    assert_eq!(err.matches("warning:").count(), 1, "only acme: {err}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("sender svix"),
+        "the summary names the profile"
+    );
+    let mut run =
+        common::process::LoggedChild::spawn(sluice().args(["run", "--config"]).arg(&path));
+    run.wait_log("sluice listening", CHILD_DEADLINE);
+    assert!(warned(&run.log()), "{}", run.log());
+}
+
+/// A profile sluice does not know is refused at its line, as any bad value is.
+#[test]
+fn check_refuses_an_unknown_sender_profile_at_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        "[sender]\nprofile = \"hookdeck\"\n[[endpoints]]\nid = \"e\"\nsender_profile = \"svix\"\n",
+    )
+    .unwrap();
+    let out = sluice()
+        .args(["check", "--config"])
+        .arg(&path)
+        .run_within(CHILD_DEADLINE);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("2:11: sender.profile: \"hookdeck\" is not one of \"svix\", \"convoy\", \"outpost\", \"hook0\""),
+        "{err}"
+    );
+    assert!(err.contains("1 error(s)"), "{err}");
 }

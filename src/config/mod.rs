@@ -9,7 +9,9 @@
 //!   (load, parse, `${NAME}` expansion, relative paths, file checks);
 //! - `reader.rs`: the generic reader (spans → `line:column`, typed values, suggestions
 //!   for typos);
-//! - `schema.rs`: one reader per section, naming its keys, defaults and rules.
+//! - `schema.rs`: one reader per section, naming its keys, defaults and rules;
+//! - `profiles.rs`: the webhook platforms `[sender] profile` names, each figure cited
+//!   from the platform's source.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -21,8 +23,11 @@ use http::HeaderName;
 use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
+mod profiles;
 mod reader;
 mod schema;
+
+pub use profiles::{PROFILES, SenderProfile, profile};
 
 use reader::Reader;
 
@@ -287,6 +292,9 @@ pub struct EndpointRule {
     pub path_prefix: Option<String>,
     /// Enforced or shadow.
     pub mode: Mode,
+    /// `sender_profile`: the platform sending to this endpoint, when it is not the one
+    /// `[sender]` names.
+    pub sender_profile: Option<&'static SenderProfile>,
 }
 
 /// One `hosts` entry of an `[[endpoints]]` rule: a host, and the one port it is kept to
@@ -513,6 +521,13 @@ pub struct Config {
     pub tls: TlsConfig,
     /// `[security]`.
     pub security: SecurityConfig,
+    /// `[sender] profile`: the webhook platform sending through sluice, whose timeout
+    /// the wait budgets must fit ([`SenderProfile`]).
+    pub sender: Option<&'static SenderProfile>,
+    /// What loads but deserves a word (a wait budget a profile's platform will time out
+    /// before), each with its line and key: `check` prints them, `run` logs them at
+    /// start and after every reload.
+    pub warnings: Vec<ConfigIssue>,
 }
 
 impl Config {
@@ -614,6 +629,7 @@ impl Config {
             src: text,
             env,
             issues: Vec::new(),
+            warnings: Vec::new(),
         };
         let (root, errs) = DeTable::parse_recoverable(text);
         for e in errs {
@@ -624,7 +640,11 @@ impl Config {
         let mut issues = r.issues;
         issues.sort_by_key(|i| (i.line, i.column));
         match config {
-            Some(c) if issues.is_empty() => Ok(c),
+            Some(mut c) if issues.is_empty() => {
+                c.warnings = r.warnings;
+                c.warnings.sort_by_key(|i| (i.line, i.column));
+                Ok(c)
+            }
             _ => Err(issues),
         }
     }
@@ -643,8 +663,12 @@ impl Config {
                 format!("{name} {}", urls.join(" "))
             }
         };
+        let sender = self
+            .sender
+            .map(|p| format!(", sender {}", p.name))
+            .unwrap_or_default();
         format!(
-            "ok: listen {}, admin {}, store {}, {} endpoint(s), defaults {}/s burst {}, tls intercept {}",
+            "ok: listen {}, admin {}, store {}, {} endpoint(s), defaults {}/s burst {}, tls intercept {}{sender}",
             self.proxy.listen,
             self.proxy.admin_listen,
             backend,
@@ -1361,6 +1385,132 @@ mod tests {
             assert_eq!(i.len(), 1, "{text}: {i:?}");
             assert_eq!((i[0].line, i[0].key.as_str()), (at, key), "{text}");
         }
+    }
+
+    /// A sender profile supplies `max_wait` and `proxy.upstream_timeout` where the config
+    /// sets none (an endpoint's own profile its own `max_wait`); keys set win.
+    #[test]
+    fn a_sender_profile_supplies_the_defaults_the_config_leaves_out() {
+        let c = Config::parse(
+            "[sender]\nprofile = \"svix\"\n\
+             [[endpoints]]\nid = \"inherits\"\n\
+             [[endpoints]]\nid = \"own\"\nmax_wait = \"3s\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.sender, Some(&profiles::SVIX));
+        assert_eq!(c.proxy.upstream_timeout, Duration::from_secs(7));
+        assert_eq!(c.defaults.max_wait, Duration::from_secs(20));
+        let waits: Vec<Duration> = c.endpoints.iter().map(|e| e.policy.max_wait).collect();
+        assert_eq!(waits, [Duration::from_secs(20), Duration::from_secs(3)]);
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        assert!(c.summary().ends_with(", sender svix"), "{}", c.summary());
+        let set = Config::parse(
+            "[sender]\nprofile = \"outpost\"\n[proxy]\nupstream_timeout = \"1s\"\n\
+             [defaults]\nmax_wait = \"3s\"\n",
+        )
+        .unwrap();
+        assert_eq!(set.proxy.upstream_timeout, Duration::from_secs(1));
+        assert_eq!(set.defaults.max_wait, Duration::from_secs(3));
+        // An endpoint's own platform: its max_wait, under [sender]'s upstream timeout.
+        let own = Config::parse(
+            "[sender]\nprofile = \"svix\"\n[proxy]\nupstream_timeout = \"4s\"\n\
+             [[endpoints]]\nid = \"h\"\nsender_profile = \"hook0\"\n",
+        )
+        .unwrap();
+        let h = &own.endpoints[0];
+        assert_eq!(h.sender_profile, Some(&profiles::HOOK0));
+        assert_eq!(h.policy.max_wait, Duration::from_secs(9));
+        assert!(
+            own.warnings.is_empty(),
+            "9s + 4s is under 15s: {:?}",
+            own.warnings
+        );
+        let none = Config::parse("").unwrap();
+        assert_eq!(none.sender, None);
+        assert_eq!(none.proxy.upstream_timeout, Duration::from_secs(30));
+    }
+
+    /// A profile sluice does not know is refused at its line, in `[sender]` and on an
+    /// endpoint, and so is an unknown `[sender]` key.
+    #[test]
+    fn an_unknown_sender_profile_is_refused_where_it_is() {
+        for (text, at, key) in [
+            ("[sender]\nprofile = \"hookdeck\"\n", 2, "sender.profile"),
+            ("[sender]\nprofile = 1\n", 2, "sender.profile"),
+            ("[sender]\nprofiel = \"svix\"\n", 2, "sender.profiel"),
+            ("sender = \"svix\"\n", 1, "sender"),
+            (
+                "[[endpoints]]\nid = \"e\"\nsender_profile = \"Svix\"\n",
+                3,
+                "endpoints[0].sender_profile",
+            ),
+        ] {
+            let i = issues(text);
+            assert_eq!(i.len(), 1, "{text}: {i:?}");
+            assert_eq!((i[0].line, i[0].key.as_str()), (at, key), "{text}");
+        }
+        let i = issues("[sender]\nprofile = \"hookdeck\"\n");
+        assert!(
+            i[0].message
+                .contains("\"svix\", \"convoy\", \"outpost\", \"hook0\""),
+            "{}",
+            i[0].message
+        );
+    }
+
+    /// A wait budget plus the upstream timeout that reaches the platform's timeout is a
+    /// warning naming the endpoint, the figures and the line; the config still loads.
+    #[test]
+    fn a_budget_the_platform_times_out_before_is_a_warning() {
+        let c = Config::parse(
+            "[sender]\nprofile = \"svix\"\n\
+             [proxy]\nupstream_timeout = \"10s\"\n\
+             [defaults]\nmax_wait = \"25s\"\n\
+             [[endpoints]]\nid = \"fits\"\nmax_wait = \"15s\"\n\
+             [[endpoints]]\nid = \"acme\"\nrate = 5.0\nmax_wait = \"40s\"\n\
+             [[endpoints]]\nid = \"outpost_one\"\nsender_profile = \"outpost\"\n",
+        )
+        .unwrap();
+        let w: Vec<(usize, &str)> = c
+            .warnings
+            .iter()
+            .map(|w| (w.line, w.key.as_str()))
+            .collect();
+        assert_eq!(
+            w,
+            [
+                (6, "defaults.max_wait"),
+                (13, "endpoints[1].max_wait"),
+                (16, "endpoints[2].max_wait")
+            ]
+        );
+        let acme = &c.warnings[1].message;
+        for says in [
+            "endpoint \"acme\"",
+            "40s",
+            "10s",
+            "50s",
+            "Svix",
+            "30s",
+            "duplicate",
+        ] {
+            assert!(acme.contains(says), "{says}: {acme}");
+        }
+        let outpost = &c.warnings[2].message;
+        assert!(
+            outpost.contains("2.5s") && outpost.contains("Hookdeck Outpost"),
+            "{outpost}"
+        );
+        // No profile, no platform timeout to fit; unknown = "reject" leaves [defaults] unused.
+        assert!(
+            Config::parse("[defaults]\nmax_wait = \"5m\"\n")
+                .unwrap()
+                .warnings
+                .is_empty()
+        );
+        let reject =
+            "[sender]\nprofile = \"convoy\"\n[defaults]\nunknown = \"reject\"\nmax_wait = \"1m\"\n";
+        assert!(Config::parse(reject).unwrap().warnings.is_empty());
     }
 
     #[test]

@@ -13,22 +13,36 @@ pub(super) struct Reader<'s> {
     pub(super) src: &'s str,
     pub(super) env: &'s dyn Fn(&str) -> Option<String>,
     pub(super) issues: Vec<ConfigIssue>,
+    /// What loads but deserves a word ([`Config::warnings`]).
+    pub(super) warnings: Vec<ConfigIssue>,
 }
 
 impl Reader<'_> {
     pub(super) fn issue(&mut self, offset: usize, key: &str, message: String) {
+        let issue = self.located(offset, key, message);
+        self.issues.push(issue);
+    }
+
+    /// A warning at `offset`: the config loads, and `check` and `run` say it.
+    pub(super) fn warn(&mut self, offset: usize, key: &str, message: String) {
+        let warning = self.located(offset, key, message);
+        self.warnings.push(warning);
+    }
+
+    /// `message` about `key`, at the line and column of byte `offset`.
+    fn located(&self, offset: usize, key: &str, message: String) -> ConfigIssue {
         let before = &self.src[..offset.min(self.src.len())];
         let line = before.matches('\n').count() + 1;
         let column = before
             .rfind('\n')
             .map_or(before.len(), |p| before.len() - p - 1)
             + 1;
-        self.issues.push(ConfigIssue {
+        ConfigIssue {
             line,
             column,
             key: key.to_owned(),
             message,
-        });
+        }
     }
 
     /// Flags keys of `table` that are not in `known`.

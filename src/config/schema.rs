@@ -1,6 +1,7 @@
 //! The config schema: one reader per section (`[proxy]`, `[store]`, `[defaults]`,
-//! `[[endpoints]]`, `[tls]`, `[security]`, `[log]`), each naming its keys, their types,
-//! defaults and the rules between them. Built on the generic reads of [`super::reader`].
+//! `[[endpoints]]`, `[tls]`, `[security]`, `[log]`, `[sender]`), each naming its keys,
+//! their types, defaults and the rules between them. Built on the generic reads of
+//! [`super::reader`].
 
 use super::reader::{Reader, Table, Value, join};
 use super::*;
@@ -18,11 +19,16 @@ impl Reader<'_> {
                 "tls",
                 "security",
                 "log",
+                "sender",
             ],
         );
         let empty = Table::default();
+        // First: the sender's profile supplies defaults to the sections below.
+        let sender_t = self.sub_table(root, "", "sender").unwrap_or(&empty);
+        self.known_keys(sender_t, "sender", &["profile"]);
+        let sender = self.sender_profile(sender_t, "sender", "profile");
         let proxy_t = self.sub_table(root, "", "proxy").unwrap_or(&empty);
-        let proxy = self.proxy(proxy_t);
+        let proxy = self.proxy(proxy_t, sender);
         let store_t = self.sub_table(root, "", "store").unwrap_or(&empty);
         let store = self.store(store_t);
         let defaults_t = self.sub_table(root, "", "defaults").unwrap_or(&empty);
@@ -45,7 +51,11 @@ impl Reader<'_> {
         let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
         let log_t = self.sub_table(root, "", "log").unwrap_or(&empty);
         let log = self.log(log_t);
-        let defaults = self.policy(defaults_t, "defaults", &Policy::default());
+        let base = Policy {
+            max_wait: sender.map_or(Policy::default().max_wait, |p| p.max_wait),
+            ..Policy::default()
+        };
+        let defaults = self.policy(defaults_t, "defaults", &base);
         let unknown = self.enumerated(
             defaults_t,
             "defaults",
@@ -61,7 +71,7 @@ impl Reader<'_> {
         let tls = self.tls(tls_t);
         let sec_t = self.sub_table(root, "", "security").unwrap_or(&empty);
         let security = self.security(sec_t);
-        Some(Config {
+        let config = Config {
             proxy,
             store,
             defaults: Arc::new(defaults),
@@ -71,10 +81,114 @@ impl Reader<'_> {
             endpoints,
             tls,
             security,
-        })
+            sender,
+            warnings: Vec::new(),
+        };
+        self.duplicates_waiting(root, &config);
+        Some(config)
     }
 
-    pub(super) fn proxy(&mut self, t: &Table<'_>) -> ProxyConfig {
+    /// A profile's name (`[sender] profile`, an endpoint's `sender_profile`): one of
+    /// [`super::PROFILES`], or an issue at its line.
+    fn sender_profile(
+        &mut self,
+        t: &Table<'_>,
+        path: &str,
+        name: &str,
+    ) -> Option<&'static SenderProfile> {
+        let choices: Vec<(&str, Option<&'static SenderProfile>)> =
+            PROFILES.iter().map(|p| (p.name, Some(*p))).collect();
+        self.enumerated(t, path, name, None, &choices)
+    }
+
+    /// Warns, naming the endpoint and the figures, where a wait budget plus
+    /// `proxy.upstream_timeout` is not under the request timeout of the platform sending
+    /// to it: the platform gives up and retries while sluice may still send the request,
+    /// and the receiver gets it twice.
+    fn duplicates_waiting(&mut self, root: &Table<'_>, c: &Config) {
+        let upstream = c.proxy.upstream_timeout;
+        let span =
+            |t: Option<&Table<'_>>, key: &str| t.and_then(|t| t.get(key)).map(|v| v.span().start);
+        let sections = |name: &str| match root.get(name).map(|v| v.get_ref()) {
+            Some(DeValue::Table(t)) => Some(t),
+            _ => None,
+        };
+        let (defaults_t, sender_t) = (sections("defaults"), sections("sender"));
+        let items: Vec<Option<&Table<'_>>> = match root.get("endpoints").map(|v| v.get_ref()) {
+            Some(DeValue::Array(items)) => items
+                .iter()
+                .map(|i| match i.get_ref() {
+                    DeValue::Table(t) => Some(t),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        if let (Some(p), UnknownEndpoints::Default) = (c.sender, c.unknown) {
+            let at = span(defaults_t, "max_wait").or(span(sender_t, "profile"));
+            let what = "[defaults] (endpoints not listed)".to_owned();
+            self.duplicate_waiting(
+                at,
+                "defaults.max_wait",
+                what,
+                c.defaults.max_wait,
+                upstream,
+                p,
+            );
+        }
+        for (i, rule) in c.endpoints.iter().enumerate() {
+            let Some(p) = rule.sender_profile.or(c.sender) else {
+                continue;
+            };
+            let t = items.get(i).copied().flatten();
+            let at = span(t, "max_wait")
+                .or(span(t, "sender_profile"))
+                .or(span(t, "id"));
+            let key = format!("endpoints[{i}].max_wait");
+            let what = format!("endpoint \"{}\"", rule.id);
+            self.duplicate_waiting(at, &key, what, rule.policy.max_wait, upstream, p);
+        }
+    }
+
+    /// One check of [`Self::duplicates_waiting`].
+    fn duplicate_waiting(
+        &mut self,
+        at: Option<usize>,
+        key: &str,
+        what: String,
+        max_wait: Duration,
+        upstream: Duration,
+        p: &SenderProfile,
+    ) {
+        let taken = max_wait + upstream;
+        if taken < p.timeout {
+            return;
+        }
+        self.warn(
+            at.unwrap_or(0),
+            key,
+            format!(
+                "{what}: max_wait {max_wait:?} + proxy.upstream_timeout {upstream:?} = \
+                 {taken:?}, not under {}'s request timeout of {:?}: a duplicate waiting to \
+                 happen ({} gives up and retries while sluice may still send the request); \
+                 keep the two under {:?}, as the \"{}\" profile's {:?} + {:?} are",
+                p.platform,
+                p.timeout,
+                p.platform,
+                p.budget(),
+                p.name,
+                p.max_wait,
+                p.upstream_timeout,
+            ),
+        );
+    }
+
+    /// `[proxy]`; `sender`'s profile supplies the default `upstream_timeout`.
+    pub(super) fn proxy(
+        &mut self,
+        t: &Table<'_>,
+        sender: Option<&'static SenderProfile>,
+    ) -> ProxyConfig {
         /// Headers that cannot be the endpoint header (it is removed before forwarding):
         /// the request's framing and routing (removing `Content-Length` would send the
         /// body as the next request), hop-by-hop and proxy headers, and sluice's own.
@@ -146,7 +260,12 @@ impl Reader<'_> {
                 }
             },
         };
-        let upstream_timeout = self.duration(t, p, "upstream_timeout", Duration::from_secs(30));
+        let upstream_timeout = self.duration(
+            t,
+            p,
+            "upstream_timeout",
+            sender.map_or(Duration::from_secs(30), |s| s.upstream_timeout),
+        );
         if upstream_timeout.is_zero() {
             let at = t.get("upstream_timeout").map_or(0, |v| v.span().start);
             self.issue(
@@ -763,6 +882,7 @@ impl Reader<'_> {
                 "lease_ttl",
                 "shares",
                 "absorb_post",
+                "sender_profile",
             ],
         );
         let id = match self.string(t, &path, "id") {
@@ -787,7 +907,16 @@ impl Reader<'_> {
                 return None;
             }
         };
-        let policy = self.policy(t, &path, defaults);
+        // An endpoint's own platform supplies its wait budget, unless it sets one.
+        let sender_profile = self.sender_profile(t, &path, "sender_profile");
+        let base = match sender_profile {
+            Some(p) => &Policy {
+                max_wait: p.max_wait,
+                ..defaults.clone()
+            },
+            None => defaults,
+        };
+        let policy = self.policy(t, &path, base);
         // Kept as receivers read it (`/%61pi` is `/api`), the form requests are matched
         // in; a query or fragment can never start a path.
         let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {
@@ -853,6 +982,7 @@ impl Reader<'_> {
             hosts,
             path_prefix,
             mode,
+            sender_profile,
         })
     }
 
