@@ -1,6 +1,8 @@
 //! The 429 loop end to end: upstream throttling becomes a cooldown and a lower rate,
 //! measured at a real upstream. Each scenario runs on the memory store and on a Redis
-//! shared by several replicas.
+//! shared by several replicas. The receivers' refusals reach the senders here
+//! (`absorb = "off"`): these scenarios watch the cooldown itself; tests/absorb.rs
+//! covers refusals sluice absorbs.
 
 mod common;
 
@@ -88,7 +90,7 @@ fn arrivals_after(up: &Upstream, path_prefix: &str, t0: Instant) -> Vec<Instant>
 }
 
 const POLICY: &str = "[defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"15s\"\n\
-                      [defaults.adaptive]\nrecovery = \"5m\"\ndefault_cooldown = \"1s\"\n";
+                      [defaults.adaptive]\nrecovery = \"5m\"\ndefault_cooldown = \"1s\"\nabsorb = \"off\"\n";
 
 /// A 429 with Retry-After on one replica holds every replica, waiting requests included;
 /// afterwards the bucket restarts empty at the decreased rate (no burst).
@@ -326,11 +328,12 @@ fn http_date_ago(secs: u64) -> String {
     httpdate::fmt_http_date(SystemTime::now() - Duration::from_secs(secs))
 }
 
-const FIFTY: &str = "[defaults]\nrate = 64.0\nburst = 64.0\nmax_wait = \"5s\"\n";
+const FIFTY: &str = "[defaults]\nrate = 64.0\nburst = 64.0\nmax_wait = \"5s\"\n\
+                     [defaults.adaptive]\nabsorb = \"off\"\n";
 const FLOOR: &str = "[defaults]\nrate = 8.0\nburst = 1.0\nmax_wait = \"10s\"\n\
-                     [defaults.adaptive]\nfloor = 2.0\ndefault_cooldown = \"200ms\"\n";
+                     [defaults.adaptive]\nfloor = 2.0\ndefault_cooldown = \"200ms\"\nabsorb = \"off\"\n";
 const RECOVER: &str = "[defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"10s\"\n\
-                       [defaults.adaptive]\nrecovery = \"2s\"\n";
+                       [defaults.adaptive]\nrecovery = \"2s\"\nabsorb = \"off\"\n";
 
 macro_rules! both_stores {
     ($($name:ident => |$fleet:ident| $body:expr, with $cfg:expr;)*) => {

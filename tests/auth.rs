@@ -659,7 +659,7 @@ async fn through_tunnel(t: &mut tokio::net::TcpStream, host: &str, path: &str) -
     }
 }
 
-/// Opens a passthrough CONNECT tunnel to `up` as `auth` on endpoint `endpoint`.
+/// Opens a CONNECT tunnel (no interception) to `up` as `auth` on endpoint `endpoint`.
 async fn open_tunnel(
     proxy: std::net::SocketAddr,
     up: std::net::SocketAddr,
@@ -687,13 +687,110 @@ async fn open_tunnel(
     t
 }
 
-/// (Added 2026-12-07, later session) A passthrough tunnel (no interception: every CONNECT
-/// when `tls.intercept` is off) used to outlive a reload that removed its user, changed
-/// the password it was opened with or took its endpoint out of the user's grants: a
-/// revoked sender kept a busy tunnel for as long as it liked. A reload now closes the
-/// tunnels whose sender it no longer admits, and only those.
+/// A TCP server that echoes what it is sent, on 127.0.0.1.
+async fn echo_server() -> std::net::SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = c.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Sends `line` through the tunnel and reads as many bytes back; `None` when the tunnel
+/// closed.
+async fn echoed(t: &mut tokio::net::TcpStream, line: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    t.write_all(line.as_bytes()).await.ok()?;
+    let mut got = vec![0u8; line.len()];
+    t.read_exact(&mut got).await.ok()?;
+    Some(String::from_utf8_lossy(&got).into_owned())
+}
+
+/// A tunnel relayed as bytes (neither TLS nor HTTP inside, no interception) is closed
+/// by a reload that removes its user, changes the password it was opened with or takes
+/// its endpoint out of the user's grants: a revoked sender keeps no busy tunnel. Only
+/// those tunnels close.
 #[tokio::test]
-async fn a_reload_closes_the_passthrough_tunnels_of_senders_it_revokes() {
+async fn a_reload_closes_the_byte_tunnels_of_senders_it_revokes() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(
+        dir.path(),
+        &[
+            ("alice", "wonder"),
+            ("bob", "builder"),
+            ("carol", "singer"),
+            ("team_b", "pw-b"),
+        ],
+    );
+    let path = dir.path().join("sluice.toml");
+    let config = |grants: &str| {
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[security]\nallow_private_destinations = true\nauth_users_file = \"{}\"\n[security.user_endpoints]\nteam_b = [{grants}]\n",
+            users.display()
+        )
+    };
+    std::fs::write(&path, config("\"b_*\"")).unwrap();
+    let echo = echo_server().await;
+    let s = sluice::app::start(sluice::config::Config::load(&path).unwrap())
+        .await
+        .unwrap();
+    let mut tunnels = Vec::new();
+    for (user, pw, ep) in [
+        ("alice", "wonder", "a_1"),
+        ("bob", "builder", "b_1"),
+        ("carol", "singer", "c_1"),
+        ("team_b", "pw-b", "b_2"),
+    ] {
+        let mut t = open_tunnel(s.proxy_addr, echo, &basic(user, pw), ep).await;
+        let first = echoed(&mut t, "SSH-2.0-before\r\n").await;
+        assert_eq!(first.as_deref(), Some("SSH-2.0-before\r\n"), "{user}");
+        tunnels.push((user, t));
+    }
+    // bob removed, carol's password changed, team_b no longer granted b_*: alice alone
+    // keeps her right to send.
+    // Every other line stays as it was: a new hash for the same password is a change.
+    let lines: String = std::fs::read_to_string(&users)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("bob:"))
+        .map(|l| match l.starts_with("carol:") {
+            true => format!("carol:{}\n", bcrypt::hash("another", 4).unwrap()),
+            false => format!("{l}\n"),
+        })
+        .collect();
+    std::fs::write(&users, lines).unwrap();
+    std::fs::write(&path, config("\"c_*\"")).unwrap();
+    sluice::app::reload(&s.app, &path).unwrap();
+    let deadline = Duration::from_secs(5);
+    for (user, t) in tunnels.iter_mut() {
+        let after = tokio::time::timeout(deadline, echoed(t, "SSH-2.0-after\r\n")).await;
+        match *user {
+            "alice" => assert!(
+                after.is_ok_and(|r| r.is_some_and(|r| r == "SSH-2.0-after\r\n")),
+                "alice's tunnel still serves her"
+            ),
+            _ => assert!(
+                matches!(after, Ok(None)),
+                "{user}'s tunnel must be closed by the reload, not left open"
+            ),
+        }
+    }
+    drop(tunnels);
+    s.stop().await;
+}
+
+/// Plain HTTP inside a tunnel is served request by request: after a reload, the
+/// requests of a sender it no longer admits are refused one by one (407 for a removed
+/// user or a changed password, 403 for a withdrawn grant) and none reaches the
+/// receiver; the admitted sender's still do.
+#[tokio::test]
+async fn a_reload_refuses_revoked_senders_requests_inside_tunnels() {
     let dir = tempfile::tempdir().unwrap();
     let users = htpasswd(
         dir.path(),
@@ -756,9 +853,13 @@ async fn a_reload_closes_the_passthrough_tunnels_of_senders_it_revokes() {
                 after.is_ok_and(|r| r.is_some_and(|r| r.starts_with("HTTP/1.1 200"))),
                 "alice's tunnel still serves her"
             ),
+            "team_b" => assert!(
+                after.is_ok_and(|r| r.is_some_and(|r| r.starts_with("HTTP/1.1 403"))),
+                "team_b's grant is withdrawn"
+            ),
             _ => assert!(
-                matches!(after, Ok(None)),
-                "{user}'s tunnel must be closed by the reload, not left open"
+                after.is_ok_and(|r| r.is_some_and(|r| r.starts_with("HTTP/1.1 407"))),
+                "{user} is no longer admitted"
             ),
         }
     }
