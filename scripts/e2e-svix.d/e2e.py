@@ -375,7 +375,11 @@ def summarize(args, rxs, sent, arrivals, attempts, t0, headers_ok):
         for a in att:
             code = a.get("responseStatusCode")
             attempt_codes[str(code)] = attempt_codes.get(str(code), 0) + 1
-    needing_retry = sorted(set(late) | set(multi))
+    # A message needs a Svix retry when Svix made more than one attempt at it, or when it
+    # was never delivered. (Arriving late alone is no sign: sluice holds a message for up
+    # to its max_wait, and a slow receiver's last messages arrive seconds after the send.)
+    undelivered = [m for m in sent if not any(200 <= a["status"] < 300 for a in by_msg.get(m, []))]
+    needing_retry = sorted(set(multi) | set(undelivered))
 
     ok_times = [a["t"] for a in arrivals if 200 <= a["status"] < 300]
     total = (max(ok_times) - t0) if ok_times else None
@@ -418,10 +422,11 @@ def fmt_row(s, connects, extra):
         for a in r["after_429"]:
             after.append("%d in 1 s, %d in 3 s" % (a["within_retry_after"], a["within_3s"]))
     after = "; ".join(after) if after else "no 429 reached the receiver"
-    retry = "%d (%d with >1 attempt, %d over 5 s late)" % (
+    retry = "%d (%d with >1 Svix attempt, %d undelivered); slowest delivery %s after its send" % (
         s["needing_svix_retry"],
         s["with_more_than_one_attempt"],
-        s["arrived_over_5s_after_send"],
+        s["sent"] - s["delivered"],
+        "—" if s["max_delivery_delay_s"] is None else "%.1f s" % s["max_delivery_delay_s"],
     )
     if s["total_s"] is None:
         tm = "— (ideal %.1f s)" % s["ideal_s"]
@@ -450,9 +455,18 @@ def cmd_table(args):
             extra += ("; " if extra else "") + "Svix attempts answered " + ", ".join(
                 "%s×%s" % (v, k) for k, v in sorted(bad.items())
             )
+        m = s.get("sluice") or {}
+        if m and "error" not in m:
+            refused = sum(v for k, v in m.items() if k.startswith("requests_") and k != "requests_forwarded")
+            bits = ["sluice absorbed %d of the receivers' 429s" % m.get("absorbed_total", 0)]
+            if refused:
+                bits.append("refused %d requests" % refused)
+            if m.get("tunnels_total"):
+                bits.append("paced %d tunnels as one unit each" % m["tunnels_total"])
+            extra += ("; " if extra else "") + ", ".join(bits)
         if s.get("endpoint_headers_accepted") is not None:
-            extra += ("; " if extra else "") + "X-Endpoint-Id %s, seen on %d of %d arrivals" % (
-                "set" if s["endpoint_headers_accepted"] else "refused",
+            extra += ("; " if extra else "") + "X-Endpoint-Id %s, at the receivers on %d of %d arrivals" % (
+                "set through Svix's endpoint headers" if s["endpoint_headers_accepted"] else "refused by Svix",
                 s.get("arrivals_with_endpoint_header", 0),
                 s.get("arrivals", 0),
             )
