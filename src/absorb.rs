@@ -26,6 +26,12 @@ use crate::config::{Absorb, Adaptive, Mode, Policy};
 /// twice by it.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
+/// A sender's ID for its request, stable across its own retries of one message: it
+/// reaches the receiver as `Idempotency-Key` (when the request carries none of its
+/// own), so a receiver can recognise a request sent twice, by the sender after a
+/// connection error left it in doubt, or by sluice absorbing a refusal.
+pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-sluice-request-id");
+
 /// On an answer after resends: how many times sluice sent the request again.
 pub const RETRIED_HEADER: HeaderName = HeaderName::from_static("x-sluice-retried");
 
@@ -47,7 +53,10 @@ pub fn attempts(
         Absorb::Off => false,
         Absorb::All => true,
         Absorb::Safe => {
-            idempotent(method) || policy.absorb_post || headers.contains_key(&IDEMPOTENCY_KEY)
+            idempotent(method)
+                || policy.absorb_post
+                || headers.contains_key(&IDEMPOTENCY_KEY)
+                || headers.contains_key(&REQUEST_ID_HEADER)
         }
     };
     repeatable.then_some(adaptive.absorb_attempts)

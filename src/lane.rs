@@ -54,6 +54,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
+use crate::absorb::{IDEMPOTENCY_KEY, REQUEST_ID_HEADER};
 use crate::conn::{Activity, InFlight, MAX_HEAD_BYTES, Quiet, SendIo, Timeouts, Writes, watched};
 use crate::core::App;
 use crate::decision::{self, Trace};
@@ -1024,6 +1025,13 @@ fn request_head(out: &mut Vec<u8>, head: &Head, uri: &Uri, host: &str, own: &[&H
     out.extend_from_slice(b"\r\n");
     for (k, v) in &head.headers {
         if *k == HOST || hop_by_hop_index(k.as_str()).is_some() || own.contains(&k) {
+            continue;
+        }
+        if *k == REQUEST_ID_HEADER {
+            // The sender's request ID goes on as the receiver's idempotency key.
+            if !head.headers.contains_key(IDEMPOTENCY_KEY) {
+                header_line(out, IDEMPOTENCY_KEY.as_str().as_bytes(), v.as_bytes());
+            }
             continue;
         }
         header_line(out, k.as_str().as_bytes(), v.as_bytes());

@@ -723,10 +723,19 @@ async fn forward_request(
     conn: &Arc<Conn>,
     trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
+    // Refused before anything is spent: a coding under `chunked` cannot be forwarded.
+    crate::forward::forwardable_codings(req.headers()).map_err(ProxyError::NotImplemented)?;
     let (rt, uri, _target, admitted) =
         admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
     let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
     strip_hop_by_hop_and(req.headers_mut(), &own);
+    // The sender's request ID goes on as the receiver's idempotency key.
+    if let Some(id) = req.headers_mut().remove(crate::absorb::REQUEST_ID_HEADER) {
+        let key = crate::absorb::IDEMPOTENCY_KEY;
+        if !req.headers().contains_key(&key) {
+            req.headers_mut().insert(key, id);
+        }
+    }
     // The upstream's Host comes from the target we checked, never from the sender:
     // `send_via` replaces it.
     *req.uri_mut() = uri;

@@ -242,3 +242,38 @@ async fn a_429_is_absorbed_once_across_replicas_sharing_redis() {
         r.stop().await;
     }
 }
+
+/// A sender's `X-Sluice-Request-Id` reaches the receiver as `Idempotency-Key` (its own
+/// `Idempotency-Key` wins), on both engines, so a request left in doubt by a connection
+/// error can be resent and recognised; it also makes a POST safe to absorb.
+#[tokio::test]
+async fn a_senders_request_id_becomes_the_receivers_idempotency_key() {
+    let up = refuses_first("1").await;
+    let s = sluice(HOOK).await;
+    let c = common::client(s.proxy_addr);
+    let r = c
+        .post(up.url("/lane"))
+        .header("X-Endpoint-Id", "hook")
+        .header("X-Sluice-Request-Id", "msg_7")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        200,
+        "absorbed: the request ID makes it safe to resend"
+    );
+    let req = "POST /hyper HTTP/1.0\r\nX-Endpoint-Id: hook\r\nX-Sluice-Request-Id: msg_8\r\n\
+               Idempotency-Key: own\r\nContent-Length: 2\r\n\r\n{}";
+    let req = req.replace("/hyper", &up.url("/hyper"));
+    let answer = raw_exchange(s.proxy_addr, req.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    for (path, key) in [("/lane", "msg_7"), ("/hyper", "own")] {
+        for a in arrivals_of(&up, path) {
+            assert_eq!(a.headers["idempotency-key"], key, "{path}");
+            assert!(a.headers.get("x-sluice-request-id").is_none(), "{path}");
+        }
+    }
+    s.stop().await;
+}
