@@ -29,6 +29,10 @@ pub enum ProxyError {
     /// The request is malformed in a way hyper did not catch.
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// The request uses something sluice cannot forward (a transfer coding other than
+    /// `chunked`, RFC 9112 §6.1): answered 501 before anything is spent or sent.
+    #[error("not implemented: {0}")]
+    NotImplemented(String),
     /// The request head is larger than sluice reads (answered 431).
     #[error(
         "request head too large: sluice reads at most {bytes} bytes and {headers} header lines before the body",
@@ -111,6 +115,7 @@ impl ProxyError {
             ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) | ProxyError::HeadTooLarge => {
                 "bad_request"
             }
+            ProxyError::NotImplemented(_) => "not_implemented",
             ProxyError::ProxyAuthRequired => "proxy_auth_required",
             ProxyError::EndpointNotAllowed { .. } => "endpoint_not_allowed",
             ProxyError::UnknownEndpoint(_) => "unknown_endpoint",
@@ -130,6 +135,7 @@ impl ProxyError {
         match self {
             ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::ProxyAuthRequired => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
             ProxyError::UnknownEndpoint(_)
             | ProxyError::EndpointNotAllowed { .. }

@@ -21,7 +21,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use http::header::HOST;
 use http::header::{
-    CONNECTION, HeaderName, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER,
+    CONNECTION, CONTENT_LENGTH, HeaderName, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER,
     TRANSFER_ENCODING, UPGRADE,
 };
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -448,6 +448,7 @@ impl Forwarder {
         affinity: &Affinity,
         mut req: Request<Upload>,
     ) -> Result<Response<Incoming>, ForwardError> {
+        frame_body_of_unknown_length(&mut req);
         let Some(key) = Key::of(req.uri()) else {
             req.headers_mut().remove(HOST);
             return self.send(req).await;
@@ -751,6 +752,49 @@ pub fn strip_hop_by_hop_and(h: &mut HeaderMap, also: &[&HeaderName]) {
     }
 }
 
+/// Checks a request's transfer codings: none, or a lone `chunked` (in any case), is
+/// what sluice forwards. Any other coding (`gzip, chunked`) is the `Err` naming the
+/// codings: hyper decodes the chunked framing only, and the coding under it, dropped
+/// as hop-by-hop, would reach the receiver as a body it cannot read (RFC 9112 §6.1:
+/// a server answers 501 for a coding it does not understand).
+pub(crate) fn forwardable_codings(h: &HeaderMap) -> Result<(), String> {
+    let mut codings = h
+        .get_all(TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|c| !c.is_empty());
+    match (codings.next(), codings.next()) {
+        (None, _) => Ok(()),
+        (Some(c), None) if c.eq_ignore_ascii_case(b"chunked") => Ok(()),
+        _ => {
+            let all: Vec<String> = h
+                .get_all(TRANSFER_ENCODING)
+                .iter()
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                .collect();
+            Err(format!(
+                "Transfer-Encoding: {}; sluice forwards chunked alone",
+                all.join(", ")
+            ))
+        }
+    }
+}
+
+/// hyper's client sends a GET or HEAD whose body has no known length without that body
+/// (such methods "almost never have bodies"): a sender's chunked body on one is framed
+/// `chunked` here, so it reaches the receiver as Squid forwards it.
+fn frame_body_of_unknown_length(req: &mut Request<Upload>) {
+    use hyper::body::Body as _;
+    let body = req.body();
+    let unknown = !body.is_end_stream() && body.size_hint().exact().is_none();
+    let dropped = matches!(*req.method(), http::Method::GET | http::Method::HEAD);
+    if unknown && dropped && !req.headers().contains_key(CONTENT_LENGTH) {
+        req.headers_mut()
+            .insert(TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+    }
+}
+
 /// A `Content-Length` value: ASCII digits only, no sign, no list, at most 18 of them.
 pub(crate) fn content_length(v: &[u8]) -> Option<u64> {
     if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
@@ -838,6 +882,31 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No transfer coding, or a lone `chunked` in any case, is forwarded; any other
+    /// list is refused, naming what came.
+    #[test]
+    fn only_a_lone_chunked_coding_is_forwardable() {
+        let with = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(TRANSFER_ENCODING, HeaderValue::from_str(v).unwrap());
+            }
+            forwardable_codings(&h)
+        };
+        assert!(with(&[]).is_ok());
+        assert!(with(&["chunked"]).is_ok());
+        assert!(with(&[" CHUNKED "]).is_ok());
+        for bad in [
+            &["gzip, chunked"][..],
+            &["gzip", "chunked"],
+            &["chunked, chunked"],
+            &["x-custom,chunked"],
+        ] {
+            let e = with(bad).unwrap_err();
+            assert!(e.contains(bad[0]), "{bad:?}: {e}");
+        }
+    }
 
     #[test]
     fn hop_by_hop_headers_are_removed() {
@@ -933,9 +1002,10 @@ mod tests {
         let s = TcpStream::connect(listener.local_addr().unwrap())
             .await
             .unwrap();
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
-            .await
-            .unwrap();
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
+                .await
+                .unwrap();
         tokio::spawn(conn);
         sender.ready().await.unwrap();
         (sender, listener)
