@@ -1,6 +1,7 @@
 //! [`ProxyError`]: every way a request can fail to be forwarded, and the ONE place
 //! ([`ProxyError::into_response`]) that turns it into an HTTP response with the status,
-//! `X-Sluice-Reason`, `Retry-After` and JSON body of SPEC.md's table.
+//! `X-Sluice-Reason`, `Retry-After` (with `retry-after-ms` and `RateLimit`) and JSON
+//! body of SPEC.md's table. Both engines (hyper's path and the plain lane) write it.
 
 use std::time::Duration;
 
@@ -17,6 +18,19 @@ pub type Body = Either<HeldBody, Full<Bytes>>;
 
 /// Header carrying the reason of sluice's own refusals.
 pub const REASON_HEADER: &str = "x-sluice-reason";
+
+/// The exact wait of a refusal, in milliseconds (read by OpenAI's and Azure's SDKs):
+/// `Retry-After` holds whole seconds only, and a sender that waits those out loses up
+/// to a second per refusal.
+pub const RETRY_AFTER_MS_HEADER: &str = "retry-after-ms";
+
+/// The IETF `RateLimit` field (draft-ietf-httpapi-ratelimit-headers) for sluice's own
+/// budget of the endpoint, on refusals where that budget is what is spent.
+pub const RATELIMIT_HEADER: &str = "ratelimit";
+
+/// The quota policy name sluice's `RateLimit` field carries, so a sender can tell it
+/// from a receiver's own `RateLimit` (which reaches it unchanged on forwarded answers).
+pub const RATELIMIT_POLICY: &str = "sluice";
 
 /// Why a request was not (fully) served.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -161,6 +175,15 @@ impl ProxyError {
         }
     }
 
+    /// Whether the refusal is about the endpoint's token budget (its bucket or its
+    /// cooldown): then sluice knows it holds no quota now and when quota comes back.
+    fn spends_the_budget(&self) -> bool {
+        matches!(
+            self,
+            ProxyError::RateLimited { .. } | ProxyError::Cooldown { .. }
+        )
+    }
+
     fn endpoint(&self) -> Option<&str> {
         match self {
             ProxyError::RateLimited { endpoint, .. }
@@ -183,7 +206,7 @@ impl ProxyError {
             body["endpoint"] = e.into();
         }
         if let Some(r) = retry {
-            body["retry_after_ms"] = (r.as_millis() as u64).into();
+            body["retry_after_ms"] = retry_after_ms(r).into();
         }
         let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body.to_string()))));
         *resp.status_mut() = self.status();
@@ -191,7 +214,18 @@ impl ProxyError {
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         h.insert(REASON_HEADER, HeaderValue::from_static(self.reason()));
         if let Some(r) = retry {
-            h.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(r)));
+            let secs = retry_after_secs(r);
+            h.insert(RETRY_AFTER, HeaderValue::from(secs));
+            h.insert(RETRY_AFTER_MS_HEADER, HeaderValue::from(retry_after_ms(r)));
+            if self.spends_the_budget() {
+                // No quota left (r=0) until the token or the cooldown's end (t, whole
+                // seconds as Retry-After says).
+                let field = format!("\"{RATELIMIT_POLICY}\";r=0;t={secs}");
+                h.insert(
+                    RATELIMIT_HEADER,
+                    HeaderValue::from_str(&field).expect("ASCII"),
+                );
+            }
         }
         if self.status() == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
             h.insert(
@@ -201,6 +235,13 @@ impl ProxyError {
         }
         resp
     }
+}
+
+/// Milliseconds for `retry-after-ms` and the body's `retry_after_ms`: rounded up, so a
+/// sender waiting exactly that is never early, and at least 1.
+pub fn retry_after_ms(d: Duration) -> u64 {
+    let ms = d.as_millis() + u128::from(d.subsec_nanos() % 1_000_000 > 0);
+    u64::try_from(ms).unwrap_or(u64::MAX).max(1)
 }
 
 /// Whole seconds for `Retry-After`: rounded up, at least 1.
@@ -231,5 +272,80 @@ mod tests {
         assert_eq!(r.status(), 503);
         assert_eq!(r.headers()[REASON_HEADER], "rate_limited");
         assert_eq!(r.headers()[RETRY_AFTER], "2");
+        assert_eq!(r.headers()[RETRY_AFTER_MS_HEADER], "1500");
+        assert_eq!(r.headers()[RATELIMIT_HEADER], "\"sluice\";r=0;t=2");
+    }
+
+    #[test]
+    fn retry_after_ms_rounds_up_and_is_at_least_one() {
+        assert_eq!(retry_after_ms(Duration::ZERO), 1);
+        assert_eq!(retry_after_ms(Duration::from_micros(1)), 1);
+        assert_eq!(retry_after_ms(Duration::from_micros(1500)), 2);
+        assert_eq!(retry_after_ms(Duration::from_millis(250)), 250);
+        assert_eq!(retry_after_ms(Duration::from_secs(3)), 3000);
+    }
+
+    /// Every refusal with a `Retry-After` carries the exact wait in `retry-after-ms`
+    /// (the same figure as the body's `retry_after_ms`); `RateLimit` only where the
+    /// endpoint's token budget is what ran out; none of them elsewhere.
+    #[test]
+    fn every_retry_after_has_its_millisecond_hint() {
+        let wait = Duration::from_millis(2345);
+        let cases = [
+            (
+                ProxyError::RateLimited {
+                    endpoint: "ep".into(),
+                    retry_after: wait,
+                },
+                Some("2345"),
+                Some("\"sluice\";r=0;t=3"),
+            ),
+            (
+                ProxyError::Cooldown {
+                    endpoint: "ep".into(),
+                    retry_after: wait,
+                },
+                Some("2345"),
+                Some("\"sluice\";r=0;t=3"),
+            ),
+            (
+                ProxyError::ConcurrencyLimited {
+                    endpoint: "ep".into(),
+                    retry_after: wait,
+                },
+                Some("2345"),
+                None,
+            ),
+            (
+                ProxyError::StoreUnavailable {
+                    endpoint: "ep".into(),
+                },
+                Some("1000"),
+                None,
+            ),
+            (ProxyError::UnknownEndpoint("ep".into()), None, None),
+            (ProxyError::ProxyAuthRequired, None, None),
+            (ProxyError::Upstream("reset".into()), None, None),
+        ];
+        for (e, ms, ratelimit) in cases {
+            let reason = e.reason();
+            let r = e.into_response();
+            let h = r.headers();
+            let header = |name: &str| h.get(name).map(|v| v.to_str().unwrap().to_owned());
+            assert_eq!(header(RETRY_AFTER_MS_HEADER).as_deref(), ms, "{reason}");
+            assert_eq!(header(RATELIMIT_HEADER).as_deref(), ratelimit, "{reason}");
+            assert_eq!(h.contains_key(RETRY_AFTER), ms.is_some(), "{reason}");
+            let Either::Right(full) = r.into_body() else {
+                panic!("{reason}: sluice's own body");
+            };
+            let bytes =
+                futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(full))
+                    .unwrap()
+                    .unwrap()
+                    .to_bytes();
+            let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            let in_body = body["retry_after_ms"].as_u64().map(|n| n.to_string());
+            assert_eq!(in_body.as_deref(), ms, "{reason}: the body says the same");
+        }
     }
 }

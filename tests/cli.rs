@@ -523,3 +523,101 @@ fn check_refuses_an_unknown_sender_profile_at_its_line() {
     );
     assert!(err.contains("1 error(s)"), "{err}");
 }
+
+/// The proxy and admin addresses a running sluice logged in its "sluice listening" line.
+fn listening(run: &mut LoggedChild) -> (std::net::SocketAddr, std::net::SocketAddr) {
+    run.wait_log("sluice listening", CHILD_DEADLINE);
+    let log = run.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("sluice listening"))
+        .unwrap()
+        .to_owned();
+    let addr = |key: &str| -> std::net::SocketAddr {
+        let at = line.find(&format!("{key}=")).unwrap() + key.len() + 1;
+        line[at..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    (addr("proxy_addr"), addr("admin_addr"))
+}
+
+/// One plain request through the proxy at `proxy` (connection closed after it): the
+/// status and the header fields, names in lower case.
+fn exchange(proxy: std::net::SocketAddr, head: &str) -> (u16, Vec<(String, String)>) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(proxy).unwrap();
+    s.set_read_timeout(Some(CHILD_DEADLINE)).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let head = answer.split("\r\n\r\n").next().unwrap();
+    let mut lines = head.lines();
+    let status = lines.next().unwrap().split(' ').nth(1).unwrap();
+    let fields = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status.parse().unwrap(), fields)
+}
+
+/// A `rate_limited` refusal keeps `Retry-After` in whole seconds (rounded up) and also
+/// carries the exact wait in `retry-after-ms` and sluice's budget in `RateLimit`, on
+/// both engines: the plain lane and hyper's path (`SLUICE_PLAIN_LANE=0`).
+#[test]
+fn a_refusal_carries_the_wait_in_milliseconds_on_both_engines() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    // One token a second: the first request spends it (on a port nobody listens on: a
+    // 502, the token stays spent), the second is refused with ~1 s to wait.
+    std::fs::write(
+        &path,
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [defaults]\nrate = 0.8\nburst = 1.0\nmax_wait = \"0s\"\n\
+         [security]\nallow_private_destinations = true\n",
+    )
+    .unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = closed.local_addr().unwrap();
+    drop(closed);
+    let request = format!(
+        "GET http://{target}/ HTTP/1.1\r\nHost: {target}\r\nX-Endpoint-Id: e\r\nConnection: close\r\n\r\n"
+    );
+    for lane in ["1", "0"] {
+        let mut run = LoggedChild::spawn(
+            sluice()
+                .args(["run", "--config"])
+                .arg(&path)
+                .env("SLUICE_PLAIN_LANE", lane),
+        );
+        let (proxy, _) = listening(&mut run);
+        let (first, _) = exchange(proxy, &request);
+        assert_eq!(first, 502, "lane {lane}: the token is spent");
+        let (status, fields) = exchange(proxy, &request);
+        let field = |name: &str| {
+            fields
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_else(|| panic!("lane {lane}: no {name} in {fields:?}"))
+        };
+        assert_eq!(status, 503, "lane {lane}");
+        assert_eq!(field("x-sluice-reason"), "rate_limited");
+        let ms: u64 = field("retry-after-ms").parse().unwrap();
+        assert!((1..=1250).contains(&ms), "lane {lane}: {ms}");
+        let secs: u64 = field("retry-after").parse().unwrap();
+        assert_eq!(
+            secs,
+            ms.div_ceil(1000),
+            "lane {lane}: whole seconds, rounded up"
+        );
+        assert_eq!(
+            field("ratelimit"),
+            format!("\"sluice\";r=0;t={secs}"),
+            "lane {lane}"
+        );
+    }
+}
