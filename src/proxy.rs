@@ -401,8 +401,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
     let trace = &pending.trace;
     match result {
         Ok(resp) => {
-            let log = app.runtime.load().config.log;
-            decision::forwarded(&log, &app.sampler, conn.peer, method.as_str(), trace);
+            let log = &app.runtime.load().config.log;
+            decision::forwarded(log, &app.sampler, conn.peer, method.as_str(), trace);
             resp
         }
         Err(r) => refuse(&app, r, conn.peer, method.as_str(), trace),
@@ -558,7 +558,7 @@ async fn admission(
             (p.grant, p.outcome, p.slot)
         }
         (None, Mode::Enforce) => {
-            turn = Turn::of(&ep, headers, who, peer);
+            turn = Turn::of(app, &ep, headers, who, peer);
             let (grant, slot) = enforce(app, &ep, &label, turn.clone())
                 .await
                 .map_err(|error| Refused {
@@ -606,15 +606,22 @@ struct Turn {
 }
 
 impl Turn {
-    fn of(ep: &Resolved, headers: &HeaderMap, who: &Who, peer: IpAddr) -> Option<Turn> {
-        if ep.policy.max_in_flight.is_none() && ep.policy.shares.is_none() {
-            return None;
-        }
+    fn of(app: &App, ep: &Resolved, headers: &HeaderMap, who: &Who, peer: IpAddr) -> Option<Turn> {
         let class = match headers.get(&PRIORITY_HEADER).map(|v| v.as_bytes()) {
             Some(b"high") => 0,
             Some(b"low") => 2,
             _ => 1,
         };
+        if ep.policy.max_in_flight.is_none() && ep.policy.shares.is_none() {
+            // A priority named once queues the endpoint's requests from then on: a
+            // `high` request can only pass others still waiting in a queue.
+            let prioritized = app.limiter.prioritized();
+            if class != 1 {
+                prioritized.note(&ep.id);
+            } else if !prioritized.has(&ep.id) {
+                return None;
+            }
+        }
         let sender = ep.policy.shares.as_ref().map(|shares| {
             let name: Arc<str> = match (&who.identity, headers.get(&SENDER_HEADER)) {
                 (Some(id), _) => Arc::clone(&id.user),

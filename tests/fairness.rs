@@ -105,10 +105,20 @@ async fn weighted_senders_across_three_replicas_report() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_high_priority_request_behind_50_low_ones_leaves_next() {
-    let sluice = common::sluice(
-        "[defaults]\nrate = 10.0\nburst = 1.0\nmax_wait = \"20s\"\n\
-         [[endpoints]]\nid = \"prio\"\nshares = {}\n",
-    )
+    high_behind_lows("[[endpoints]]\nid = \"prio\"\nshares = {}\n").await;
+}
+
+/// Priorities work on an endpoint with neither `shares` nor `max_in_flight`: from the
+/// first request naming one, its requests wait in its queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priorities_work_on_a_plain_endpoint() {
+    high_behind_lows("[[endpoints]]\nid = \"prio\"\n").await;
+}
+
+async fn high_behind_lows(endpoint: &str) {
+    let sluice = common::sluice(&format!(
+        "[defaults]\nrate = 10.0\nburst = 1.0\nmax_wait = \"20s\"\n{endpoint}"
+    ))
     .await;
     let up = Arc::new(Upstream::start().await);
     let c = client(sluice.proxy_addr);
@@ -147,5 +157,44 @@ async fn a_high_priority_request_behind_50_low_ones_leaves_next() {
     for l in lows {
         l.abort();
     }
+    sluice.stop().await;
+}
+
+/// On a plain endpoint whose senders name priorities, requests of one class still leave
+/// in arrival order (FIFO among equals).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_of_one_priority_leave_in_arrival_order() {
+    let sluice = common::sluice(
+        "[defaults]\nrate = 20.0\nburst = 1.0\nmax_wait = \"20s\"\n[[endpoints]]\nid = \"prio\"\n",
+    )
+    .await;
+    let up = Arc::new(Upstream::start().await);
+    let c = client(sluice.proxy_addr);
+    let gates = Arc::clone(sluice.app.limiter.gates());
+    let mut sent = Vec::new();
+    for i in 0..12 {
+        let priority = if i == 0 { "high" } else { "normal" };
+        let (c, url) = (c.clone(), up.url(&format!("/n/{i}")));
+        sent.push(tokio::spawn(async move {
+            c.get(&url)
+                .header("x-endpoint-id", "prio")
+                .header("x-sluice-priority", priority)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        }));
+        // The next is sent once this one is in: queued, at the head, or arrived.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while gates.waiting("prio") + up.count() + 1 < i + 1 {
+            assert!(Instant::now() < deadline, "request {i} never queued");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    for s in sent {
+        assert_eq!(s.await.unwrap().unwrap(), 200);
+    }
+    let order: Vec<String> = up.arrivals().iter().map(|a| a.path.clone()).collect();
+    let want: Vec<String> = (0..12).map(|i| format!("/n/{i}")).collect();
+    assert_eq!(order, want);
     sluice.stop().await;
 }

@@ -224,6 +224,8 @@ pub struct Limiter {
     next_lease: Arc<AtomicU64>,
     /// Requests waiting for their reserved starts, moved up when one ahead leaves.
     waiting: Arc<Waiting>,
+    /// Endpoints whose senders name priorities.
+    prioritized: Arc<queue::Prioritized>,
 }
 
 impl Limiter {
@@ -234,7 +236,13 @@ impl Limiter {
             gates: Arc::default(),
             next_lease: Arc::new(AtomicU64::new(1)),
             waiting: Arc::default(),
+            prioritized: Arc::default(),
         }
+    }
+
+    /// The endpoints whose senders name priorities (their requests are queued).
+    pub fn prioritized(&self) -> &queue::Prioritized {
+        &self.prioritized
     }
 
     /// The local waiting rooms (tests check they are cleaned up).
@@ -415,7 +423,7 @@ impl Limiter {
             };
             self.gates.hint(endpoint, hint);
         }
-        if policy.shares.is_none() {
+        if policy.shares.is_none() && !self.prioritized.has(endpoint) {
             // FIFO only: reservations keep the order, the next may ask now.
             drop(head);
             let grant = self.settle(endpoint, policy, started, Some(first)).await?;

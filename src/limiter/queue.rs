@@ -1,7 +1,8 @@
 //! The local waiting room in front of an endpoint's store: who asks the store next.
 //!
-//! Used only by endpoints with `max_in_flight` or `shares`; the others go straight to the
-//! store, whose reservations already serve them in arrival order.
+//! Used by endpoints with `max_in_flight` or `shares`, and by endpoints whose senders
+//! name priorities (`X-Sluice-Priority`, [`Prioritized`]); the others go straight to
+//! the store, whose reservations already serve them in arrival order.
 //!
 //! Per endpoint, one request at a time is the *head*: only the head asks the store, the
 //! rest wait here, ordered by `(priority class, virtual finish time, arrival)`. Without
@@ -13,7 +14,8 @@
 //! no credit saved up.
 //!
 //! The head keeps its place until it holds what makes others wait: a slot (for
-//! `max_in_flight`) and, with `shares`, its token's start time. A head waiting for a
+//! `max_in_flight`) and, with `shares` or priorities, its token's start time (a start
+//! reserved ahead would fix the order before a later `high` request could pass). A head waiting for a
 //! slot is woken by a local release ([`Gates::slot_released`]) or retries when the
 //! soonest lease may have expired (releases on other replicas are seen then, or by a
 //! short backoff poll).
@@ -23,6 +25,47 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
+
+/// Most endpoints [`Prioritized`] remembers: endpoint IDs can come from senders, and
+/// past this many the rest keep plain arrival order.
+const MAX_PRIORITIZED: usize = 10_000;
+
+/// The endpoints whose senders named a priority (`high` or `low`): from then on every
+/// request of such an endpoint waits in its queue, in priority order and FIFO among
+/// equals, holding its place until its token's start. An endpoint nobody names a
+/// priority for keeps the cheaper straight path.
+#[derive(Debug, Default)]
+pub struct Prioritized {
+    any: std::sync::atomic::AtomicBool,
+    endpoints: std::sync::RwLock<std::collections::HashSet<Arc<str>>>,
+}
+
+impl Prioritized {
+    /// Remembers that a sender named a priority for `endpoint`.
+    pub fn note(&self, endpoint: &Arc<str>) {
+        if self.has(endpoint) {
+            return;
+        }
+        let mut set = self
+            .endpoints
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if set.len() < MAX_PRIORITIZED {
+            set.insert(Arc::clone(endpoint));
+            self.any.store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// Whether a sender named a priority for `endpoint` (one load while none did).
+    pub fn has(&self, endpoint: &str) -> bool {
+        self.any.load(std::sync::atomic::Ordering::Acquire)
+            && self
+                .endpoints
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains(endpoint)
+    }
+}
 
 /// Where a waiter stands: lower leaves first.
 #[derive(Debug, Clone, Copy, PartialEq)]
