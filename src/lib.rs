@@ -7,6 +7,8 @@
 //! - [`app`]: wiring: builds the app from a config, binds, runs, reloads.
 //! - [`config`]: TOML → validated, typed [`config::Config`]; every rule tested.
 //! - [`server`]: the proxy and admin accept loops, their caps, graceful shutdown.
+//! - [`fds`]: the descriptor limit against `proxy.max_connections`, raised at start,
+//!   and the caps the listeners serve under when it is short.
 //! - [`sniff`]: what a CONNECT tunnel carries (TLS, plain HTTP or other bytes), read
 //!   from its first bytes.
 //! - [`conn`]: one connection: serving HTTP/1.1 or HTTP/2, idle timeouts, lifecycle.
@@ -51,6 +53,7 @@ pub mod demo;
 pub mod destination;
 pub mod endpoint;
 pub mod error;
+pub mod fds;
 pub mod forward;
 pub mod host;
 pub mod idle;

@@ -24,9 +24,6 @@ use crate::core::App;
 use crate::proxy::Conn;
 use crate::workers::Workers;
 
-/// Admin connections at once. Far above what probes and scrapers need; each costs a
-/// task and a socket.
-const ADMIN_MAX_CONNECTIONS: usize = 4096;
 /// Admin connections are short-lived: a probe or scraper sends its request at once, and
 /// one that says nothing for this long is closed, so idle sockets cannot crowd probes out.
 const ADMIN_TIMEOUTS: Timeouts = Timeouts {
@@ -51,8 +48,10 @@ pub async fn run(
     // The workers run the connections being drained: they stop only once the drain
     // is over (the accept loop's handle goes when it does).
     let _running = workers.clone();
-    let accept_proxy = accept_proxy(&app, proxy, workers, stop.clone());
-    let accept_admin = accept_admin(&app, admin, stop);
+    // Caps the descriptor limit can hold, so the admin listener keeps some for probes.
+    let budget = crate::fds::fit(cfg.proxy.max_connections);
+    let accept_proxy = accept_proxy(&app, proxy, budget.max_connections, workers, stop.clone());
+    let accept_admin = accept_admin(&app, admin, budget.admin_connections, stop);
     let accepting = async { tokio::join!(accept_proxy, accept_admin) };
     tokio::select! {
         // Accept loops end only when the shutdown signal fires elsewhere.
@@ -71,16 +70,18 @@ pub async fn run(
     }
 }
 
-/// The proxy listener: `proxy.max_connections` senders at once (tunnels included),
-/// each served until idle for `proxy.idle_timeout`.
+/// The proxy listener: `max_connections` senders at once (tunnels included; the
+/// configured `proxy.max_connections` unless the descriptor limit is short), each
+/// served until idle for `proxy.idle_timeout`.
 async fn accept_proxy(
     app: &Arc<App>,
     listener: TcpListener,
+    max_connections: usize,
     workers: Option<Arc<Workers>>,
     stop: watch::Receiver<bool>,
 ) {
     let cfg = app.runtime.load_full().config.clone();
-    let limit = Arc::new(Semaphore::new(cfg.proxy.max_connections));
+    let limit = Arc::new(Semaphore::new(max_connections));
     let timeouts = Timeouts {
         header_read: cfg.proxy.header_read_timeout,
         idle: cfg.proxy.idle_timeout,
@@ -137,8 +138,15 @@ async fn accept_proxy(
 }
 
 /// The admin listener: its own cap and short timeouts, so probes are always answered.
-async fn accept_admin(app: &Arc<App>, listener: TcpListener, stop: watch::Receiver<bool>) {
-    let limit = Arc::new(Semaphore::new(ADMIN_MAX_CONNECTIONS));
+/// `max_connections` of them at once ([`crate::fds::ADMIN_MAX_CONNECTIONS`] unless the
+/// descriptor limit is short).
+async fn accept_admin(
+    app: &Arc<App>,
+    listener: TcpListener,
+    max_connections: usize,
+    stop: watch::Receiver<bool>,
+) {
+    let limit = Arc::new(Semaphore::new(max_connections));
     accept_loop(
         app,
         listener,
