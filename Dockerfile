@@ -3,7 +3,8 @@
 # Run:   docker run -v $PWD/sluice.toml:/etc/sluice/sluice.toml -e SLUICE_CONFIG=/etc/sluice/sluice.toml \
 #          -p 8080:8080 -p 9090:9090 sluice
 # There is no default config: without SLUICE_CONFIG (or --config) the image refuses to
-# start. To try it: docker run -p 8080:8080 -p 9090:9090 sluice run --config /etc/sluice/example.toml
+# start. To try it: docker run -p 127.0.0.1:8080:8080 -p 127.0.0.1:9090:9090 sluice run --config /etc/sluice/example.toml
+# (the example is an open proxy, allow_anonymous = true: publish it on loopback only).
 FROM rust:1-slim-bookworm AS build
 WORKDIR /src
 # A stripped binary without debug info.
@@ -23,11 +24,15 @@ COPY lua ./lua
 COPY examples ./examples
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin sluice
 # The example config listens on 127.0.0.1; inside a container it must listen on all
-# interfaces or the published ports reach nothing.
+# interfaces or the published ports reach nothing. It has no proxy authentication and
+# no allowed_hosts, so it says it means to be an open proxy (allow_anonymous = true):
+# for trying, behind a port published on loopback; `run` warns of it at start.
 COPY config/sluice.example.toml ./sluice.toml
 RUN sed -i -e 's/^listen = "127.0.0.1:/listen = "0.0.0.0:/' \
-           -e 's/^admin_listen = "127.0.0.1:/admin_listen = "0.0.0.0:/' sluice.toml \
- && grep -q '^listen = "0.0.0.0:8080"' sluice.toml && target/release/sluice check --config sluice.toml
+           -e 's/^admin_listen = "127.0.0.1:/admin_listen = "0.0.0.0:/' \
+           -e 's/^allow_anonymous = false /allow_anonymous = true  /' sluice.toml \
+ && grep -q '^listen = "0.0.0.0:8080"' sluice.toml && grep -q '^allow_anonymous = true' sluice.toml \
+ && target/release/sluice check --config sluice.toml
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \

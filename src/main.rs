@@ -184,6 +184,7 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
             }
             let summary = c.summary();
             let warnings = c.warnings.clone();
+            let (open_proxy, allow_anonymous) = (c.open_proxy(), c.security.allow_anonymous);
             if let Err(e) = check_tls(&c) {
                 eprintln!("{}: {e}", path.display());
                 return Ok(ExitCode::from(1));
@@ -198,11 +199,41 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
             for w in &warnings {
                 eprintln!("{}: warning: {w}", path.display());
             }
+            // An open proxy: refused as `run` refuses it, or, when the operator said so,
+            // said loudly.
+            if let Some(open) = open_proxy {
+                eprintln!(
+                    "{}: {}",
+                    path.display(),
+                    open_proxy_line(&open, allow_anonymous)
+                );
+                if !allow_anonymous {
+                    return Ok(ExitCode::from(1));
+                }
+            }
             println!("{}: {summary}", path.display());
             ExitCode::SUCCESS
         }
         Err(code) => code,
     })
+}
+
+/// What `check` and `run` say of a config that makes sluice an open proxy
+/// ([`Config::open_proxy`]): an error unless `security.allow_anonymous = true`, else a
+/// warning; either way, how to close it.
+fn open_proxy_line(open: &str, allowed: bool) -> String {
+    let close = "set security.allowed_hosts to the receivers' hosts, or security.auth_users_file \
+                 (proxy authentication), or listen on 127.0.0.1";
+    if allowed {
+        format!(
+            "warning: OPEN PROXY: {open} (security.allow_anonymous = true); to close it, {close}"
+        )
+    } else {
+        format!(
+            "error: {open}. Refusing to run an open proxy: {close}; or, if every host that \
+             can reach the port may use it, set security.allow_anonymous = true"
+        )
+    }
 }
 
 fn ca_init(dir: &Path) -> anyhow::Result<ExitCode> {
@@ -244,6 +275,14 @@ fn run(path: &Path) -> anyhow::Result<ExitCode> {
     };
     for w in &config.warnings {
         tracing::warn!("{}: {w}", path.display());
+    }
+    if let Some(open) = config.open_proxy() {
+        let line = open_proxy_line(&open, config.security.allow_anonymous);
+        if !config.security.allow_anonymous {
+            eprintln!("{}: {line}", path.display());
+            return Ok(ExitCode::from(1));
+        }
+        tracing::warn!("{}: {line}", path.display());
     }
     // Sender connections run on the workers; the main thread accepts, answers the
     // admin listener and runs the background jobs.

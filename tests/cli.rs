@@ -621,3 +621,96 @@ fn a_refusal_carries_the_wait_in_milliseconds_on_both_engines() {
         );
     }
 }
+
+/// A proxy listening beyond loopback with neither proxy authentication nor an
+/// `allowed_hosts` that names hosts is an open proxy: `check` and `run` refuse it (exit
+/// 1, saying how to close it) unless `security.allow_anonymous = true`, and then warn.
+/// Loopback (127.0.0.0/8, `::1`), authentication or `allowed_hosts` close it.
+#[test]
+fn an_open_proxy_is_refused_unless_allowed_and_then_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users");
+    let line = common::process::output_with_stdin(
+        sluice().args(["passwd", "alice", "--cost", "4"]),
+        Some(b"secret\n"),
+        CHILD_DEADLINE,
+    );
+    assert!(line.status.success());
+    std::fs::write(&users, &line.stdout).unwrap();
+    let write = |name: &str, listen: &str, security: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "[proxy]\nlisten = \"{listen}\"\nadmin_listen = \"127.0.0.1:0\"\n[security]\n{security}\n"
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let check = |path: &std::path::Path| {
+        let out = sluice()
+            .args(["check", "--config"])
+            .arg(path)
+            .run_within(CHILD_DEADLINE);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+
+    // Refused by both, naming the ways out.
+    for (name, security) in [("open.toml", ""), ("star.toml", "allowed_hosts = [\"*\"]")] {
+        let open = write(name, "0.0.0.0:0", security);
+        let (code, err) = check(&open);
+        assert_eq!(code, Some(1), "{name}: {err}");
+        for want in [
+            "0.0.0.0:0",
+            "open proxy",
+            "security.allowed_hosts",
+            "security.auth_users_file",
+            "security.allow_anonymous = true",
+        ] {
+            assert!(err.contains(want), "{name}: {want:?} in {err}");
+        }
+        let out = sluice()
+            .args(["run", "--config"])
+            .arg(&open)
+            .run_within(CHILD_DEADLINE);
+        assert_eq!(out.status.code(), Some(1), "{name}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("security.allow_anonymous = true"), "{err}");
+        assert!(!err.contains("sluice listening"), "{err}");
+    }
+
+    // Allowed: it runs, and both say so loudly.
+    let allowed = write("allowed.toml", "0.0.0.0:0", "allow_anonymous = true");
+    let (code, err) = check(&allowed);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("warning: OPEN PROXY"), "{err}");
+    let mut run = LoggedChild::spawn(sluice().args(["run", "--config"]).arg(&allowed));
+    listening(&mut run);
+    assert!(run.log().contains("OPEN PROXY"), "{}", run.log());
+    drop(run);
+
+    // Closed: not a word.
+    let closed = [
+        write(
+            "hosts.toml",
+            "0.0.0.0:0",
+            "allowed_hosts = [\"hooks.example.com\"]",
+        ),
+        write("auth.toml", "0.0.0.0:0", "auth_users_file = \"users\""),
+        write("loopback.toml", "127.0.0.2:0", ""),
+        write("v6.toml", "[::1]:0", ""),
+        write("mapped.toml", "[::ffff:127.0.0.1]:0", ""),
+    ];
+    for path in &closed {
+        let (code, err) = check(path);
+        assert_eq!(code, Some(0), "{}: {err}", path.display());
+        assert!(!err.contains("open proxy"), "{}: {err}", path.display());
+    }
+    let mut run = LoggedChild::spawn(sluice().args(["run", "--config"]).arg(&closed[0]));
+    listening(&mut run);
+    assert!(!run.log().contains("OPEN PROXY"), "{}", run.log());
+}

@@ -255,3 +255,57 @@ fn the_charts_prometheus_rule_has_the_documented_alerts() {
     assert!(documented.len() >= 7, "{documented:?}");
     assert_eq!(charted, documented);
 }
+
+/// The TOML of `deploy/kubernetes.yaml`'s ConfigMap (its `sluice.toml: |` block).
+fn kubernetes_config() -> String {
+    let text = std::fs::read_to_string(root().join("deploy/kubernetes.yaml")).unwrap();
+    let mut lines = text.lines().skip_while(|l| l.trim() != "sluice.toml: |");
+    lines
+        .next()
+        .expect("a sluice.toml block in deploy/kubernetes.yaml");
+    lines
+        .take_while(|l| l.starts_with("    ") || l.is_empty())
+        .map(|l| format!("{}\n", l.get(4..).unwrap_or("")))
+        .collect()
+}
+
+/// Every config shipped for deployment listens beyond loopback (it must, in a pod or a
+/// container) and is no open proxy: it names `allowed_hosts` or turns on proxy
+/// authentication, so `check` passes it without the open-proxy warning and `run`
+/// starts, without `allow_anonymous`.
+#[test]
+fn the_shipped_deploy_configs_are_not_open_proxies() {
+    let all = rendered();
+    let shipped = [
+        (
+            "the chart",
+            all["values"]["config"].as_str().unwrap().to_owned(),
+        ),
+        ("deploy/kubernetes.yaml", kubernetes_config()),
+        (
+            "deploy/sluice.redis.toml",
+            std::fs::read_to_string(root().join("deploy/sluice.redis.toml")).unwrap(),
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in shipped {
+        let config = sluice::config::Config::parse_with_env(&text, &|_| Some("pw".into()))
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        assert!(
+            !config.proxy.listen.ip().is_loopback(),
+            "{name} listens beyond loopback"
+        );
+        assert_eq!(config.open_proxy(), None, "{name}");
+        assert!(!config.security.allow_anonymous, "{name}");
+        let path = dir.path().join("sluice.toml");
+        std::fs::write(&path, &text).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["check", "--config"])
+            .arg(&path)
+            .env("SLUICE_REDIS_PASSWORD", "from-the-secret")
+            .run_within(CHILD_DEADLINE);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {err}");
+        assert!(!err.contains("open proxy"), "{name}: {err}");
+    }
+}

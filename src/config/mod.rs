@@ -464,6 +464,10 @@ pub struct SecurityConfig {
     pub auth_users_file: Option<PathBuf>,
     /// `[security.user_endpoints]`: the endpoint IDs each listed user may spend.
     pub user_endpoints: Vec<UserGrant>,
+    /// The operator's word that a proxy listening beyond loopback with neither proxy
+    /// authentication nor `allowed_hosts` is meant: without it `run` refuses to start
+    /// ([`Config::open_proxy`]).
+    pub allow_anonymous: bool,
 }
 
 /// One `[security.user_endpoints]` entry: a user and the endpoint-ID globs it may spend.
@@ -647,6 +651,29 @@ impl Config {
             }
             _ => Err(issues),
         }
+    }
+
+    /// When the proxy listens beyond loopback (an address other than 127.0.0.0/8 or
+    /// `::1`) with neither proxy authentication (`security.auth_users_file`) nor a
+    /// `security.allowed_hosts` that lists hosts (`["*"]` does not), what that means:
+    /// any host that reaches the port may use sluice as its egress proxy to any public
+    /// host. `run` refuses such a config unless `security.allow_anonymous = true`, and
+    /// then warns.
+    pub fn open_proxy(&self) -> Option<String> {
+        let listen = self.proxy.listen;
+        let local = listen.ip().to_canonical().is_loopback();
+        // `allowed_hosts = ["*"]` lists hosts in name only: a host nobody would list
+        // matching tells.
+        let hosts = &self.security.allowed_hosts;
+        let any_host = hosts.is_empty() || hosts.matches("any-host.sluice.invalid");
+        if local || self.security.auth_users_file.is_some() || !any_host {
+            return None;
+        }
+        Some(format!(
+            "proxy.listen = \"{listen}\" is reachable beyond this host, with neither \
+             security.auth_users_file nor a security.allowed_hosts naming hosts: anyone \
+             who reaches the port can use sluice as an open proxy to any public host"
+        ))
     }
 
     /// A one-line summary for `sluice check`.

@@ -1030,6 +1030,7 @@ impl Reader<'_> {
                 "allowed_hosts",
                 "auth_users_file",
                 "user_endpoints",
+                "allow_anonymous",
             ],
         );
         let auth_users_file = self.path(t, p, "auth_users_file");
@@ -1047,6 +1048,7 @@ impl Reader<'_> {
             allowed_hosts: self.globs(t, p, "allowed_hosts"),
             auth_users_file,
             user_endpoints,
+            allow_anonymous: self.boolean(t, p, "allow_anonymous", false),
         }
     }
 
