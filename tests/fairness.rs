@@ -165,7 +165,7 @@ async fn high_behind_lows(endpoint: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_of_one_priority_leave_in_arrival_order() {
     let sluice = common::sluice(
-        "[defaults]\nrate = 20.0\nburst = 1.0\nmax_wait = \"20s\"\n[[endpoints]]\nid = \"prio\"\n",
+        "[defaults]\nrate = 4.0\nburst = 1.0\nmax_wait = \"20s\"\n[[endpoints]]\nid = \"prio\"\n",
     )
     .await;
     let up = Arc::new(Upstream::start().await);
@@ -183,11 +183,23 @@ async fn requests_of_one_priority_leave_in_arrival_order() {
                 .await
                 .map(|r| r.status().as_u16())
         }));
-        // The next is sent once this one is in: queued, at the head, or arrived.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while gates.waiting("prio") + up.count() + 1 < i + 1 {
-            assert!(Instant::now() < deadline, "request {i} never queued");
-            tokio::time::sleep(Duration::from_millis(2)).await;
+        // The next is sent once this one is in: the first arrived, the second holds a
+        // reservation (the bucket goes below zero) as head, the rest wait behind it.
+        match i {
+            0 => {
+                common::wait_for("the first", Duration::from_secs(10), || async {
+                    up.count() == 1
+                })
+                .await
+            }
+            1 => common::wait_for_tokens_below(sluice.admin_addr, "prio", -0.5).await,
+            _ => {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while gates.waiting("prio") < i - 1 {
+                    assert!(Instant::now() < deadline, "request {i} never queued");
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
         }
     }
     for s in sent {
