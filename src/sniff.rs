@@ -171,13 +171,21 @@ mod tests {
             (b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", Some(Opening::Other)),
         ];
         for (bytes, want) in cases {
-            assert_eq!(classify(bytes), want, "{:?}", String::from_utf8_lossy(bytes));
+            assert_eq!(
+                classify(bytes),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(bytes)
+            );
         }
     }
 
     #[test]
     fn a_malformed_head_is_served_as_http_to_be_answered() {
-        assert_eq!(classify(b"GET / HTTP/1.1\r\nbad header\r\n\r\n"), Some(Opening::Http));
+        assert_eq!(
+            classify(b"GET / HTTP/1.1\r\nbad header\r\n\r\n"),
+            Some(Opening::Http)
+        );
     }
 
     #[tokio::test]
