@@ -365,9 +365,9 @@ impl<S: SenderIo> Lane<S> {
         let mut trace = Trace::default();
         match self.forward(&head, &mut trace, in_flight).await {
             Ok(keep) => {
-                let log = self.app.runtime.load().config.log;
+                let log = &self.app.runtime.load().config.log;
                 let (app, peer) = (&self.app, self.conn.peer);
-                decision::forwarded(&log, &app.sampler, peer, head.method.as_str(), &trace);
+                decision::forwarded(log, &app.sampler, peer, head.method.as_str(), &trace);
                 Ok(keep)
             }
             Err(Failure::Refused(r, clean)) => {

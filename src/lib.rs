@@ -16,6 +16,8 @@
 //!   → forward → observe; the same admission for plain HTTP, CONNECT and intercepted
 //!   requests.
 //! - [`decision`]: the per-request decision log (one structured line per request).
+//! - [`logging`]: where log lines go: a bounded queue and a background writer thread
+//!   (stderr or `[log] file`), dropping and counting lines rather than blocking.
 //! - [`auth`]: proxy users (htpasswd, bcrypt), the credentials cache, endpoint grants.
 //! - [`endpoint`]: endpoint resolution (header, proxy user, host/path rules, defaults).
 //! - [`destination`]: destination policy (allowed hosts, private-address refusal).
@@ -59,6 +61,7 @@ pub mod host;
 pub mod idle;
 pub mod lane;
 pub mod limiter;
+pub mod logging;
 pub mod metrics;
 pub mod observer;
 pub mod proxy;

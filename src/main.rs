@@ -94,10 +94,15 @@ enum CaCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logs(cli.log_format);
+    // `run` sets up its logs once it has read `[log]`; every other command logs to
+    // stderr. The guard flushes what is still queued when it drops, at exit.
+    let _logs = match cli.command {
+        Command::Run { .. } => None,
+        _ => Some(init_logs(cli.log_format, None, DEFAULT_LOG_LINES)),
+    };
     let result = match cli.command {
         Command::Check { config } => config_path(config).and_then(|c| check(&c)),
-        Command::Run { config } => config_path(config).and_then(|c| run(&c)),
+        Command::Run { config } => config_path(config).and_then(|c| run(&c, cli.log_format)),
         Command::Ca {
             command: CaCommand::Init { dir },
         } => ca_init(&dir),
@@ -134,19 +139,42 @@ fn config_path(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     })
 }
 
-fn init_logs(format: LogFormat) {
+/// `[log] buffer_lines` of the commands that read no config.
+const DEFAULT_LOG_LINES: usize = 128_000;
+
+/// Sends every tracing line to a background writer over `file` (stderr when `None`),
+/// at most `lines` of them queued; the guard flushes the queue when dropped.
+fn init_logs(
+    format: LogFormat,
+    file: Option<std::fs::File>,
+    lines: usize,
+) -> sluice::logging::WorkerGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colour only for people: no ANSI codes in files, pipes and log collectors.
-    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let colour = file.is_none() && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let (writer, guard) = sluice::logging::writer(file, lines);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(colour)
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
+    guard
+}
+
+/// Opens `[log] file` (when set) for appending; the error names the key.
+fn open_log_file(c: &Config) -> Result<Option<std::fs::File>, String> {
+    c.log
+        .file
+        .as_deref()
+        .map(|p| {
+            sluice::logging::open(p)
+                .map_err(|e| format!("log.file: cannot open {} for appending: {e}", p.display()))
+        })
+        .transpose()
 }
 
 /// Loads a config and opens every file it names; exit 1 naming the key when one fails.
@@ -184,6 +212,10 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
             }
             let summary = c.summary();
             let warnings = c.warnings.clone();
+            if let Err(e) = open_log_file(&c) {
+                eprintln!("{}: {e}", path.display());
+                return Ok(ExitCode::from(1));
+            }
             let (open_proxy, allow_anonymous) = (c.open_proxy(), c.security.allow_anonymous);
             if let Err(e) = check_tls(&c) {
                 eprintln!("{}: {e}", path.display());
@@ -266,13 +298,22 @@ fn ca_init(dir: &Path) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn run(path: &Path) -> anyhow::Result<ExitCode> {
+fn run(path: &Path, format: LogFormat) -> anyhow::Result<ExitCode> {
     // Before reading: an edit from here on is one the file watch reloads.
     let seen = modified(path);
     let config = match load(path) {
         Ok(c) => c,
         Err(code) => return Ok(code),
     };
+    let file = match open_log_file(&config) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("{}: {e}", path.display());
+            return Ok(ExitCode::from(1));
+        }
+    };
+    // Held until `run` returns, after the drain: dropping it writes out what is queued.
+    let _logs = init_logs(format, file, config.log.buffer_lines);
     for w in &config.warnings {
         tracing::warn!("{}: {w}", path.display());
     }
@@ -372,10 +413,20 @@ fn modified(path: &Path) -> Option<SystemTime> {
 
 /// Reloads `path` into `app`, logging a refusal with what asked for the reload (`by`).
 fn reload(app: &sluice::core::App, path: &Path, by: &'static str) {
+    let before = app.runtime.load().config.log.clone();
     match sluice::app::reload(app, path) {
         Ok(()) => {
-            for w in &app.runtime.load().config.warnings {
+            let now = app.runtime.load();
+            for w in &now.config.warnings {
                 tracing::warn!(by, "{}: {w}", path.display());
+            }
+            let log = &now.config.log;
+            if log.file != before.file || log.buffer_lines != before.buffer_lines {
+                tracing::warn!(
+                    by,
+                    "log.file and log.buffer_lines are read at start: the running log \
+                     target is kept until restart"
+                );
             }
         }
         Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {

@@ -8,7 +8,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock, RwLock};
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::{
+    EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder, MetricEncoder, NoLabelSet,
+};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -122,6 +125,21 @@ pub const MAX_WATCHED_UNLABELLED: usize = 10_000;
 
 /// The outcome of a request that was sent upstream.
 pub const FORWARDED: &str = "forwarded";
+
+/// `sluice_log_dropped_total`: log lines dropped because the log writer had fallen
+/// behind, read from the writer ([`crate::logging::dropped`]) when scraped.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LogDropped;
+
+impl EncodeMetric for LogDropped {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_counter::<NoLabelSet, _, u64>(&crate::logging::dropped(), None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Counter
+    }
+}
 
 fn wait_histogram() -> Histogram {
     // 1 ms .. ~65 s.
@@ -313,6 +331,11 @@ impl Metrics {
             "store_rebuilds",
             "Buckets the store had lost or rolled back, rebuilt from what this replica heard",
             m.store.rebuilds.clone(),
+        );
+        registry.register(
+            "log_dropped",
+            "Log lines dropped because the log writer had fallen behind",
+            LogDropped,
         );
         registry.register(
             "build_info",

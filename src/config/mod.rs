@@ -139,13 +139,18 @@ pub enum Mode {
     Shadow,
 }
 
-/// `[log]`: the per-request decision log.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// `[log]`: the per-request decision log and where every log line goes.
+#[derive(Debug, Clone, PartialEq)]
 pub struct LogConfig {
     /// One structured line per request (target `sluice::decision`, level info).
     pub decisions: bool,
     /// Fraction of forwarded requests logged, in [0, 1]; refusals are always logged.
     pub sample: f64,
+    /// The file every log line is appended to instead of stderr (read at start).
+    pub file: Option<PathBuf>,
+    /// Lines queued for the background writer at most; past them lines are dropped and
+    /// counted (`sluice_log_dropped_total`) rather than waited for (read at start).
+    pub buffer_lines: usize,
 }
 
 /// Reaction to upstream throttling (`[defaults.adaptive]`, per-endpoint overrides).
@@ -569,6 +574,10 @@ impl Config {
         }
         if let Some(p) = &mut self.security.auth_users_file {
             paths.push(("security.auth_users_file".to_owned(), p, true));
+        }
+        // Appended to (and created) by `sluice run` and `check`, never read.
+        if let Some(p) = &mut self.log.file {
+            paths.push(("log.file".to_owned(), p, false));
         }
         let shared = self.store.backend != Backend::Memory;
         if let Some(p) = &mut self.store.tls.ca_file {

@@ -816,12 +816,14 @@ impl Reader<'_> {
     }
 
     pub(super) fn log(&mut self, t: &Table<'_>) -> LogConfig {
-        self.known_keys(t, "log", &["decisions", "sample"]);
+        self.known_keys(t, "log", &["decisions", "sample", "file", "buffer_lines"]);
         LogConfig {
             decisions: self.boolean(t, "log", "decisions", true),
             sample: self.checked(t, "log", "sample", 1.0, "between 0 and 1", |n| {
                 (0.0..=1.0).contains(&n)
             }),
+            file: self.path(t, "log", "file"),
+            buffer_lines: self.whole(t, "log", "buffer_lines", 128_000, 1..=16_000_000) as usize,
         }
     }
 
