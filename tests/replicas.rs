@@ -1216,7 +1216,9 @@ async fn in_flight_slots_count_across_a_store_stall_and_its_end() {
 async fn requests_waiting_when_a_cooldown_starts_hold_it_through_a_stall() {
     const RETRY_AFTER: Duration = Duration::from_secs(3);
     let redis = common::redis::RedisServer::start();
-    let policy = "[defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"5s\"\n";
+    // The 429 reaches its sender (absorb off): every request is forwarded once.
+    let policy = "[defaults]\nrate = 10.0\nburst = 5.0\nmax_wait = \"5s\"\n\
+                  [defaults.adaptive]\nabsorb = \"off\"\n";
     let s = common::sluice(&falling_back_locally(&redis, policy)).await;
     let throttle = Arc::new(AtomicBool::new(false));
     let throttled_at = Arc::new(std::sync::Mutex::new(None::<Instant>));

@@ -208,8 +208,9 @@ async fn a_429_inside_tls_starts_the_cooldown() {
         }),
     )
     .await;
+    // The 429 reaches the sender (absorb off): the cooldown it starts is what is watched.
     let s = common::sluice(&format!(
-        "[defaults]\nmax_wait = \"10s\"\n{}",
+        "[defaults]\nmax_wait = \"10s\"\n[defaults.adaptive]\nabsorb = \"off\"\n{}",
         st.tls_config("")
     ))
     .await;
