@@ -33,6 +33,9 @@ pub struct Resolved {
     pub policy: Arc<Policy>,
     /// Enforced or shadow.
     pub mode: Mode,
+    /// Named by nothing but its destination host: no endpoint header, proxy user or
+    /// `hosts` rule took it (`sluice_host_fallback_total`).
+    pub by_host: bool,
 }
 
 /// Compiled resolution rules.
@@ -45,6 +48,7 @@ pub struct Resolver {
     defaults: Arc<Policy>,
     default_mode: Mode,
     unknown: UnknownEndpoints,
+    require_endpoint: bool,
 }
 
 impl Resolver {
@@ -62,6 +66,7 @@ impl Resolver {
             defaults: Arc::clone(&cfg.defaults),
             default_mode: cfg.default_mode,
             unknown: cfg.unknown,
+            require_endpoint: cfg.security.require_endpoint,
         }
     }
 
@@ -138,9 +143,17 @@ impl Resolver {
                 id: Arc::clone(&rule.id),
                 policy: Arc::clone(&rule.policy),
                 mode: rule.mode,
+                by_host: false,
             });
         }
-        self.by_name(&host)
+        // Nothing named the endpoint: a client that lost its header or proxy user (one
+        // that drops a user without a password) lands here, under its destination host.
+        if self.require_endpoint {
+            return Err(ProxyError::EndpointRequired(host));
+        }
+        let mut ep = self.by_name(&host)?;
+        ep.by_host = true;
+        Ok(ep)
     }
 
     fn by_name(&self, id: &str) -> Result<Resolved, ProxyError> {
@@ -149,6 +162,7 @@ impl Resolver {
                 id: Arc::clone(k),
                 policy: Arc::clone(p),
                 mode: *mode,
+                by_host: false,
             });
         }
         match self.unknown {
@@ -156,6 +170,7 @@ impl Resolver {
                 id: id.into(),
                 policy: Arc::clone(&self.defaults),
                 mode: self.default_mode,
+                by_host: false,
             }),
             UnknownEndpoints::Reject => Err(ProxyError::UnknownEndpoint(id.to_owned())),
         }

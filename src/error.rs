@@ -67,6 +67,12 @@ pub enum ProxyError {
         /// The resolved endpoint.
         endpoint: String,
     },
+    /// `security.require_endpoint` and nothing named the request's endpoint.
+    #[error(
+        "the request names no endpoint (no endpoint header, proxy user or hosts rule) and \
+         security.require_endpoint is on: it would have been paced under its host {0:?}"
+    )]
+    EndpointRequired(String),
     /// `unknown = "reject"` and the endpoint is not configured.
     #[error("endpoint {0:?} is not configured and unknown endpoints are rejected")]
     UnknownEndpoint(String),
@@ -130,6 +136,7 @@ impl ProxyError {
                 "bad_request"
             }
             ProxyError::NotImplemented(_) => "not_implemented",
+            ProxyError::EndpointRequired(_) => "endpoint_required",
             ProxyError::ProxyAuthRequired => "proxy_auth_required",
             ProxyError::EndpointNotAllowed { .. } => "endpoint_not_allowed",
             ProxyError::UnknownEndpoint(_) => "unknown_endpoint",
@@ -147,7 +154,9 @@ impl ProxyError {
     /// The status sluice answers with.
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::NotAProxyRequest | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::NotAProxyRequest
+            | ProxyError::BadRequest(_)
+            | ProxyError::EndpointRequired(_) => StatusCode::BAD_REQUEST,
             ProxyError::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::ProxyAuthRequired => StatusCode::PROXY_AUTHENTICATION_REQUIRED,

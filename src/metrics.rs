@@ -297,6 +297,11 @@ impl Metrics {
             m.connections.clone(),
         );
         registry.register(
+    /// `sluice_host_fallback_total`: requests that named no endpoint (header, proxy
+    /// user, `hosts` rule) and were paced under their destination host.
+    pub host_fallback: Counter,
+    /// `sluice_reload_failures_total`: reloads refused (the running config kept).
+    pub reload_failures: Counter,
             "in_flight",
             "Requests holding an in-flight slot (max_in_flight) on this replica",
             m.in_flight.clone(),
@@ -328,6 +333,8 @@ impl Metrics {
             m.store.notices.clone(),
         );
         registry.register(
+            host_fallback: Counter::default(),
+            reload_failures: Counter::default(),
             "store_rebuilds",
             "Buckets the store had lost or rolled back, rebuilt from what this replica heard",
             m.store.rebuilds.clone(),
@@ -452,6 +459,16 @@ impl Metrics {
     }
 
     /// Counts one upstream response by status code.
+        registry.register(
+            "host_fallback",
+            "Requests that named no endpoint and were paced under their destination host",
+            m.host_fallback.clone(),
+        );
+        registry.register(
+            "reload_failures",
+            "Reloads refused: the running config was kept",
+            m.reload_failures.clone(),
+        );
     pub fn upstream_code(&self, endpoint: &EndpointLabel, code: u16) {
         let series = || {
             self.upstream

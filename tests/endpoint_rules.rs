@@ -108,3 +108,97 @@ async fn one_connection_alternating_ports_draws_from_each_port_s_bucket() {
     assert_eq!(paths(&b), ["/2"]);
     s.stop().await;
 }
+
+/// `sluice_host_fallback_total` as `/metrics` shows it.
+async fn host_fallbacks(admin: std::net::SocketAddr) -> u64 {
+    let text = common::metrics(admin).await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("sluice_host_fallback_total "))
+        .unwrap_or_else(|| panic!("no sluice_host_fallback_total in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// A request that names no endpoint (no header, no proxy user, no `hosts` rule) is paced
+/// under its destination host and counted in `sluice_host_fallback_total`, also when a
+/// kept-alive connection's next request reuses the resolution; the others are not
+/// counted. With `security.require_endpoint = true` it is refused `400
+/// endpoint_required` and never reaches the receiver, so a client that lost its proxy
+/// user (one that drops a user without a password) is told, not re-bucketed.
+#[tokio::test]
+async fn a_request_naming_no_endpoint_is_counted_or_refused() {
+    let (up, ruled) = (Upstream::start().await, Upstream::start().await);
+    let rules = format!(
+        "[proxy]\nendpoint_from_proxy_user = true\n\
+         [[endpoints]]\nid = \"ruled\"\nhosts = [\"127.0.0.1:{}\"]\n",
+        ruled.addr.port()
+    );
+    let proxy_user = format!(
+        "Proxy-Authorization: Basic {}\r\n",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "ep_42:x")
+    );
+    let send = |proxy, target: std::net::SocketAddr, extra: &str, times: usize| {
+        let head = format!("GET http://{target}/m HTTP/1.1\r\nHost: {target}\r\n{extra}\r\n");
+        async move {
+            let mut s = TcpStream::connect(proxy).await.unwrap();
+            let mut statuses = Vec::new();
+            for _ in 0..times {
+                s.write_all(head.as_bytes()).await.unwrap();
+                let answer = read_response(&mut s).await;
+                statuses.push(answer.split(' ').nth(1).unwrap().to_owned());
+                if answer.contains("endpoint_required") {
+                    assert!(
+                        answer
+                            .to_ascii_lowercase()
+                            .contains("x-sluice-reason: endpoint_required"),
+                        "{answer}"
+                    );
+                }
+            }
+            statuses
+        }
+    };
+
+    let s = sluice(&rules).await;
+    assert_eq!(send(s.proxy_addr, up.addr, "", 2).await, ["200", "200"]);
+    assert_eq!(
+        host_fallbacks(s.admin_addr).await,
+        2,
+        "both, the second recalled"
+    );
+    assert_eq!(
+        send(s.proxy_addr, up.addr, "X-Endpoint-Id: e\r\n", 1).await,
+        ["200"]
+    );
+    assert_eq!(send(s.proxy_addr, up.addr, &proxy_user, 1).await, ["200"]);
+    assert_eq!(send(s.proxy_addr, ruled.addr, "", 1).await, ["200"]);
+    assert_eq!(
+        host_fallbacks(s.admin_addr).await,
+        2,
+        "named ones are not counted"
+    );
+    s.stop().await;
+
+    let s = sluice(&format!("{rules}[security]\nrequire_endpoint = true\n")).await;
+    let before = up.arrivals().len();
+    assert_eq!(send(s.proxy_addr, up.addr, "", 2).await, ["400", "400"]);
+    assert_eq!(
+        up.arrivals().len(),
+        before,
+        "a refused request never arrives"
+    );
+    assert_eq!(
+        send(s.proxy_addr, up.addr, "X-Endpoint-Id: e\r\n", 1).await,
+        ["200"]
+    );
+    assert_eq!(send(s.proxy_addr, up.addr, &proxy_user, 1).await, ["200"]);
+    assert_eq!(send(s.proxy_addr, ruled.addr, "", 1).await, ["200"]);
+    assert_eq!(host_fallbacks(s.admin_addr).await, 0);
+    let text = common::metrics(s.admin_addr).await;
+    assert!(
+        text.contains("outcome=\"endpoint_required\""),
+        "counted under its reason:\n{text}"
+    );
+    s.stop().await;
+}

@@ -473,6 +473,9 @@ pub struct SecurityConfig {
     /// authentication nor `allowed_hosts` is meant: without it `run` refuses to start
     /// ([`Config::open_proxy`]).
     pub allow_anonymous: bool,
+    /// Refuse (`400 endpoint_required`) a request that names no endpoint by header,
+    /// proxy user or host rule, instead of pacing it under its destination host.
+    pub require_endpoint: bool,
 }
 
 /// One `[security.user_endpoints]` entry: a user and the endpoint-ID globs it may spend.

@@ -1033,6 +1033,7 @@ impl Reader<'_> {
                 "auth_users_file",
                 "user_endpoints",
                 "allow_anonymous",
+                "require_endpoint",
             ],
         );
         let auth_users_file = self.path(t, p, "auth_users_file");
@@ -1051,6 +1052,7 @@ impl Reader<'_> {
             auth_users_file,
             user_endpoints,
             allow_anonymous: self.boolean(t, p, "allow_anonymous", false),
+            require_endpoint: self.boolean(t, p, "require_endpoint", false),
         }
     }
 
