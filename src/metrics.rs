@@ -184,6 +184,11 @@ pub struct Metrics {
     pub store: StoreStats,
     /// `sluice_build_info{version,commit}`: always 1.
     pub build_info: Family<BuildLabels, Gauge>,
+    /// `sluice_host_fallback_total`: requests that named no endpoint (header, proxy
+    /// user, `hosts` rule) and were paced under their destination host.
+    pub host_fallback: Counter,
+    /// `sluice_reload_failures_total`: reloads refused (the running config kept).
+    pub reload_failures: Counter,
     labelled: RwLock<HashMap<Arc<str>, EndpointLabel>>,
     /// Endpoints past the label cap that a receiver throttled: still watched by the
     /// observer and listed by `/endpoints` (at most [`MAX_WATCHED_UNLABELLED`]).
@@ -213,6 +218,8 @@ impl Metrics {
             slot_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             store: StoreStats::default(),
             build_info: Family::default(),
+            host_fallback: Counter::default(),
+            reload_failures: Counter::default(),
             labelled: RwLock::new(
                 configured
                     .map(|id| (Arc::clone(id), EndpointLabel::new(Arc::clone(id))))
@@ -297,11 +304,6 @@ impl Metrics {
             m.connections.clone(),
         );
         registry.register(
-    /// `sluice_host_fallback_total`: requests that named no endpoint (header, proxy
-    /// user, `hosts` rule) and were paced under their destination host.
-    pub host_fallback: Counter,
-    /// `sluice_reload_failures_total`: reloads refused (the running config kept).
-    pub reload_failures: Counter,
             "in_flight",
             "Requests holding an in-flight slot (max_in_flight) on this replica",
             m.in_flight.clone(),
@@ -333,8 +335,16 @@ impl Metrics {
             m.store.notices.clone(),
         );
         registry.register(
-            host_fallback: Counter::default(),
-            reload_failures: Counter::default(),
+            "host_fallback",
+            "Requests that named no endpoint and were paced under their destination host",
+            m.host_fallback.clone(),
+        );
+        registry.register(
+            "reload_failures",
+            "Reloads refused: the running config was kept",
+            m.reload_failures.clone(),
+        );
+        registry.register(
             "store_rebuilds",
             "Buckets the store had lost or rolled back, rebuilt from what this replica heard",
             m.store.rebuilds.clone(),
@@ -459,16 +469,6 @@ impl Metrics {
     }
 
     /// Counts one upstream response by status code.
-        registry.register(
-            "host_fallback",
-            "Requests that named no endpoint and were paced under their destination host",
-            m.host_fallback.clone(),
-        );
-        registry.register(
-            "reload_failures",
-            "Reloads refused: the running config was kept",
-            m.reload_failures.clone(),
-        );
     pub fn upstream_code(&self, endpoint: &EndpointLabel, code: u16) {
         let series = || {
             self.upstream

@@ -518,11 +518,11 @@ async fn admission(
         }
     };
     trace.endpoint = Some(Arc::clone(&ep.id));
-    if let (Some(users), Some(id)) = (&rt.users, &who.identity) {
-        if !users.may_spend(&id.user, &ep.id) {
     if ep.by_host {
         app.metrics.host_fallback.inc();
     }
+    if let (Some(users), Some(id)) = (&rt.users, &who.identity) {
+        if !users.may_spend(&id.user, &ep.id) {
             return Err(ProxyError::EndpointNotAllowed {
                 user: id.user.to_string(),
                 endpoint: ep.id.to_string(),
@@ -1036,10 +1036,10 @@ impl Resend {
             id: Arc::clone(&admitted.ep.id),
             policy: Arc::new(within),
             mode: admitted.ep.mode,
+            by_host: admitted.ep.by_host,
         };
         let waiting = Box::pin(enforce(app, &ep, &admitted.label, admitted.turn.clone()));
         match waiting.await {
-            by_host: admitted.ep.by_host,
             Ok((grant, slot)) => {
                 admitted.grant = grant;
                 admitted.slot = slot;
