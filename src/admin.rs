@@ -42,6 +42,40 @@ pub struct EndpointView {
     /// `tokens` meanwhile. Absent from older servers' answers: 0.
     #[serde(default)]
     pub held_ahead: f64,
+    /// Requests waiting on this replica: in the endpoint's queue, or holding a reserved
+    /// start and sleeping until it. Absent from older servers' answers: 0.
+    #[serde(default)]
+    pub waiting: u64,
+    /// The queued part of `waiting` by priority (`X-Sluice-Priority`); requests
+    /// holding a reserved start are not broken down.
+    #[serde(default)]
+    pub waiting_by_priority: ByPriority,
+    /// Requests admitted on this replica and not yet answered (a tunnel relayed as bytes
+    /// until it closes).
+    #[serde(default)]
+    pub in_flight: u64,
+    /// How long the longest-waiting request on this replica has waited, milliseconds.
+    #[serde(default)]
+    pub oldest_wait_ms: u64,
+    /// Refusals of pacing (`rate_limited`, `cooldown`, `concurrency_limited`,
+    /// `store_unavailable`) on this replica in the last minute.
+    #[serde(default)]
+    pub refused_1m: u64,
+    /// Requests forwarded by this replica since it started (what the console charts as
+    /// sent/s).
+    #[serde(default)]
+    pub sent: u64,
+}
+
+/// Queued requests by priority class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ByPriority {
+    /// `X-Sluice-Priority: high`.
+    pub high: u64,
+    /// No priority named.
+    pub normal: u64,
+    /// `X-Sluice-Priority: low`.
+    pub low: u64,
 }
 
 /// Views of every known endpoint: configured ones, then those seen (label-capped, plus
@@ -60,8 +94,13 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
             ids.push((id, false));
         }
     }
+    let parked = app.limiter.parked();
     let mut out = Vec::with_capacity(ids.len());
     for (id, configured) in ids {
+        let waits = parked.get(&id).copied().unwrap_or_default();
+        // Counted per metrics label: an endpoint past the label cap shares `_other`'s.
+        let label = Some(app.metrics.existing_label(&id)).filter(|l| !app.metrics.is_other(l));
+        let of_label = |f: fn(&crate::metrics::EndpointLabel) -> u64| label.as_ref().map_or(0, f);
         let policy = rt.resolver.policy_of(&id);
         let ask = Ask::new(&policy, 0.0, None);
         let floor = policy.adaptive.map(|a| a.floor);
@@ -84,6 +123,16 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
             at_floor: view.is_some_and(|v| v.at_floor),
             at_floor_secs: view.map_or(0.0, |v| v.floor_for_us / 1e6),
             held_ahead: view.map_or(0.0, |v| v.held_ahead),
+            waiting: waits.total() as u64,
+            waiting_by_priority: ByPriority {
+                high: waits.queued[0] as u64,
+                normal: waits.queued[1] as u64,
+                low: waits.queued[2] as u64,
+            },
+            in_flight: of_label(crate::metrics::EndpointLabel::in_flight),
+            oldest_wait_ms: waits.oldest.as_millis() as u64,
+            refused_1m: of_label(crate::metrics::EndpointLabel::refused_last_minute),
+            sent: of_label(crate::metrics::EndpointLabel::forwarded),
         });
     }
     out
@@ -238,8 +287,12 @@ pub fn render_table(views: &[EndpointView]) -> String {
         "COOLDOWN",
         "429S",
         "AT FLOOR",
+        "WAITING",
+        "IN FLIGHT",
+        "OLDEST",
+        "REFUSED/1M",
     ];
-    let rows: Vec<[String; 8]> = views
+    let rows: Vec<[String; 12]> = views
         .iter()
         .map(|v| {
             [
@@ -259,6 +312,14 @@ pub fn render_table(views: &[EndpointView]) -> String {
                 } else {
                     "no".into()
                 },
+                v.waiting.to_string(),
+                v.in_flight.to_string(),
+                if v.waiting > 0 {
+                    format!("{:.1}s", v.oldest_wait_ms as f64 / 1000.0)
+                } else {
+                    "-".into()
+                },
+                v.refused_1m.to_string(),
             ]
         })
         .collect();

@@ -5,7 +5,7 @@
 //! counted under `endpoint="_other"`, so a sender spraying IDs cannot blow up `/metrics`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use prometheus_client::encoding::{
@@ -35,6 +35,10 @@ struct Labelled {
     /// `sluice_upstream_responses_total` of the first status code seen (usually the
     /// only one).
     first_code: OnceLock<(u16, Counter)>,
+    /// Requests admitted and not yet answered ([`Sending`]).
+    in_flight: AtomicU64,
+    /// Pacing refusals of the last minute.
+    refused: Recent,
 }
 
 impl EndpointLabel {
@@ -44,6 +48,8 @@ impl EndpointLabel {
             forwarded: OnceLock::new(),
             wait: OnceLock::new(),
             first_code: OnceLock::new(),
+            in_flight: AtomicU64::new(0),
+            refused: Recent::default(),
         }))
     }
 
@@ -51,7 +57,108 @@ impl EndpointLabel {
     pub fn as_str(&self) -> &str {
         &self.0.id
     }
+
+    /// Counts a request admitted under this label as in flight until the guard drops
+    /// (its answer's head came, or it failed).
+    pub fn sending(&self) -> Sending {
+        self.0.in_flight.fetch_add(1, Ordering::Relaxed);
+        Sending(self.clone())
+    }
+
+    /// Requests admitted under this label and not yet answered.
+    pub fn in_flight(&self) -> u64 {
+        self.0.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Requests forwarded under this label, ever (`sluice_requests_total{outcome="forwarded"}`).
+    pub fn forwarded(&self) -> u64 {
+        self.0.forwarded.get().map_or(0, Counter::get)
+    }
+
+    /// Pacing refusals (`rate_limited`, `cooldown`, `concurrency_limited`,
+    /// `store_unavailable`) under this label in the last minute.
+    pub fn refused_last_minute(&self) -> u64 {
+        self.0.refused.sum(now_secs())
+    }
 }
+
+/// A request admitted and not yet answered, counted in its label's in-flight count
+/// while this lives ([`EndpointLabel::sending`]).
+#[derive(Debug)]
+pub struct Sending(EndpointLabel);
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        self.0.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Counts of the last [`RECENT_SECS`] seconds, one slot per second: each slot holds
+/// the second it counts (high bits) and its count (low [`COUNT_BITS`] bits), updated
+/// with one compare-and-swap, so counting takes no lock.
+#[derive(Debug)]
+struct Recent {
+    slots: [AtomicU64; RECENT_SECS as usize],
+}
+
+/// The window of [`Recent`], seconds.
+const RECENT_SECS: u64 = 60;
+/// Bits of a [`Recent`] slot that hold its count (saturating).
+const COUNT_BITS: u32 = 24;
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+
+impl Default for Recent {
+    fn default() -> Recent {
+        Recent {
+            slots: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl Recent {
+    /// Counts one event in second `now`.
+    fn add(&self, now: u64) {
+        let slot = &self.slots[(now % RECENT_SECS) as usize];
+        let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            Some(if v >> COUNT_BITS == now {
+                (v & !COUNT_MASK) | ((v & COUNT_MASK) + 1).min(COUNT_MASK)
+            } else {
+                (now << COUNT_BITS) | 1
+            })
+        });
+    }
+
+    /// Events in the window ending with second `now`.
+    fn sum(&self, now: u64) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .filter(|v| {
+                let at = v >> COUNT_BITS;
+                at <= now && at + RECENT_SECS > now
+            })
+            .map(|v| v & COUNT_MASK)
+            .sum()
+    }
+}
+
+/// Seconds since the process first asked, from 1 (0 marks an empty [`Recent`] slot).
+fn now_secs() -> u64 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_secs()
+        + 1
+}
+
+/// The outcomes that are sluice's own pacing refusals (`refused_1m` in `/endpoints`).
+const PACING_REFUSALS: [&str; 4] = [
+    "rate_limited",
+    "cooldown",
+    "concurrency_limited",
+    "store_unavailable",
+];
 
 impl PartialEq for EndpointLabel {
     fn eq(&self, other: &EndpointLabel) -> bool {
@@ -180,6 +287,12 @@ pub struct Metrics {
     pub in_flight: Family<EndpointLabels, Gauge>,
     /// `sluice_slot_wait_seconds{endpoint}`: time requests waited for an in-flight slot.
     pub slot_wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
+    /// `sluice_waiting{endpoint}`: requests waiting on this replica (queued or for their
+    /// reserved start), as the observer last looked.
+    pub waiting: Family<EndpointLabels, Gauge>,
+    /// `sluice_oldest_wait_seconds{endpoint}`: how long the longest-waiting of them has
+    /// waited, as the observer last looked.
+    pub oldest_wait: Family<EndpointLabels, Gauge<f64, AtomicU64>>,
     /// Store instruments.
     pub store: StoreStats,
     /// `sluice_build_info{version,commit}`: always 1.
@@ -216,6 +329,8 @@ impl Metrics {
             connections: Gauge::default(),
             in_flight: Family::default(),
             slot_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
+            waiting: Family::default(),
+            oldest_wait: Family::default(),
             store: StoreStats::default(),
             build_info: Family::default(),
             host_fallback: Counter::default(),
@@ -312,6 +427,16 @@ impl Metrics {
             "slot_wait_seconds",
             "Time requests waited for an in-flight slot",
             m.slot_wait.clone(),
+        );
+        registry.register(
+            "waiting",
+            "Requests waiting on this replica: in the endpoint's queue or for their reserved start",
+            m.waiting.clone(),
+        );
+        registry.register(
+            "oldest_wait_seconds",
+            "How long the longest-waiting request on this replica has waited",
+            m.oldest_wait.clone(),
         );
         registry.register("store_errors", "Failed store calls", m.store.errors.clone());
         registry.register(
@@ -449,6 +574,9 @@ impl Metrics {
         if outcome == FORWARDED {
             endpoint.0.forwarded.get_or_init(|| series(FORWARDED)).inc();
         } else {
+            if PACING_REFUSALS.contains(&outcome) {
+                endpoint.0.refused.add(now_secs());
+            }
             series(outcome).inc();
         }
     }
@@ -553,6 +681,43 @@ mod tests {
         ] {
             assert!(text.contains(want), "no {want} in\n{text}");
         }
+    }
+
+    /// The last minute's refusals: counted per second, summed over the 60 seconds
+    /// ending now, older seconds' slots reused.
+    #[test]
+    fn recent_counts_cover_the_last_minute() {
+        let r = Recent::default();
+        for s in [1, 1, 2, 30] {
+            r.add(s);
+        }
+        assert_eq!(r.sum(30), 4);
+        assert_eq!(r.sum(61), 2, "second 1 is out of the minute ending at 61");
+        r.add(61);
+        assert_eq!(r.sum(61), 3);
+        assert_eq!(r.sum(89), 2, "30 and 61");
+        r.add(121);
+        assert_eq!(r.sum(121), 1, "61's slot went to 121");
+        assert_eq!(r.sum(200), 0);
+    }
+
+    /// In flight while the guard lives; refusals of pacing counted, others not.
+    #[test]
+    fn a_label_counts_in_flight_and_recent_refusals() {
+        let m = Metrics::new(10, std::iter::empty());
+        let l = m.label(&Arc::from("ep"));
+        let a = l.sending();
+        let b = m.label(&Arc::from("ep")).sending();
+        assert_eq!(l.in_flight(), 2);
+        drop(a);
+        drop(b);
+        assert_eq!(l.in_flight(), 0);
+        m.outcome(&l, "rate_limited");
+        m.outcome(&l, "cooldown");
+        m.outcome(&l, "upstream_error");
+        m.outcome(&l, FORWARDED);
+        assert_eq!(l.refused_last_minute(), 2);
+        assert_eq!(l.forwarded(), 1);
     }
 
     #[test]

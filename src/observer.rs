@@ -1,5 +1,5 @@
-//! The periodic look at every known endpoint: refreshes the rate / at-floor / cooldown
-//! gauges and logs state changes (cooldown ended, floor reached, stuck at the floor).
+//! The periodic look at every known endpoint: refreshes the rate / at-floor / cooldown /
+//! waiting gauges and logs state changes (cooldown ended, floor reached, stuck at the floor).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,6 +37,14 @@ pub async fn run(app: Arc<App>, every: Duration) {
                 .cooldown
                 .get_or_create(&label)
                 .set(v.cooldown_ms as f64 / 1000.0);
+            app.metrics
+                .waiting
+                .get_or_create(&label)
+                .set(i64::try_from(v.waiting).unwrap_or(i64::MAX));
+            app.metrics
+                .oldest_wait
+                .get_or_create(&label)
+                .set(v.oldest_wait_ms as f64 / 1000.0);
             if let Some(prev) = last.get(&v.id) {
                 if prev.cooldown_ms > 0 && v.cooldown_ms == 0 {
                     tracing::info!(endpoint = %v.id, rate = v.rate, "cooldown ended: sending again at the reduced rate");

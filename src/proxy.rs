@@ -340,6 +340,8 @@ pub(crate) struct Admitted {
     turn: Option<Turn>,
     /// When its admission began: a resend waits at most what is left of `max_wait`.
     arrived: tokio::time::Instant,
+    /// Counts it in its endpoint's `in_flight` (`/endpoints`) until it is answered.
+    _sending: crate::metrics::Sending,
 }
 
 /// A refusal, with the label it is counted under (when the endpoint is known).
@@ -588,6 +590,7 @@ async fn admission(
             .observe(grant.waited.as_secs_f64()),
     }
     Ok(Admitted {
+        _sending: label.sending(),
         ep,
         label,
         grant,

@@ -178,6 +178,25 @@ pub enum Refusal {
     },
 }
 
+/// What waits on one endpoint on this replica ([`Limiter::parked`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Waits {
+    /// In the endpoint's queue, by priority class (0 high, 1 normal, 2 low); a head
+    /// waiting for an in-flight slot included.
+    pub queued: [usize; 3],
+    /// Sleeping until the start their token reserved.
+    pub reserved: usize,
+    /// How long the longest-waiting of them has waited.
+    pub oldest: Duration,
+}
+
+impl Waits {
+    /// Every request waiting.
+    pub fn total(&self) -> usize {
+        self.queued.iter().sum::<usize>() + self.reserved
+    }
+}
+
 /// What a queued admission ([`Limiter::admit_queued`]) hands out.
 pub struct Admit {
     /// The token.
@@ -248,6 +267,26 @@ impl Limiter {
     /// The local waiting rooms (tests check they are cleaned up).
     pub fn gates(&self) -> &Arc<Gates> {
         &self.gates
+    }
+
+    /// What waits on this replica, per endpoint with anything waiting: requests in the
+    /// endpoint's queue (by priority) and requests holding a reserved start.
+    pub fn parked(&self) -> std::collections::HashMap<Arc<str>, Waits> {
+        let now = Instant::now();
+        let mut out: std::collections::HashMap<Arc<str>, Waits> = std::collections::HashMap::new();
+        for (id, p) in self.gates.parked() {
+            let w = out.entry(id).or_default();
+            w.queued = p.by_class;
+            w.oldest = p
+                .oldest
+                .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
+        }
+        for (id, n, since) in self.waiting.parked() {
+            let w = out.entry(Arc::from(id)).or_default();
+            w.reserved = n;
+            w.oldest = w.oldest.max(now.saturating_duration_since(since));
+        }
+        out
     }
 
     /// The underlying store (for feedback, views and readiness).
@@ -357,7 +396,9 @@ impl Limiter {
                         wake: Instant::now() + wait,
                         at_us,
                     };
-                    let spot = self.waiting.join(endpoint, generation, start);
+                    let spot = self
+                        .waiting
+                        .join_since(endpoint, generation, start, started);
                     let mut guard = Reservation {
                         store: Arc::clone(&self.store),
                         endpoint: endpoint.to_owned(),

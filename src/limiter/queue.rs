@@ -73,6 +73,8 @@ struct Key {
     class: u8,
     finish: f64,
     seq: u64,
+    /// When it arrived (for `/endpoints`' `oldest_wait_ms`; not part of the order).
+    at: Instant,
 }
 
 impl Eq for Key {}
@@ -109,6 +111,20 @@ struct Gate {
     released: Arc<Notify>,
     /// Why the head waits and for how long (µs), for waiters that give up.
     hint: Hint,
+    /// The head's priority class and arrival, and whether it waits for a slot (its
+    /// last hint said so): then it is counted as waiting ([`Gates::parked`]).
+    head: Option<(u8, Instant)>,
+    head_waits: bool,
+}
+
+/// What waits in one endpoint's queue on this replica ([`Gates::parked`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Parked {
+    /// Waiting requests by priority class (0 high, 1 normal, 2 low), the head waiting
+    /// for a slot included.
+    pub by_class: [usize; 3],
+    /// When the longest-waiting of them arrived.
+    pub oldest: Option<Instant>,
 }
 
 /// What the head last learned from the store, for refusing waiters that run out of budget.
@@ -176,6 +192,7 @@ impl Gates {
             if !gate.busy && gate.waiting.is_empty() {
                 gate.busy = true;
                 gate.vtime = gate.vtime.max(finish);
+                gate.head = Some((place.class, Instant::now()));
                 drop(map);
                 return Ok(head());
             }
@@ -184,6 +201,7 @@ impl Gates {
                 class: place.class,
                 finish,
                 seq: gate.seq,
+                at: Instant::now(),
             };
             let (tx, rx) = oneshot::channel();
             gate.waiting.insert(key, tx);
@@ -219,10 +237,13 @@ impl Gates {
             return;
         };
         gate.busy = false;
+        gate.head = None;
+        gate.head_waits = false;
         while let Some((key, tx)) = gate.waiting.pop_first() {
             if tx.send(()).is_ok() {
                 gate.busy = true;
                 gate.vtime = gate.vtime.max(key.finish);
+                gate.head = Some((key.class, key.at));
                 break;
             }
         }
@@ -237,6 +258,7 @@ impl Gates {
     pub fn hint(&self, endpoint: &Arc<str>, hint: Hint) {
         if let Some(g) = self.lock().get_mut(endpoint) {
             g.hint = hint;
+            g.head_waits = hint.slot;
         }
     }
 
@@ -270,6 +292,29 @@ impl Gates {
     /// Requests waiting (not counting the head) in `endpoint`'s queue.
     pub fn waiting(&self, endpoint: &str) -> usize {
         self.lock().get(endpoint).map_or(0, |g| g.waiting.len())
+    }
+
+    /// What waits in every endpoint's queue: the waiters, and a head waiting for a slot
+    /// (a head holding a reserved start is the limiter's to count). Endpoints with
+    /// nothing waiting are left out.
+    pub fn parked(&self) -> Vec<(Arc<str>, Parked)> {
+        let map = self.lock();
+        let mut out = Vec::new();
+        for (id, gate) in map.iter() {
+            let mut p = Parked::default();
+            for key in gate.waiting.keys() {
+                p.by_class[usize::from(key.class.min(2))] += 1;
+                p.oldest = Some(p.oldest.map_or(key.at, |o| o.min(key.at)));
+            }
+            if let (true, Some((class, at))) = (gate.head_waits, gate.head) {
+                p.by_class[usize::from(class.min(2))] += 1;
+                p.oldest = Some(p.oldest.map_or(at, |o| o.min(at)));
+            }
+            if p.oldest.is_some() {
+                out.push((Arc::clone(id), p));
+            }
+        }
+        out
     }
 
     /// Endpoints with a queue (tests check nothing is left behind).

@@ -46,6 +46,8 @@ struct Entry {
     /// reservations of one generation (a cooldown voided the others').
     generation: u64,
     start: Start,
+    /// When the request began waiting (for `/endpoints`' `oldest_wait_ms`).
+    since: Instant,
     /// Woken when its start moved.
     moved: Arc<Notify>,
 }
@@ -76,7 +78,19 @@ impl Waiting {
     }
 
     /// Adds a request of `endpoint` waiting for `start` in `generation`.
+    #[cfg(test)]
     pub(super) fn join(&self, endpoint: &str, generation: u64, start: Start) -> Spot {
+        self.join_since(endpoint, generation, start, Instant::now())
+    }
+
+    /// [`join`](Self::join), for a request waiting since `since`.
+    pub(super) fn join_since(
+        &self,
+        endpoint: &str,
+        generation: u64,
+        start: Start,
+        since: Instant,
+    ) -> Spot {
         let id = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -85,6 +99,7 @@ impl Waiting {
             id,
             generation,
             start,
+            since,
             moved: Arc::clone(&moved),
         };
         let mut map = self.lock();
@@ -151,6 +166,18 @@ impl Waiting {
             map.remove(endpoint);
         }
         Some((e.generation, e.start))
+    }
+
+    /// Per endpoint with requests waiting for their starts: how many, and since when
+    /// the longest-waiting one waits.
+    pub(super) fn parked(&self) -> Vec<(Box<str>, usize, Instant)> {
+        let map = self.lock();
+        map.iter()
+            .filter_map(|(id, v)| {
+                let oldest = v.iter().map(|e| e.since).min()?;
+                Some((id.clone(), v.len(), oldest))
+            })
+            .collect()
     }
 
     /// How many endpoints have requests waiting (tests check none is left behind).
