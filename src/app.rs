@@ -329,6 +329,8 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "tls.upstream_roots" => tls.upstream_roots;
         "tls.leaf_cache_size" => tls.leaf_cache_size;
         "proxy.shutdown_grace" => proxy.shutdown_grace;
+        "log.file" => log.file;
+        "log.buffer_lines" => log.buffer_lines;
     }
     changed.extend(keep_safeguards(new, running));
     changed

@@ -413,20 +413,10 @@ fn modified(path: &Path) -> Option<SystemTime> {
 
 /// Reloads `path` into `app`, logging a refusal with what asked for the reload (`by`).
 fn reload(app: &sluice::core::App, path: &Path, by: &'static str) {
-    let before = app.runtime.load().config.log.clone();
     match sluice::app::reload(app, path) {
         Ok(()) => {
-            let now = app.runtime.load();
-            for w in &now.config.warnings {
+            for w in &app.runtime.load().config.warnings {
                 tracing::warn!(by, "{}: {w}", path.display());
-            }
-            let log = &now.config.log;
-            if log.file != before.file || log.buffer_lines != before.buffer_lines {
-                tracing::warn!(
-                    by,
-                    "log.file and log.buffer_lines are read at start: the running log \
-                     target is kept until restart"
-                );
             }
         }
         Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {

@@ -286,3 +286,15 @@ fn bad_log_keys_are_named_at_their_line() {
         assert!(err.contains(want), "{text}: {err}");
     }
 }
+
+/// The log target is set up once, at start: a reload that changes it keeps the running
+/// one and names the keys in its restart warning.
+#[test]
+fn a_reload_keeps_the_running_log_target() {
+    let running = parse("[log]\nfile = \"/var/log/sluice/a.log\"\n").unwrap();
+    let mut new = parse("[log]\nfile = \"/var/log/sluice/b.log\"\nbuffer_lines = 10\n").unwrap();
+    let changed = sluice::app::keep_restart_only(&mut new, &running);
+    assert!(changed.contains(&"log.file"), "{changed:?}");
+    assert!(changed.contains(&"log.buffer_lines"), "{changed:?}");
+    assert_eq!(new.log, running.log);
+}
