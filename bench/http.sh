@@ -9,7 +9,8 @@
 #   alone in the store, so store.prefetch = "alone" takes tokens ahead) | sluice (Redis
 #   store shared with a second, idle replica: the default then takes none ahead; and
 #   with store.prefetch = true) |
-#   sluice (memory store, proxy authentication on)
+#   sluice (memory store, proxy authentication on) | sluice-default: the default config,
+#   the decision log on (every other sluice row sets [log] decisions = false)
 # The limit is set far above the load so it never binds: this measures forwarding cost.
 # Each proxy row also gives its own CPU per request (utime+stime from /proc/PID/stat).
 # Usage: bench/http.sh [--write]   (--write also updates docs/BENCHMARKS.md)
@@ -19,7 +20,9 @@
 #   SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
 #   header on every request), RATE=N (open loop instead of wrk: N req/s offered to
 #   every row by examples/paced_load.rs over PACED_CONNS=64 connections, so p99 is
-#   compared at the same load; wrk's closed loop gives the faster proxy more)
+#   compared at the same load; wrk's closed loop gives the faster proxy more),
+#   SLUICE_BASE=path/to/another/sluice (rows base-default and base-memory: that binary
+#   with the decision log on and off, for an A/B of two builds in one run; name them in ROWS)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-8s}
@@ -77,7 +80,7 @@ start_haproxy haproxy 1
 # HAProxy's own default (a thread per core): the like-for-like row for sluice's default.
 start_haproxy haproxy-per-core "$(nproc)"
 
-start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers, $5 environment, $6 extra [proxy] keys (no subshell: PIDS and the trap stay here)
+start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers, $5 environment, $6 extra [proxy] keys, $7 [log] keys, $8 binary (no subshell: PIDS and the trap stay here)
   local p a; p=$(free_port); a=$(free_port)
   cat > "$TMP/$1.toml" <<TOML
 [proxy]
@@ -90,16 +93,26 @@ $2
 rate = 1000000000.0
 burst = 1000000000.0
 [log]
-decisions = false
+${7-decisions = false}
 [security]
 allow_private_destinations = true
 ${3:-}
 TOML
-  env ${5:-SLUICE_BENCH=1} target/release/sluice run --config "$TMP/$1.toml" 2>/dev/null & PIDS+=($!)
+  env ${5:-SLUICE_BENCH=1} "${8:-target/release/sluice}" run --config "$TMP/$1.toml" 2>/dev/null & PIDS+=($!)
   wait_port "$p"; PORT_OF[$1]=$p; PID_OF[$1]=$!
 }
 start_sluice sluice-memory '[store]
 backend = "memory"'
+# The default config: the decision log on, a line for every request (stderr, here to
+# /dev/null).
+start_sluice sluice-default '[store]
+backend = "memory"' "" 0 SLUICE_BENCH=1 "" ""
+if [ -n "${SLUICE_BASE:-}" ]; then
+  start_sluice base-default '[store]
+backend = "memory"' "" 0 SLUICE_BENCH=1 "" "" "$SLUICE_BASE"
+  start_sluice base-memory '[store]
+backend = "memory"' "" 0 SLUICE_BENCH=1 "" "decisions = false" "$SLUICE_BASE"
+fi
 start_sluice sluice-memory-1worker '[store]
 backend = "memory"' "" 1
 # The default runtime with its workers left where the kernel puts them.
@@ -179,7 +192,7 @@ LUA
 [ -z "${CONNECTION:-}" ] || echo "wrk.headers[\"Connection\"] = \"$CONNECTION\"" >> "$TMP/proxy.lua"
 cp "$TMP/proxy.lua" "$TMP/auth.lua"
 echo "wrk.headers[\"Proxy-Authorization\"] = \"Basic $(printf 'bench:bench-password' | base64)\"" >> "$TMP/auth.lua"
-NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch sluice-memory-auth)
+NAMES=(direct haproxy haproxy-per-core bare-hyper-forwarder bare-hyper-held bare-raw sluice-memory sluice-default sluice-memory-1worker sluice-memory-unpinned sluice-memory-hyper sluice-redis sluice-redis-shared sluice-redis-shared-prefetch sluice-memory-auth)
 # ROWS="sluice-memory sluice-redis-shared" runs only those rows (a ratio whose reference
 # row did not run shows "-"); --write refuses a partial table.
 if [ -n "${ROWS:-}" ]; then
