@@ -270,6 +270,15 @@ pub enum ReloadError {
 /// [`keep_restart_only`]) keep their running values, and one warning names every one
 /// that changed in the file.
 pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
+    let result = swap_in(app, path);
+    if result.is_err() {
+        app.metrics.reload_failures.inc();
+    }
+    result
+}
+
+/// [`reload`] but for counting its refusals.
+fn swap_in(app: &App, path: &Path) -> Result<(), ReloadError> {
     let mut new = Config::load(path)?;
     let old = app.runtime.load_full();
     let ignored = keep_restart_only(&mut new, &old.config);
@@ -285,10 +294,93 @@ pub fn reload(app: &App, path: &Path) -> Result<(), ReloadError> {
     if !app.forwarder.policy().same_as(&policy) {
         app.forwarder.set_policy(policy);
     }
+    let changed = what_changed(&old.config, &new);
     app.runtime.store(Arc::new(runtime));
     app.reloads.send_replace(());
-    tracing::info!(path = %path.display(), "config reloaded");
+    tracing::info!(path = %path.display(), %changed, "config reloaded");
     Ok(())
+}
+
+/// What a reload changes, for its log line: the endpoints added, removed and changed
+/// (by ID) and the other sections or keys whose values differ, e.g. `endpoints added:
+/// ep_7; endpoints changed: ep_42; changed: defaults, security`; `nothing` when the file
+/// changed nothing in force. `new` has the running values of restart-only settings
+/// already (they are warned about on their own).
+pub fn what_changed(old: &Config, new: &Config) -> String {
+    let ids =
+        |c: &Config| -> Vec<Arc<str>> { c.endpoints.iter().map(|e| Arc::clone(&e.id)).collect() };
+    let (was, now) = (ids(old), ids(new));
+    let listed = |v: Vec<&str>| v.join(", ");
+    let added = listed(
+        now.iter()
+            .filter(|id| !was.contains(id))
+            .map(|id| &**id)
+            .collect(),
+    );
+    let removed = listed(
+        was.iter()
+            .filter(|id| !now.contains(id))
+            .map(|id| &**id)
+            .collect(),
+    );
+    let changed = listed(
+        new.endpoints
+            .iter()
+            .filter(|e| {
+                old.endpoints
+                    .iter()
+                    .find(|o| o.id == e.id)
+                    .is_some_and(|o| format!("{o:?}") != format!("{e:?}"))
+            })
+            .map(|e| &*e.id)
+            .collect(),
+    );
+    // Whole sections and the top-level keys outside them, compared by their values.
+    let differs =
+        |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| format!("{a:?}") != format!("{b:?}");
+    let mut keys = Vec::new();
+    for (name, a, b) in [
+        (
+            "proxy",
+            &old.proxy as &dyn std::fmt::Debug,
+            &new.proxy as &dyn std::fmt::Debug,
+        ),
+        ("store", &old.store, &new.store),
+        ("defaults", &old.defaults, &new.defaults),
+        ("defaults.unknown", &old.unknown, &new.unknown),
+        ("defaults.mode", &old.default_mode, &new.default_mode),
+        ("log", &old.log, &new.log),
+        ("tls", &old.tls, &new.tls),
+        ("security", &old.security, &new.security),
+        (
+            "sender",
+            &old.sender.map(|p| p.name),
+            &new.sender.map(|p| p.name),
+        ),
+    ] {
+        if differs(a, b) {
+            keys.push(name);
+        }
+    }
+    if was != now && added.is_empty() && removed.is_empty() {
+        keys.push("endpoints (their order)");
+    }
+    let mut parts = Vec::new();
+    for (what, list) in [
+        ("endpoints added", added),
+        ("endpoints removed", removed),
+        ("endpoints changed", changed),
+        ("changed", keys.join(", ")),
+    ] {
+        if !list.is_empty() {
+            parts.push(format!("{what}: {list}"));
+        }
+    }
+    if parts.is_empty() {
+        "nothing".to_owned()
+    } else {
+        parts.join("; ")
+    }
 }
 
 /// Puts the running value back into `new` for every setting that is read only at start,

@@ -93,7 +93,15 @@ enum CaCommand {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // `--help` and `--version` print and exit 0; a usage error exits 1 (SPEC), not
+        // clap's 2, which sluice keeps for failures at run time.
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(u8::from(e.use_stderr()));
+        }
+    };
     // `run` sets up its logs once it has read `[log]`; every other command logs to
     // stderr. The guard flushes what is still queued when it drops, at exit.
     let _logs = match cli.command {
@@ -101,8 +109,10 @@ fn main() -> ExitCode {
         _ => Some(init_logs(cli.log_format, None, DEFAULT_LOG_LINES)),
     };
     let result = match cli.command {
-        Command::Check { config } => config_path(config).and_then(|c| check(&c)),
-        Command::Run { config } => config_path(config).and_then(|c| run(&c, cli.log_format)),
+        Command::Check { config } => config_path(config).map_or_else(usage, |c| check(&c)),
+        Command::Run { config } => {
+            config_path(config).map_or_else(usage, |c| run(&c, cli.log_format))
+        }
         Command::Ca {
             command: CaCommand::Init { dir },
         } => ca_init(&dir),
@@ -125,6 +135,12 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// A usage error (no config named): said, exit 1.
+fn usage(e: anyhow::Error) -> anyhow::Result<ExitCode> {
+    eprintln!("error: {e:#}");
+    Ok(ExitCode::from(1))
 }
 
 /// The config file to use: there is no default, so nothing ever runs on a config its
@@ -421,7 +437,7 @@ fn reload(app: &sluice::core::App, path: &Path, by: &'static str) {
         }
         Err(ReloadError::Config(ConfigError::Invalid { issues, .. })) => {
             for i in &issues {
-                tracing::error!(%i, by, "reload refused: keeping the running config");
+                tracing::error!(error = %i, by, "reload refused: keeping the running config");
             }
         }
         Err(e) => tracing::error!(error = %e, by, "reload refused: keeping the running config"),

@@ -533,10 +533,14 @@ fn listening(run: &mut LoggedChild) -> (std::net::SocketAddr, std::net::SocketAd
         .find(|l| l.contains("sluice listening"))
         .unwrap()
         .to_owned();
+    // `key=ADDR` in text logs, `"key":"ADDR"` in JSON ones.
     let addr = |key: &str| -> std::net::SocketAddr {
-        let at = line.find(&format!("{key}=")).unwrap() + key.len() + 1;
-        line[at..]
-            .split_whitespace()
+        let (at, skip) = match line.find(&format!("{key}=")) {
+            Some(at) => (at, key.len() + 1),
+            None => (line.find(&format!("\"{key}\":\"")).unwrap(), key.len() + 4),
+        };
+        line[at + skip..]
+            .split(|c: char| c.is_whitespace() || c == '"')
             .next()
             .unwrap()
             .parse()
@@ -713,4 +717,178 @@ fn an_open_proxy_is_refused_unless_allowed_and_then_warned_about() {
     let mut run = LoggedChild::spawn(sluice().args(["run", "--config"]).arg(&closed[0]));
     listening(&mut run);
     assert!(!run.log().contains("OPEN PROXY"), "{}", run.log());
+}
+
+/// The keys a TOML text shows, set or commented out (`# key = ...` at the start of a
+/// line, as the examples show keys without a default): `section.key` (`endpoints.key`
+/// for `[[endpoints]]`), plus each section itself. The users under
+/// `[security.user_endpoints]` are names, not keys.
+fn documented_keys(text: &str) -> std::collections::BTreeSet<String> {
+    let mut section = String::new();
+    let mut keys = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        let line = line.strip_prefix('#').map_or(line, str::trim_start);
+        if let Some(header) = line.strip_prefix('[') {
+            let name = header.trim_start_matches('[');
+            if let Some(end) = name.find(']') {
+                section = name[..end].to_owned();
+                keys.insert(section.clone());
+                continue;
+            }
+        }
+        let Some((key, _)) = line.split_once('=') else {
+            continue;
+        };
+        let key = key.trim();
+        let is_key = !key.is_empty()
+            && key.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+            && line.starts_with(key);
+        if is_key && section != "security.user_endpoints" {
+            keys.insert(if section.is_empty() {
+                key.to_owned()
+            } else {
+                format!("{section}.{key}")
+            });
+        }
+    }
+    keys
+}
+
+/// `config/sluice.example.toml` is the full reference: every key of SPEC.md's config
+/// block appears in it (set, or commented out where setting it would change the
+/// example), and it names no key SPEC does not. Both parse as TOML, and the example
+/// passes `check` (`every_shipped_config_passes_check`).
+#[test]
+fn the_example_config_shows_every_documented_key() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let spec = std::fs::read_to_string(root.join("docs/SPEC.md")).unwrap();
+    let block = spec
+        .split("## Config file (TOML)")
+        .nth(1)
+        .and_then(|s| s.split("```toml\n").nth(1))
+        .and_then(|s| s.split("\n```").next())
+        .expect("SPEC.md's config block");
+    let example = std::fs::read_to_string(root.join("config/sluice.example.toml")).unwrap();
+    for (name, text) in [("SPEC.md's block", block), ("the example", &example)] {
+        text.parse::<toml::Table>()
+            .unwrap_or_else(|e| panic!("{name} is not TOML: {e}"));
+    }
+    let (documented, shown) = (documented_keys(block), documented_keys(&example));
+    assert!(documented.len() > 60, "{documented:?}");
+    let missing: Vec<_> = documented.difference(&shown).collect();
+    assert!(
+        missing.is_empty(),
+        "not in config/sluice.example.toml: {missing:?}"
+    );
+    let unknown: Vec<_> = shown.difference(&documented).collect();
+    assert!(
+        unknown.is_empty(),
+        "not in SPEC.md's config block: {unknown:?}"
+    );
+    // The defaults it shows are the defaults.
+    assert!(example.contains("# prefetch = \"alone\""), "store.prefetch");
+}
+
+/// `GET /metrics` of the admin listener at `admin`, as text.
+fn metrics_text(admin: std::net::SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(admin).unwrap();
+    s.set_read_timeout(Some(CHILD_DEADLINE)).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text
+}
+
+/// A refused reload is counted (`sluice_reload_failures_total`) and logs its error under
+/// `error`; an accepted one says what changed: the endpoints added, removed and changed,
+/// and the sections.
+#[test]
+fn reloads_say_what_changed_and_refusals_are_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    let head = "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
+    std::fs::write(
+        &path,
+        format!("{head}[[endpoints]]\nid = \"a\"\nrate = 1.0\n[[endpoints]]\nid = \"gone\"\n"),
+    )
+    .unwrap();
+    let mut run = LoggedChild::spawn(
+        sluice()
+            .args(["--log-format", "json", "run", "--config"])
+            .arg(&path),
+    );
+    let (_, admin) = listening(&mut run);
+    let failures = |admin| {
+        metrics_text(admin)
+            .lines()
+            .find_map(|l| l.strip_prefix("sluice_reload_failures_total "))
+            .map(|n| n.trim().to_owned())
+    };
+    assert_eq!(failures(admin).as_deref(), Some("0"));
+
+    std::fs::write(&path, format!("{head}[defaults]\nrate = -1.0\n")).unwrap();
+    run.wait_log("reload refused", CHILD_DEADLINE);
+    let log = run.log();
+    let refused = log.lines().find(|l| l.contains("reload refused")).unwrap();
+    let line: serde_json::Value = serde_json::from_str(refused).unwrap();
+    assert!(
+        line["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("defaults.rate")),
+        "{refused}"
+    );
+    assert!(line.get("i").is_none(), "{refused}");
+    assert_eq!(failures(admin).as_deref(), Some("1"));
+
+    std::fs::write(
+        &path,
+        format!(
+            "{head}[defaults]\nrate = 3.0\n[[endpoints]]\nid = \"a\"\nrate = 2.0\n\
+             [[endpoints]]\nid = \"new\"\n"
+        ),
+    )
+    .unwrap();
+    run.wait_log("config reloaded", CHILD_DEADLINE);
+    let log = run.log();
+    let reloaded = log.lines().find(|l| l.contains("config reloaded")).unwrap();
+    let line: serde_json::Value = serde_json::from_str(reloaded).unwrap();
+    assert_eq!(
+        line["changed"],
+        "endpoints added: new; endpoints removed: gone; endpoints changed: a; changed: defaults",
+        "{reloaded}"
+    );
+    assert_eq!(failures(admin).as_deref(), Some("1"));
+}
+
+/// Usage errors exit 1 as SPEC.md says (clap's own code is 2, which sluice keeps for
+/// failures at run time); `--help` and `--version` exit 0.
+#[test]
+fn usage_errors_exit_1_and_help_exits_0() {
+    for args in [
+        &["frobnicate"][..],
+        &["check", "--no-such-flag"],
+        &["run", "--config"],
+        &["passwd"],
+        &["status", "--admin"],
+        &["check"],
+        &["run"],
+    ] {
+        let out = sluice()
+            .args(args)
+            .env_remove("SLUICE_CONFIG")
+            .run_within(CHILD_DEADLINE);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("error"), "{args:?}: {err}");
+    }
+    for args in [&["--help"][..], &["check", "--help"], &["--version"]] {
+        let out = sluice().args(args).run_within(CHILD_DEADLINE);
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        assert!(!out.stdout.is_empty(), "{args:?}");
+    }
 }
