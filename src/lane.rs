@@ -70,7 +70,7 @@ pub const MAX_HEADERS: usize = 100;
 /// Longest response head the lane reads from an upstream: hyper's client limit (its
 /// default read buffer), so a receiver's large head (many cookies) is relayed on
 /// both paths alike.
-const MAX_RESPONSE_HEAD_BYTES: usize = 8192 + 4096 * 100;
+pub(crate) const MAX_RESPONSE_HEAD_BYTES: usize = 8192 + 4096 * 100;
 
 /// Longest a tunnel's TLS session is given to send its close_notify when the lane ends
 /// it (a sender that reads nothing more must not hold the task).
@@ -927,6 +927,10 @@ fn parse_request(buf: &[u8], in_tunnel: bool) -> Parsed {
             return Parsed::Malformed(ProxyError::BadRequest(why));
         }
     };
+    // One limit whichever engine serves it: a head handed to hyper is read already.
+    if len > MAX_HEAD_BYTES {
+        return Parsed::Malformed(ProxyError::HeadTooLarge);
+    }
     let (Some(1), Some(method), Some(path)) = (req.version, req.method, req.path) else {
         return Parsed::Handoff;
     };
@@ -1071,6 +1075,11 @@ fn parse_response(
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(e) => return Err(bad(e.to_string())),
     };
+    // Exact: a head whose last bytes came in the read that took it past the limit is
+    // as over it as one that never ends.
+    if len > MAX_RESPONSE_HEAD_BYTES {
+        return Err(head_too_large());
+    }
     let code = resp.code.unwrap_or(0);
     let status = StatusCode::from_u16(code).map_err(|e| bad(e.to_string()))?;
     if status == StatusCode::SWITCHING_PROTOCOLS {

@@ -831,6 +831,13 @@ async fn forward_request(
         StatusCode::SWITCHING_PROTOCOLS => Err(ForwardError::Other(
             "101 Switching Protocols to a request that asked for no upgrade".into(),
         )),
+        // One limit on both engines (the lane's, counted in bytes as they came).
+        _ if response_head_len(&r) > crate::lane::MAX_RESPONSE_HEAD_BYTES => {
+            Err(ForwardError::Other(format!(
+                "upstream response head larger than {} bytes",
+                crate::lane::MAX_RESPONSE_HEAD_BYTES
+            )))
+        }
         _ => Ok(r),
     });
     let resp = match sent_to {
@@ -856,6 +863,19 @@ async fn forward_request(
         resp.headers_mut().insert(crate::absorb::RETRIED_HEADER, n);
     }
     Ok(resp.map(Either::Left))
+}
+
+/// The length of `r`'s head as a receiver writes it with single spaces: its status line
+/// and each field line (hyper keeps no raw bytes; a receiver's extra whitespace is not
+/// counted).
+fn response_head_len<B>(r: &Response<B>) -> usize {
+    let reason = r.status().canonical_reason().map_or(0, str::len);
+    let fields: usize = r
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    "HTTP/1.1 200 \r\n".len() + reason + fields + 2
 }
 
 /// A request kept whole to be sent again ([`Resend`]): its head as it goes upstream and

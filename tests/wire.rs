@@ -230,3 +230,66 @@ async fn a_chunked_body_on_get_or_head_is_forwarded() {
     assert_eq!(seen, want);
     s.stop().await;
 }
+
+/// A response head of `len` bytes (`len` past 410 KB), body `ok`, written at once.
+fn head_of(len: usize) -> &'static [u8] {
+    let mut head = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n".to_vec();
+    for i in 0..50 {
+        head.extend_from_slice(format!("X-Big-{i:02}: {}\r\n", "a".repeat(8192)).as_bytes());
+    }
+    let rest = len - head.len() - "X-Last: \r\n\r\n".len();
+    head.extend_from_slice(format!("X-Last: {}\r\n\r\nok", "b".repeat(rest)).as_bytes());
+    assert_eq!(head.len(), len + 2);
+    Box::leak(head.into_boxed_slice())
+}
+
+/// One response head limit, exact, on both engines: a receiver's head of 417,792 bytes
+/// (hyper's client limit) is relayed; 100 bytes more, even when the read that completes
+/// it crosses the limit, is never relayed: the sender gets a 502.
+#[tokio::test]
+async fn the_response_head_limit_is_exact_on_both_engines() {
+    let s = sluice("").await;
+    for (len, want) in [(417_792, "HTTP/1.1 200"), (417_792 + 100, "HTTP/1.1 502")] {
+        let (up, _task) = raw_receiver(head_of(len)).await;
+        for connection in BOTH_PATHS {
+            let (got, _) = exchange(s.proxy_addr, up, connection, |b| {
+                b.windows(4).any(|w| w == b"\r\n\r\n")
+            })
+            .await;
+            let start = &got[..got.len().min(120)];
+            assert!(got.starts_with(want), "{len} bytes, {connection}: {start}");
+        }
+    }
+    s.stop().await;
+}
+
+/// One request head limit, exact, whichever engine serves the request: a head of
+/// 65,536 bytes is forwarded; one byte more, or 30 KB more arriving in a few reads, is
+/// a 431 and reaches no receiver.
+#[tokio::test]
+async fn the_request_head_limit_is_exact_on_both_engines() {
+    let up = common::Upstream::start().await;
+    let s = sluice("").await;
+    for connection in BOTH_PATHS {
+        let over = [(1, "HTTP/1.1 431"), (30_000, "HTTP/1.1 431")];
+        for (extra, want) in [(0, "HTTP/1.1 200")].into_iter().chain(over) {
+            let start = format!(
+                "GET {} HTTP/1.1\r\nHost: {}\r\nConnection: {connection}\r\nX-Pad: ",
+                up.url("/pad"),
+                up.addr
+            );
+            let pad = 65_536 + extra - start.len() - "\r\n\r\n".len();
+            let req = format!("{start}{}\r\n\r\n", "p".repeat(pad));
+            assert_eq!(req.len(), 65_536 + extra);
+            let got = common::raw_exchange(s.proxy_addr, req.as_bytes()).await;
+            let head = &got[..got.len().min(120)];
+            assert!(
+                got.starts_with(want),
+                "{} bytes, {connection}: {head}",
+                req.len()
+            );
+        }
+    }
+    assert_eq!(up.count(), 2, "only the heads within the limit arrived");
+    s.stop().await;
+}
