@@ -213,6 +213,27 @@ def cmd_drive(args):
                 ok = False
             headers_ok = ok if headers_ok is None else (headers_ok and ok)
 
+    # Does Svix keep headers given when the endpoint is created? (Its API documents
+    # them only on the endpoint-headers routes.) A throwaway endpoint, disabled.
+    on_create = None
+    if args.endpoint_header:
+        try:
+            ep = svix.call(
+                "POST",
+                "/api/v1/app/%s/endpoint" % app_id,
+                {
+                    "url": "%s://127.0.0.1:9/probe" % scheme,
+                    "channels": ["probe-never-sent"],
+                    "disabled": True,
+                    "headers": {args.endpoint_header: "probe"},
+                },
+            )
+            got = svix.call("GET", "/api/v1/app/%s/endpoint/%s/headers" % (app_id, ep["id"]))
+            on_create = (got or {}).get("headers", {}).get(args.endpoint_header) == "probe"
+        except RuntimeError as e:
+            print("endpoint with headers on create refused: %s" % e, file=sys.stderr)
+            on_create = False
+
     # The burst: every message created as fast as the API takes them, spread evenly.
     plan = [rxs[i % len(rxs)]["name"] for i in range(args.messages)]
     sent = {}
@@ -275,6 +296,7 @@ def cmd_drive(args):
             attempts[mid] = att
 
     row = summarize(args, rxs, sent, arrivals, attempts, t0, headers_ok)
+    row["summary"]["endpoint_headers_kept_on_create"] = on_create
     with open(args.out, "w") as f:
         json.dump(row, f, indent=1)
     print(json.dumps(row["summary"]), file=sys.stderr)
@@ -284,11 +306,22 @@ def count_connects(path):
     """CONNECTs sluice logged (its decision log has one line per CONNECT)."""
     if not path:
         return None
-    n = 0
+    connects, used = {}, set()
     for rec in read_log(path):
-        if rec.get("target") == "sluice::decision" and rec.get("method") == "CONNECT":
-            n += 1
-    return n
+        if rec.get("target") != "sluice::decision":
+            continue
+        peer = rec.get("peer")
+        if rec.get("method") == "CONNECT":
+            connects[peer] = connects.get(peer, 0) + 1
+        else:
+            used.add(peer)
+    # A tunnel whose CONNECT was admitted (a token spent) but that carried no request
+    # sluice saw: a TLS tunnel without interception, or a connection the sender's pool
+    # opened and then did not use.
+    return {
+        "connects": sum(connects.values()),
+        "without_request": sum(1 for p in connects if p not in used),
+    }
 
 
 def scrape(admin):
@@ -383,6 +416,8 @@ def summarize(args, rxs, sent, arrivals, attempts, t0, headers_ok):
 
     ok_times = [a["t"] for a in arrivals if 200 <= a["status"] < 300]
     total = (max(ok_times) - t0) if ok_times else None
+    # Svix's own lag from the first message created to the first delivery: not sluice's.
+    first = (min(a["t"] for a in arrivals) - t0) if arrivals else None
     ideal = max(max(0.0, (r["messages"] - r["burst"]) / r["rate"]) for r in per_rx)
 
     summary = {
@@ -401,8 +436,10 @@ def summarize(args, rxs, sent, arrivals, attempts, t0, headers_ok):
         "svix_attempt_status_codes": attempt_codes,
         "total_s": None if total is None else round(total, 2),
         "ideal_s": round(ideal, 2),
+        "first_arrival_s": None if first is None else round(first, 2),
         "max_delivery_delay_s": round(max(first_ok_delay), 2) if first_ok_delay else None,
-        "connects": count_connects(args.sluice_log),
+        "connects": (count_connects(args.sluice_log) or {}).get("connects"),
+        "connects_without_request": (count_connects(args.sluice_log) or {}).get("without_request"),
         "sluice": scrape(args.sluice_admin),
         "receivers": per_rx,
         "notes": args.note or "",
@@ -432,6 +469,9 @@ def fmt_row(s, connects, extra):
         tm = "— (ideal %.1f s)" % s["ideal_s"]
     else:
         tm = "%.1f s vs %.1f s ideal" % (s["total_s"], s["ideal_s"])
+        if s.get("first_arrival_s") is not None:
+            tm += " (%.1f s from the first arrival, %.1f s after the first send)" % (
+                s["total_s"] - s["first_arrival_s"], s["first_arrival_s"])
     conn = "—" if connects is None else str(connects)
     return "| %s | %s | %s | %s | %s | %s | %s | %s |" % (
         s["label"], deliv, busy, after, retry, tm, conn, extra
@@ -470,7 +510,38 @@ def cmd_table(args):
                 s.get("arrivals_with_endpoint_header", 0),
                 s.get("arrivals", 0),
             )
-        print(fmt_row(s, s.get("connects"), extra))
+        connects = s.get("connects")
+        if connects is not None and s.get("connects_without_request") is not None:
+            connects = "%d (%d carried no request sluice saw)" % (connects, s["connects_without_request"])
+        print(fmt_row(s, connects, extra))
+
+
+def cmd_facts(args):
+    """What the runs showed about Svix itself, one line each."""
+    rows = []
+    for path in args.rows:
+        try:
+            with open(path) as f:
+                rows.append(json.load(f)["summary"])
+        except (OSError, ValueError, KeyError):
+            pass
+    print()
+    put = [r["endpoint_headers_accepted"] for r in rows if r.get("endpoint_headers_accepted") is not None]
+    made = [r.get("endpoint_headers_kept_on_create") for r in rows if r.get("endpoint_headers_kept_on_create") is not None]
+    if put:
+        print("- endpoint headers through `PUT /api/v1/app/{app}/endpoint/{ep}/headers`: %s"
+              % ("kept" if all(put) else "not kept"))
+    if made:
+        print("- `headers` in the body that creates an endpoint: %s"
+              % ("kept" if all(made) else "ignored"))
+    direct = [r for r in rows if r.get("connects") is None]
+    for r in direct:
+        print("- %s: X-Endpoint-Id reached the receivers on %d of %d arrivals"
+              % (r["label"], r.get("arrivals_with_endpoint_header", 0), r.get("arrivals", 0)))
+    for r in rows:
+        if r.get("connects") is not None:
+            print("- %s: %s CONNECTs for %d messages (%d arrivals)"
+                  % (r["label"], r["connects"], r["sent"], r.get("arrivals", 0)))
 
 
 def main():
@@ -502,6 +573,9 @@ def main():
     a.add_argument("--sluice-admin", help="sluice's admin URL, for its metrics")
     a.add_argument("--out", required=True)
     a.set_defaults(fn=cmd_drive)
+    a = sub.add_parser("facts")
+    a.add_argument("rows", nargs="+")
+    a.set_defaults(fn=cmd_facts)
     a = sub.add_parser("table")
     a.add_argument("rows", nargs="+")
     a.set_defaults(fn=cmd_table)
