@@ -22,7 +22,9 @@
 #   every row by examples/paced_load.rs over PACED_CONNS=64 connections, so p99 is
 #   compared at the same load; wrk's closed loop gives the faster proxy more),
 #   SLUICE_BASE=path/to/another/sluice (rows base-default and base-memory: that binary
-#   with the decision log on and off, for an A/B of two builds in one run; name them in ROWS)
+#   with the decision log on and off, for an A/B of two builds in one run; name them in ROWS),
+#   LOG_TO=pipe (sluice's stderr to a pipe a `cat` drains, as a log collector reads it;
+#   default /dev/null)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-8s}
@@ -98,7 +100,11 @@ ${7-decisions = false}
 allow_private_destinations = true
 ${3:-}
 TOML
-  env ${5:-SLUICE_BENCH=1} "${8:-target/release/sluice}" run --config "$TMP/$1.toml" 2>/dev/null & PIDS+=($!)
+  if [ "${LOG_TO:-null}" = pipe ]; then
+    env ${5:-SLUICE_BENCH=1} "${8:-target/release/sluice}" run --config "$TMP/$1.toml" 2> >(cat >/dev/null) & PIDS+=($!)
+  else
+    env ${5:-SLUICE_BENCH=1} "${8:-target/release/sluice}" run --config "$TMP/$1.toml" 2>/dev/null & PIDS+=($!)
+  fi
   wait_port "$p"; PORT_OF[$1]=$p; PID_OF[$1]=$!
 }
 start_sluice sluice-memory '[store]
