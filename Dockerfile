@@ -7,13 +7,12 @@
 # (the example is an open proxy, allow_anonymous = true: publish it on loopback only).
 FROM rust:1-slim-bookworm AS build
 WORKDIR /src
-# A stripped binary without debug info.
-ENV CARGO_PROFILE_RELEASE_STRIP=symbols CARGO_PROFILE_RELEASE_DEBUG=0
+# The `dist` profile (Cargo.toml): fat LTO, one codegen unit, stripped, no debug info.
 # Dependency layer: cached until Cargo.toml / Cargo.lock change.
 COPY Cargo.toml Cargo.lock ./
 RUN mkdir -p src examples && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
  && for e in upstream bare_forward store_bench tls_bench; do echo 'fn main() {}' > examples/$e.rs; done \
- && cargo build --release --locked --bin sluice && rm -rf src examples
+ && cargo build --profile dist --locked --bin sluice && rm -rf src examples
 # build.rs stamps the commit (no .git in the build context: pass
 # --build-arg SLUICE_GIT_COMMIT=$(git rev-parse --short HEAD)) and the build date.
 ARG SLUICE_GIT_COMMIT=unknown
@@ -22,7 +21,7 @@ COPY build.rs ./
 COPY src ./src
 COPY lua ./lua
 COPY examples ./examples
-RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin sluice
+RUN touch src/main.rs src/lib.rs && cargo build --profile dist --locked --bin sluice
 # The example config listens on 127.0.0.1; inside a container it must listen on all
 # interfaces or the published ports reach nothing. It has no proxy authentication and
 # no allowed_hosts, so it says it means to be an open proxy (allow_anonymous = true):
@@ -32,12 +31,12 @@ RUN sed -i -e 's/^listen = "127.0.0.1:/listen = "0.0.0.0:/' \
            -e 's/^admin_listen = "127.0.0.1:/admin_listen = "0.0.0.0:/' \
            -e 's/^allow_anonymous = false /allow_anonymous = true  /' sluice.toml \
  && grep -q '^listen = "0.0.0.0:8080"' sluice.toml && grep -q '^allow_anonymous = true' sluice.toml \
- && target/release/sluice check --config sluice.toml
+ && target/dist/sluice check --config sluice.toml
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* && useradd --system --uid 10001 --no-create-home sluice
-COPY --from=build /src/target/release/sluice /usr/local/bin/sluice
+COPY --from=build /src/target/dist/sluice /usr/local/bin/sluice
 COPY --from=build /src/sluice.toml /etc/sluice/example.toml
 USER 10001
 EXPOSE 8080 9090

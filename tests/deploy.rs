@@ -177,7 +177,17 @@ fn the_image_is_slim_non_root_and_has_no_default_config() {
         last.contains("slim") || last.contains("distroless"),
         "{last}"
     );
-    assert!(text.contains("CARGO_PROFILE_RELEASE_STRIP=symbols"));
+    // The `dist` profile: fat LTO, stripped (Cargo.toml).
+    assert!(text.contains("cargo build --profile dist"), "{text}");
+    assert!(text.contains("/src/target/dist/sluice /usr/local/bin/sluice"));
+    let cargo: toml::Table = std::fs::read_to_string(root().join("Cargo.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let dist = &cargo["profile"]["dist"];
+    assert_eq!(dist["inherits"].as_str(), Some("release"));
+    assert_eq!(dist["lto"].as_str(), Some("fat"));
+    assert_eq!(dist["strip"].as_str(), Some("symbols"));
     let user = text
         .lines()
         .rev()
