@@ -139,44 +139,106 @@ async fn accept_proxy(
 
 /// The admin listener: its own cap and short timeouts, so probes are always answered.
 /// `max_connections` of them at once ([`crate::fds::ADMIN_MAX_CONNECTIONS`] unless the
-/// descriptor limit is short).
+/// descriptor limit is short). At the cap a new connection is not left in the backlog
+/// behind idle sockets: the oldest admin connection gives its place up (gracefully: an
+/// answer under way is finished first), so a probe is answered however many sockets
+/// sit open.
 async fn accept_admin(
     app: &Arc<App>,
     listener: TcpListener,
     max_connections: usize,
-    stop: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
 ) {
     let limit = Arc::new(Semaphore::new(max_connections));
-    accept_loop(
-        app,
-        listener,
-        limit,
-        Gauge::default(),
-        None,
-        stop,
-        |app, stream, slot| {
-            let signal = app.lifecycle.signal();
+    let open = Arc::new(AdminConns::default());
+    loop {
+        let (stream, _peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(s) => s,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = until_down(&mut stop) => return,
+        };
+        let permit = match Arc::clone(&limit).try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                open.close_oldest();
+                let waiting = Arc::clone(&limit).acquire_owned();
+                match tokio::time::timeout(ADMIN_TIMEOUTS.idle, waiting).await {
+                    Ok(Ok(p)) => p,
+                    _ => continue,
+                }
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let slot = ConnSlot::new(permit, Gauge::default());
+        let (id, closing) = open.enter();
+        let app = Arc::clone(app);
+        let open = Arc::clone(&open);
+        app.lifecycle.clone().spawn(Box::pin(async move {
+            // The admin connection holds its place until it ends.
+            let _slot = slot;
+            let mut life = app.lifecycle.signal();
+            let own = closing.subscribe();
+            let a = Arc::clone(&app);
             let svc = service_fn(move |req| {
-                let a = Arc::clone(&app);
+                let a = Arc::clone(&a);
                 async move { Ok::<_, Infallible>(crate::admin::handle(a, req).await) }
             });
-            async move {
-                // The admin connection holds its place until it ends.
-                let _slot = slot;
-                serve(
-                    Bytes::new(),
-                    TokioIo::new(stream),
-                    svc,
-                    Version::HTTP_11,
-                    ADMIN_TIMEOUTS,
-                    Writes::Flat,
-                    signal,
-                )
-                .await
+            let io = TokioIo::new(stream);
+            let serving = serve(Bytes::new(), io, svc, Version::HTTP_11, ADMIN_TIMEOUTS, Writes::Flat, own);
+            tokio::pin!(serving);
+            // Shutdown reaches the connection through its own signal too.
+            tokio::select! {
+                () = &mut serving => {}
+                _ = until_down(&mut life) => {
+                    let _ = closing.send(true);
+                    serving.await;
+                }
             }
-        },
-    )
-    .await
+            open.leave(id);
+        }));
+    }
+}
+
+/// The open admin connections, oldest first, each with the signal that asks it to close.
+#[derive(Default)]
+struct AdminConns {
+    next: std::sync::atomic::AtomicU64,
+    open: std::sync::Mutex<std::collections::BTreeMap<u64, Arc<watch::Sender<bool>>>>,
+}
+
+impl AdminConns {
+    /// A new connection: its id and its closing signal.
+    fn enter(&self) -> (u64, Arc<watch::Sender<bool>>) {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (tx, _) = watch::channel(false);
+        let tx = Arc::new(tx);
+        self.lock().insert(id, Arc::clone(&tx));
+        (id, tx)
+    }
+
+    fn leave(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    /// Asks the oldest connection to close.
+    fn close_oldest(&self) {
+        if let Some((_, tx)) = self.lock().pop_first() {
+            let _ = tx.send(true);
+        }
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u64, Arc<watch::Sender<bool>>>> {
+        self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// Accepts connections while a place under `limit` is free (at the cap, new ones wait
