@@ -555,7 +555,14 @@ async fn admission(
     if let Some(n) = remember {
         last.remember(rt, &n, &ep, &label);
     }
-    let prepaid = prepaid.and_then(|p| p.take_for(&ep.id));
+    let prepaid = match prepaid.and_then(|p| p.take_for(&ep.id)) {
+        Some(Prepaying::Yours(a)) => Some(a),
+        Some(Prepaying::Unused(a)) => {
+            refund(app, &a).await;
+            None
+        }
+        None => None,
+    };
     let mut turn = None;
     let (grant, outcome, slot) = match (prepaid, ep.mode) {
         (Some(p), _) => {
@@ -1375,6 +1382,8 @@ async fn connect(
     let opened = Opened {
         app: Arc::clone(app),
         peer: conn.peer,
+        headers: req.headers().clone(),
+        target,
         slot: Arc::clone(&conn.slot),
         tunnel: Tunnel {
             authority,
@@ -1390,9 +1399,11 @@ async fn connect(
 }
 
 /// How long the grant a non-intercepted CONNECT took stays its first request's, from
-/// the `200`: a sender that tunnels plain HTTP sends its request at once. Later, the
-/// request is admitted on its own and the CONNECT's token stays spent, so a grant
-/// cannot be hoarded and spent beside later ones.
+/// the grant: a sender that tunnels plain HTTP sends its request at once. A tunnel
+/// silent for longer (a pooled tunnel the sender did not use yet) gives the token
+/// back, and its first request, whenever it comes, is admitted on its own: a grant
+/// is neither hoarded and spent beside later ones, nor wasted on a tunnel that carries
+/// nothing.
 const PREPAID_FOR: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The admission a non-intercepted CONNECT took, kept for the first plain request
@@ -1400,19 +1411,31 @@ const PREPAID_FOR: std::time::Duration = std::time::Duration::from_millis(500);
 #[derive(Default)]
 pub struct Prepaid(std::sync::Mutex<Option<(Admitted, tokio::time::Instant)>>);
 
+/// What a tunnel's kept admission is to a request inside it.
+enum Prepaying {
+    /// Its own: the request leaves on it.
+    Yours(Admitted),
+    /// Another endpoint's, or stale: its token goes back.
+    Unused(Admitted),
+}
+
 impl Prepaid {
-    fn arm(&self, admitted: Admitted) {
+    fn arm(&self, admitted: Admitted, until: tokio::time::Instant) {
         if let Ok(mut kept) = self.0.lock() {
-            *kept = Some((admitted, tokio::time::Instant::now() + PREPAID_FOR));
+            *kept = Some((admitted, until));
         }
     }
 
-    /// The kept admission, once, when it is for `endpoint` and still fresh. A stale or
-    /// other endpoint's admission is dropped (its token stays spent, its in-flight
-    /// slot is freed).
-    fn take_for(&self, endpoint: &str) -> Option<Admitted> {
+    /// The kept admission, once: the request's own when it is for `endpoint` and still
+    /// fresh, else unused.
+    fn take_for(&self, endpoint: &str) -> Option<Prepaying> {
         let (admitted, until) = self.0.lock().ok()?.take()?;
-        (*admitted.ep.id == *endpoint && tokio::time::Instant::now() <= until).then_some(admitted)
+        let fresh = tokio::time::Instant::now() <= until;
+        Some(if *admitted.ep.id == *endpoint && fresh {
+            Prepaying::Yours(admitted)
+        } else {
+            Prepaying::Unused(admitted)
+        })
     }
 }
 
@@ -1420,6 +1443,9 @@ impl Prepaid {
 struct Opened {
     app: Arc<App>,
     peer: SocketAddr,
+    /// The CONNECT's own head and target, to admit the tunnel again.
+    headers: HeaderMap,
+    target: Target,
     slot: Arc<ConnSlot>,
     tunnel: Tunnel,
     reloads: tokio::sync::watch::Receiver<()>,
@@ -1438,22 +1464,48 @@ impl Opened {
         };
         let cfg = Arc::clone(&self.app.runtime.load().config);
         let idle = cfg.proxy.tunnel_idle_timeout;
+        let until = tokio::time::Instant::now().max(admitted.grant.start) + PREPAID_FOR;
+        let mut held = Some(admitted);
         let mut pre = bytes::BytesMut::new();
-        let opening = tokio::select! {
-            o = crate::sniff::sniff(&mut client, &mut pre) => o,
-            // The receiver speaks first (SMTP, a database): bytes, not requests.
-            r = upstream.readable() => r.map(|()| Opening::Other),
-            // Nobody spoke: the tunnel idles out as a byte tunnel would.
-            () = tokio::time::sleep(idle) => return,
+        let mut sniffing = Box::pin(crate::sniff::sniff(&mut client, &mut pre));
+        let mut spoken = Box::pin(upstream.readable());
+        let mut expiry = Box::pin(tokio::time::sleep_until(until));
+        let mut idling = Box::pin(tokio::time::sleep(idle));
+        let opening = loop {
+            tokio::select! {
+                o = &mut sniffing => break o,
+                // The receiver speaks first (SMTP, a database): bytes, not requests.
+                r = &mut spoken => break r.map(|()| Opening::Other),
+                // Silent past the grant's time: the token goes back.
+                () = &mut expiry, if held.is_some() => {
+                    if let Some(a) = held.take() {
+                        refund(&self.app, &a).await;
+                    }
+                }
+                // Nobody spoke: the tunnel idles out as a byte tunnel would.
+                () = &mut idling => return,
+            }
         };
+        drop((sniffing, spoken));
         match opening {
             Ok(Opening::Http) => {
                 let conn = tunnel_conn(self.peer, self.slot, self.tunnel);
-                conn.prepaid.arm(admitted);
+                if let Some(a) = held {
+                    conn.prepaid.arm(a, until);
+                }
                 crate::lane::shelve_plain(&self.app, &conn, upstream);
                 serve_inside(self.app, client, pre.freeze(), conn, Version::HTTP_11).await;
             }
             Ok(_) => {
+                // A tunnel whose token went back is admitted again now: a refusal can
+                // only close it.
+                let admitted = match held {
+                    Some(a) => a,
+                    None => match self.readmit().await {
+                        Some(a) => a,
+                        None => return,
+                    },
+                };
                 let relay = Relay {
                     app: self.app,
                     slot: self.slot,
@@ -1463,7 +1515,41 @@ impl Opened {
                 };
                 relay.run(admitted, client, pre, upstream).await;
             }
-            Err(e) => tracing::debug!(error = %e, "tunnel closed before its first bytes"),
+            Err(e) => {
+                if let Some(a) = held {
+                    refund(&self.app, &a).await;
+                }
+                tracing::debug!(error = %e, "tunnel closed before its first bytes");
+            }
+        }
+    }
+
+    /// Admits the tunnel again, as its CONNECT was (already connected: no resolution).
+    async fn readmit(&self) -> Option<Admitted> {
+        let app = &self.app;
+        let rt = app.runtime.load_full();
+        let last = LastEndpoint::default();
+        let ask = Asking {
+            headers: &self.headers,
+            who: &self.tunnel.who,
+            target: &self.target,
+            path: "",
+            resolve_dns: false,
+            peer: self.peer.ip(),
+            last: &last,
+            prepaid: None,
+            inherited: None,
+        };
+        let mut trace = Trace {
+            destination: Some(self.tunnel.authority.clone()),
+            ..Trace::default()
+        };
+        match admission(app, &rt, ask, &mut trace).await {
+            Ok(a) => Some(a),
+            Err(r) => {
+                drop(refuse(app, r, self.peer, "CONNECT", &trace));
+                None
+            }
         }
     }
 }

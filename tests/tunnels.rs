@@ -213,3 +213,35 @@ async fn other_bytes_are_relayed_as_they_are() {
         s.stop().await;
     }
 }
+
+/// A non-intercepted CONNECT is admitted before its `200`; when its tunnel carries
+/// nothing within the grant's time (a pooled tunnel its sender did not use yet), the
+/// token goes back for other requests, and the tunnel's first request, when it comes,
+/// is admitted on its own.
+#[tokio::test]
+async fn a_silent_tunnel_gives_its_token_back() {
+    let up = Upstream::start().await;
+    let s = sluice("[defaults]\nrate = 0.1\nburst = 1.0\nmax_wait = \"0s\"\n").await;
+    let mut silent = open_tunnel(s.proxy_addr, up.addr).await;
+    let id = up.addr.ip().to_string();
+    common::wait_for("the token back", Duration::from_secs(5), || async {
+        common::tokens(s.admin_addr, &id)
+            .await
+            .is_some_and(|t| t > 0.9)
+    })
+    .await;
+    // The token went to another sender's request...
+    let r = common::client(s.proxy_addr)
+        .get(up.url("/other"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // ...so the tunnel's late first request finds none.
+    let req = format!("GET /late HTTP/1.1\r\nHost: {}\r\n\r\n", up.addr);
+    silent.write_all(req.as_bytes()).await.unwrap();
+    let answer = read_response(&mut silent).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert_eq!(up.count(), 1);
+    s.stop().await;
+}
