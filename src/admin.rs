@@ -1,5 +1,6 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/endpoints`, and the
-//! [`EndpointView`] rows that `/endpoints` and `sluice status` share.
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/endpoints`, the console page
+//! `/ui`, and the [`EndpointView`] rows that `/endpoints`, the console, `sluice status`
+//! and `sluice top` share.
 
 use std::sync::Arc;
 
@@ -148,19 +149,33 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         return r;
     }
     let path = req.uri().path();
-    if matches!(path, "/metrics" | "/endpoints") && !authorised(&app, req.headers()) {
+    if matches!(path, "/metrics" | "/endpoints" | "/ui") && !authorised(&app, req.headers()) {
         let mut r = text(
             StatusCode::UNAUTHORIZED,
-            "send Authorization: Bearer <the token in proxy.admin_token_file>\n",
+            "send Authorization: Bearer <the token in proxy.admin_token_file> (or Basic \
+             with the token as password)\n",
             "text/plain",
         );
+        // A browser asks for a Basic password, and sends it on with the page's polls.
+        let challenge = if path == "/ui" {
+            "Basic realm=\"sluice-admin\", charset=\"UTF-8\""
+        } else {
+            "Bearer realm=\"sluice-admin\""
+        };
         r.headers_mut().insert(
             http::header::WWW_AUTHENTICATE,
-            HeaderValue::from_static("Bearer realm=\"sluice-admin\""),
+            HeaderValue::from_static(challenge),
         );
         return r;
     }
     match path {
+        "/ui" => console(),
+        "/" => {
+            let mut r = text(StatusCode::SEE_OTHER, "see /ui\n", "text/plain");
+            r.headers_mut()
+                .insert(http::header::LOCATION, HeaderValue::from_static("/ui"));
+            r
+        }
         "/metrics" => text(
             StatusCode::OK,
             app.metrics.render(),
@@ -175,28 +190,71 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found: try /metrics /healthz /readyz /endpoints\n",
+            "not found: try /ui /metrics /healthz /readyz /endpoints\n",
             "text/plain",
         ),
     }
 }
 
-/// Whether the request may read `/metrics` and `/endpoints`: always when no admin token
-/// is configured; otherwise only with `Authorization: Bearer <token>` (compared in
-/// constant time). `/healthz` and `/readyz` stay open for probes.
+/// Whether the request may read `/metrics`, `/endpoints` and `/ui`: always when no
+/// admin token is configured; otherwise only with `Authorization: Bearer <token>`, or
+/// `Basic` with the token as password (any user name: what a browser sends once asked),
+/// compared in constant time. `/healthz` and `/readyz` stay open for probes.
 fn authorised(app: &App, headers: &http::HeaderMap) -> bool {
     let rt = app.runtime.load();
     let Some(token) = &rt.admin_token else {
         return true;
     };
     // The scheme's case is the client's (RFC 9110 §11.1): `bearer` is `Bearer`.
-    let given = headers
+    let (scheme, given) = headers
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map_or("", |(_, token)| token);
-    crate::auth::constant_time_eq(given.trim().as_bytes(), token.as_bytes())
+        .unwrap_or_default();
+    let given = given.trim();
+    let given = if scheme.eq_ignore_ascii_case("bearer") {
+        given.to_owned()
+    } else if scheme.eq_ignore_ascii_case("basic") {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD
+            .decode(given)
+            .ok()
+            .and_then(|raw| String::from_utf8(raw).ok())
+            .and_then(|pair| {
+                pair.split_once(':')
+                    .map(|(_, password)| password.to_owned())
+            })
+            .unwrap_or_default()
+    } else {
+        String::new()
+    };
+    crate::auth::constant_time_eq(given.as_bytes(), token.as_bytes())
+}
+
+/// The console page (`src/console.html`): self-contained, polling `/endpoints`.
+const CONSOLE: &str = include_str!("console.html");
+
+/// `GET /ui`: the console page, allowed to load nothing from anywhere else.
+fn console() -> Response<Body> {
+    let mut r = text(StatusCode::OK, CONSOLE, "text/html; charset=utf-8");
+    let h = r.headers_mut();
+    h.insert(
+        http::header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+             connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; \
+             frame-ancestors 'none'",
+        ),
+    );
+    h.insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
+    h.insert(
+        http::header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    r
 }
 
 /// 200 when the store answers; while it fails, 200 "degraded" if a fallback serves

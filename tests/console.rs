@@ -152,3 +152,222 @@ async fn endpoints_show_who_waits_what_is_in_flight_and_what_was_refused() {
     .await;
     s.stop().await;
 }
+
+/// Debian's Chromium (`scripts/test` installs it), or `None` when it is not there.
+fn chromium() -> Option<&'static str> {
+    ["chromium", "chromium-browser", "google-chrome"]
+        .into_iter()
+        .find(|b| {
+            Command::new(b)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+}
+
+/// The DOM of `url` after `budget_ms` of the page's (virtual) time in headless Chromium.
+fn dump_dom(browser: &str, url: &str, budget_ms: u64) -> String {
+    let profile = tempfile::tempdir().unwrap();
+    let out = output_within(
+        Command::new(browser)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg(format!("--virtual-time-budget={budget_ms}"))
+            .args(["--dump-dom", url]),
+        Duration::from_secs(90),
+    );
+    let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && dom.contains("</html>"),
+        "{browser} failed: {}\n{dom}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dom
+}
+
+/// The `<tr>` of endpoint `id` in a dumped console DOM.
+fn row<'a>(dom: &'a str, id: &str) -> &'a str {
+    let start = dom
+        .find(&format!("<tr data-id=\"{id}\""))
+        .unwrap_or_else(|| panic!("no row for {id}:\n{dom}"));
+    let len = dom[start..].find("</tr>").unwrap();
+    &dom[start..start + len]
+}
+
+/// A number the DOM shows in the element that follows `marker`.
+fn number_after(html: &str, marker: &str) -> u64 {
+    let at = html
+        .find(marker)
+        .unwrap_or_else(|| panic!("no {marker:?} in\n{html}"));
+    let digits: String = html[at + marker.len()..]
+        .chars()
+        .skip_while(|c| *c != '>')
+        .skip(1)
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("no number after {marker:?}"))
+}
+
+/// The console at `/ui`, in a real headless Chromium: it lists the running sluice's
+/// endpoints, marks the one whose receiver answered 429 as cooling down (with its 429
+/// and the cooldown left), shows what waits, and keeps polling without a reload: a
+/// longer run of the same page has polled more and drawn more points in its sparklines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_shows_endpoints_cooldowns_and_updates_in_a_browser() {
+    let Some(browser) = chromium() else {
+        eprintln!(
+            "SKIPPED the_console_shows_endpoints_cooldowns_and_updates_in_a_browser: no \
+             chromium on PATH (scripts/test installs Debian's chromium package)"
+        );
+        return;
+    };
+    let up = Upstream::with(Arc::new(|a| match a.path.as_str() {
+        "/throttle" => Reply::status(429).header("retry-after", "120"),
+        _ => Reply::ok(),
+    }))
+    .await;
+    let s = common::sluice(
+        "[defaults]\nmax_wait = \"60s\"\n[defaults.adaptive]\nabsorb = \"off\"\n\
+         [[endpoints]]\nid = \"alpha\"\nrate = 5.0\n\
+         [[endpoints]]\nid = \"beta\"\nrate = 5.0\n\
+         [[endpoints]]\nid = \"gamma\"\nrate = 0.05\nburst = 1.0\n",
+    )
+    .await;
+    let c = client(s.proxy_addr);
+    assert_eq!(send(&c, &up, "/", "alpha", None).await.unwrap(), 200);
+    assert_eq!(send(&c, &up, "/throttle", "beta", None).await.unwrap(), 429);
+    let mut waiting = vec![send(&c, &up, "/", "gamma", None)];
+    common::wait_for("gamma's first sent", Duration::from_secs(5), || async {
+        view(&endpoints(s.admin_addr).await, "gamma").sent == 1
+    })
+    .await;
+    for _ in 0..2 {
+        waiting.push(send(&c, &up, "/", "gamma", None));
+    }
+    common::wait_for("2 waiting on gamma", Duration::from_secs(5), || async {
+        view(&endpoints(s.admin_addr).await, "gamma").waiting == 2
+    })
+    .await;
+    let url = format!("http://{}/ui", s.admin_addr);
+    let (short, long) = tokio::task::spawn_blocking(move || {
+        (dump_dom(browser, &url, 2500), dump_dom(browser, &url, 6500))
+    })
+    .await
+    .unwrap();
+    for id in ["alpha", "beta", "gamma"] {
+        row(&short, id);
+    }
+    let beta = row(&short, "beta");
+    assert!(
+        beta.starts_with("<tr data-id=\"beta\" class=\"cooldown"),
+        "{beta}"
+    );
+    assert!(beta.contains("<td class=\"throttles\">1</td>"), "{beta}");
+    let left = number_after(beta, "<td class=\"cooldown\"");
+    assert!(
+        (100..=120).contains(&left),
+        "{left}s of cooldown left: {beta}"
+    );
+    let alpha = row(&short, "alpha");
+    assert!(
+        alpha.starts_with("<tr data-id=\"alpha\" class=\"\">"),
+        "{alpha}"
+    );
+    assert_eq!(
+        number_after(row(&short, "gamma"), "<td class=\"waiting\""),
+        2
+    );
+    // Polled again and again in one page load: more polls, longer sparklines.
+    let (polls_short, polls_long) = (
+        number_after(&short, "id=\"polls\""),
+        number_after(&long, "id=\"polls\""),
+    );
+    assert!(polls_short >= 2, "{polls_short} polls in 2.5 s");
+    assert!(polls_long > polls_short, "{polls_long} polls after 6.5 s");
+    let gamma = row(&long, "gamma");
+    let at = gamma.find("data-samples=\"").unwrap() + "data-samples=\"".len();
+    let samples: String = gamma[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    assert_eq!(
+        samples,
+        polls_long.to_string(),
+        "a sparkline point per poll"
+    );
+    for w in waiting {
+        w.abort();
+    }
+    s.stop().await;
+}
+
+/// With `proxy.admin_token_file`, `/ui` wants the token as `/endpoints` does: a browser
+/// is asked for a Basic password (the token; any user name), and the page's polls go
+/// with it. The page may load nothing from elsewhere (its Content-Security-Policy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_wants_the_admin_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret-token\n").unwrap();
+    let s = common::sluice(&format!(
+        "[proxy]\nadmin_token_file = \"{}\"\n[[endpoints]]\nid = \"alpha\"\n",
+        token_file.display()
+    ))
+    .await;
+    let base = format!("http://{}", s.admin_addr);
+    let http = reqwest::Client::new();
+    let r = http.get(format!("{base}/ui")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert!(
+        r.headers()["www-authenticate"]
+            .to_str()
+            .unwrap()
+            .starts_with("Basic realm=\"sluice-admin\""),
+        "{:?}",
+        r.headers()
+    );
+    for (user, password, want) in [("anyone", "s3cret-token", 200), ("anyone", "wrong", 401)] {
+        for path in ["/ui", "/endpoints", "/metrics"] {
+            let r = http
+                .get(format!("{base}{path}"))
+                .basic_auth(user, Some(password))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), want, "{path} with password {password}");
+        }
+    }
+    let r = http
+        .get(format!("{base}/ui"))
+        .bearer_auth("s3cret-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/html; charset=utf-8");
+    let csp = r.headers()["content-security-policy"].to_str().unwrap();
+    assert!(csp.starts_with("default-src 'none'"), "{csp}");
+    let page = r.text().await.unwrap();
+    assert!(
+        !page.contains("src=\"http") && !page.contains("href=\"http"),
+        "the page loads nothing from elsewhere"
+    );
+    if let Some(browser) = chromium() {
+        let url = format!("http://anyone:s3cret-token@{}/ui", s.admin_addr);
+        let dom = tokio::task::spawn_blocking(move || dump_dom(browser, &url, 2500))
+            .await
+            .unwrap();
+        row(&dom, "alpha");
+        assert!(number_after(&dom, "id=\"polls\"") >= 2, "{dom}");
+    }
+    s.stop().await;
+}
+
