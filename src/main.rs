@@ -10,6 +10,8 @@ use sluice::admin::EndpointView;
 use sluice::app::ReloadError;
 use sluice::config::{Config, ConfigError};
 
+mod top;
+
 #[derive(Parser)]
 #[command(
     name = "sluice",
@@ -57,6 +59,17 @@ enum Command {
         /// Print the raw JSON.
         #[arg(long)]
         json: bool,
+        /// The file holding the admin token, when the admin listener asks for one
+        /// (`proxy.admin_token_file` of the running sluice).
+        #[arg(long, env = "SLUICE_ADMIN_TOKEN_FILE")]
+        admin_token_file: Option<PathBuf>,
+    },
+    /// Show the endpoints of a running sluice live in the terminal, sorted by what
+    /// waits: `s`/`S` sort by another column, `r` reverses, `/` filters by ID, `q` quits.
+    Top {
+        /// Admin listener URL.
+        #[arg(long, default_value = "http://127.0.0.1:9090")]
+        admin: String,
         /// The file holding the admin token, when the admin listener asks for one
         /// (`proxy.admin_token_file` of the running sluice).
         #[arg(long, env = "SLUICE_ADMIN_TOKEN_FILE")]
@@ -121,6 +134,10 @@ fn main() -> ExitCode {
             json,
             admin_token_file,
         } => status(&admin, json, admin_token_file.as_deref()),
+        Command::Top {
+            admin,
+            admin_token_file,
+        } => top_command(&admin, admin_token_file.as_deref()),
         Command::DemoReceiver { listen } => demo_receiver(listen),
         Command::Version => {
             println!("sluice {}", sluice::version::LONG);
@@ -497,6 +514,20 @@ fn passwd(user: &str, cost: u32) -> anyhow::Result<ExitCode> {
     }
     let hash = bcrypt::hash(password, cost).context("hashing the password")?;
     println!("{user}:{hash}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `sluice top`: the terminal view of `admin`'s endpoints until `q`.
+fn top_command(admin: &str, token_file: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let token = match token_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the admin token file {}", path.display()))?;
+            Some(text.trim().to_owned())
+        }
+        None => None,
+    };
+    top::run(admin, token).map_err(anyhow::Error::msg)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -371,3 +371,147 @@ async fn the_console_wants_the_admin_token() {
     s.stop().await;
 }
 
+/// A tmux server of the test's own (`tmux -L`), killed when dropped.
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn new() -> Option<Tmux> {
+        let found = Command::new("tmux")
+            .arg("-V")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        found.then(|| Tmux {
+            socket: format!("sluice-top-test-{}", std::process::id()),
+        })
+    }
+
+    fn run(&self, args: &[&str]) -> std::process::Output {
+        output_within(
+            Command::new("tmux").args(["-L", &self.socket]).args(args),
+            Duration::from_secs(10),
+        )
+    }
+
+    /// The pane's screen, as text.
+    fn screen(&self) -> String {
+        String::from_utf8_lossy(&self.run(&["capture-pane", "-p", "-t", "top"]).stdout).into_owned()
+    }
+
+    /// Waits (at most `limit`) until the screen satisfies `ok`; fails showing it.
+    async fn until(&self, what: &str, limit: Duration, ok: impl Fn(&str) -> bool) -> String {
+        let end = tokio::time::Instant::now() + limit;
+        loop {
+            let screen = self.screen();
+            if ok(&screen) {
+                return screen;
+            }
+            assert!(
+                tokio::time::Instant::now() < end,
+                "timed out after {limit:?} waiting for {what}; the screen:\n{screen}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .args(["-L", &self.socket, "kill-server"])
+            .output();
+    }
+}
+
+/// The line of the screen that starts with endpoint `id`, and where.
+fn line_of(screen: &str, id: &str) -> Option<usize> {
+    screen
+        .lines()
+        .position(|l| l.starts_with(&format!("{id} ")))
+}
+
+/// `sluice top` in a terminal (tmux): it shows the running sluice's endpoints, the one
+/// with requests waiting first, with its waiting count; `/` filters by ID; `q` quits,
+/// with status 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_shows_the_table_live_filters_and_quits_in_a_terminal() {
+    let Some(tmux) = Tmux::new() else {
+        eprintln!(
+            "SKIPPED top_shows_the_table_live_filters_and_quits_in_a_terminal: no tmux on \
+             PATH (scripts/test installs it)"
+        );
+        return;
+    };
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[defaults]\nmax_wait = \"60s\"\n\
+         [[endpoints]]\nid = \"alpha\"\nrate = 5.0\n\
+         [[endpoints]]\nid = \"beta\"\nrate = 0.05\nburst = 1.0\n",
+    )
+    .await;
+    let c = client(s.proxy_addr);
+    assert_eq!(send(&c, &up, "/", "beta", None).await.unwrap(), 200);
+    let waiting: Vec<_> = (0..2).map(|_| send(&c, &up, "/", "beta", None)).collect();
+    common::wait_for("2 waiting on beta", Duration::from_secs(5), || async {
+        view(&endpoints(s.admin_addr).await, "beta").waiting == 2
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let status = dir.path().join("status");
+    let command = format!(
+        "{} top --admin http://{}; echo exit=$? > {}",
+        env!("CARGO_BIN_EXE_sluice"),
+        s.admin_addr,
+        status.display()
+    );
+    let out = tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "150",
+        "-y",
+        "20",
+        &command,
+    ]);
+    assert!(out.status.success(), "tmux: {out:?}");
+    let screen = tmux
+        .until("both endpoints", Duration::from_secs(20), |s| {
+            line_of(s, "alpha").is_some() && line_of(s, "beta").is_some()
+        })
+        .await;
+    let (alpha, beta) = (
+        line_of(&screen, "alpha").unwrap(),
+        line_of(&screen, "beta").unwrap(),
+    );
+    assert!(beta < alpha, "sorted by waiting, beta first:\n{screen}");
+    assert!(screen.contains("WAITING ▼"), "{screen}");
+    // Beta's WAITING cell (under its header) says 2.
+    let header = screen.lines().find(|l| l.starts_with("ENDPOINT")).unwrap();
+    let col = header.find("WAITING").unwrap();
+    let row = screen.lines().nth(beta).unwrap();
+    let cell: String = row
+        .chars()
+        .skip(header[..col].chars().count())
+        .take(7)
+        .collect();
+    assert_eq!(cell.trim(), "2", "{screen}");
+    // Filter by ID.
+    tmux.run(&["send-keys", "-t", "top", "/", "alp", "Enter"]);
+    tmux.until("only alpha", Duration::from_secs(10), |s| {
+        line_of(s, "alpha").is_some() && line_of(s, "beta").is_none() && s.contains("filter: alp")
+    })
+    .await;
+    tmux.run(&["send-keys", "-t", "top", "q"]);
+    common::wait_for("top to exit", Duration::from_secs(10), || async {
+        std::fs::read_to_string(&status).is_ok_and(|s| s.contains("exit="))
+    })
+    .await;
+    assert_eq!(std::fs::read_to_string(&status).unwrap().trim(), "exit=0");
+    for w in waiting {
+        w.abort();
+    }
+    s.stop().await;
+}
