@@ -1526,31 +1526,10 @@ impl Opened {
 
     /// Admits the tunnel again, as its CONNECT was (already connected: no resolution).
     async fn readmit(&self) -> Option<Admitted> {
-        let app = &self.app;
-        let rt = app.runtime.load_full();
-        let last = LastEndpoint::default();
-        let ask = Asking {
-            headers: &self.headers,
-            who: &self.tunnel.who,
-            target: &self.target,
-            path: "",
-            resolve_dns: false,
-            peer: self.peer.ip(),
-            last: &last,
-            prepaid: None,
-            inherited: None,
-        };
-        let mut trace = Trace {
-            destination: Some(self.tunnel.authority.clone()),
-            ..Trace::default()
-        };
-        match admission(app, &rt, ask, &mut trace).await {
-            Ok(a) => Some(a),
-            Err(r) => {
-                drop(refuse(app, r, self.peer, "CONNECT", &trace));
-                None
-            }
-        }
+        let tunnel = (&self.headers, &self.tunnel, &self.target, self.peer);
+        admit_after_ok(&self.app, tunnel, false)
+            .await
+            .map(|(a, _)| a)
     }
 }
 
@@ -1757,30 +1736,11 @@ impl Intercepted {
         C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     {
         let app = &self.app;
+        let tunnel = (&self.headers, &self.tunnel, &self.target, self.peer);
+        let Some((admitted, trace)) = admit_after_ok(app, tunnel, true).await else {
+            return;
+        };
         let rt = app.runtime.load_full();
-        let last = LastEndpoint::default();
-        let ask = Asking {
-            headers: &self.headers,
-            who: &self.tunnel.who,
-            target: &self.target,
-            path: "",
-            resolve_dns: true,
-            peer: self.peer.ip(),
-            last: &last,
-            prepaid: None,
-            inherited: None,
-        };
-        let mut trace = Trace {
-            destination: Some(self.tunnel.authority.clone()),
-            ..Trace::default()
-        };
-        let admitted = match admission(app, &rt, ask, &mut trace).await {
-            Ok(a) => a,
-            Err(r) => {
-                drop(refuse(app, r, self.peer, "CONNECT", &trace));
-                return;
-            }
-        };
         let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
             Ok(s) => s,
             Err(e) => {
@@ -1797,6 +1757,40 @@ impl Intercepted {
             idle: rt.config.proxy.tunnel_idle_timeout,
         };
         relay.run(admitted, client, pre, upstream).await;
+    }
+}
+
+/// Admits a tunnel whose `200` is sent already (its CONNECT's head, context, target
+/// and sender): a refusal is counted and logged, and can only close the tunnel.
+/// `resolve_dns`: resolve and check the addresses to connect to (none connected yet).
+async fn admit_after_ok(
+    app: &App,
+    (headers, tunnel, target, peer): (&HeaderMap, &Tunnel, &Target, SocketAddr),
+    resolve_dns: bool,
+) -> Option<(Admitted, Trace)> {
+    let rt = app.runtime.load_full();
+    let last = LastEndpoint::default();
+    let ask = Asking {
+        headers,
+        who: &tunnel.who,
+        target,
+        path: "",
+        resolve_dns,
+        peer: peer.ip(),
+        last: &last,
+        prepaid: None,
+        inherited: None,
+    };
+    let mut trace = Trace {
+        destination: Some(tunnel.authority.clone()),
+        ..Trace::default()
+    };
+    match admission(app, &rt, ask, &mut trace).await {
+        Ok(a) => Some((a, trace)),
+        Err(r) => {
+            drop(refuse(app, r, peer, "CONNECT", &trace));
+            None
+        }
     }
 }
 
