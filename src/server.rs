@@ -191,7 +191,15 @@ async fn accept_admin(
                 async move { Ok::<_, Infallible>(crate::admin::handle(a, req).await) }
             });
             let io = TokioIo::new(stream);
-            let serving = serve(Bytes::new(), io, svc, Version::HTTP_11, ADMIN_TIMEOUTS, Writes::Flat, own);
+            let serving = serve(
+                Bytes::new(),
+                io,
+                svc,
+                Version::HTTP_11,
+                ADMIN_TIMEOUTS,
+                Writes::Flat,
+                own,
+            );
             tokio::pin!(serving);
             // Shutdown reaches the connection through its own signal too.
             tokio::select! {
@@ -237,7 +245,9 @@ impl AdminConns {
     fn lock(
         &self,
     ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u64, Arc<watch::Sender<bool>>>> {
-        self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

@@ -303,7 +303,10 @@ async fn plain_http_in_a_connect_tunnel_is_paced_per_request() {
     assert!(answers[0].starts_with("HTTP/1.1 200"), "{}", answers[0]);
     assert!(answers[1].starts_with("HTTP/1.1 503"), "{}", answers[1]);
     let refusal = answers[1].to_ascii_lowercase();
-    assert!(refusal.contains("x-sluice-reason: rate_limited"), "{refusal}");
+    assert!(
+        refusal.contains("x-sluice-reason: rate_limited"),
+        "{refusal}"
+    );
     assert!(refusal.contains("\"endpoint\":\"tun\""), "{refusal}");
     // A second CONNECT on the same endpoint is refused: no token left.
     let second = raw(s.proxy_addr, connect.as_bytes()).await;
