@@ -31,7 +31,9 @@
 //! which fail until they are closed; `check` and `model` describe each.
 //!
 //! Each test prints its seed; `PROPTEST_RNG_SEED=<seed>` runs the same cases again, and a
-//! failure shows the shrunk sequence of operations.
+//! failure shows the shrunk sequence of operations. The seeds are fixed per test, so a
+//! run is repeatable; `SLUICE_MODEL_EXPLORE=1` draws fresh ones to look for new
+//! counterexamples.
 
 mod common;
 
@@ -877,12 +879,21 @@ fn restarted_within(log: &Log, from: Instant, to: Instant) -> bool {
         .any(|(down, up)| down.1 <= to && up.is_none_or(|u| u.1 >= from))
 }
 
-/// The seed for this test's cases: `PROPTEST_RNG_SEED` when set, else a fresh one.
+/// The seed for this test's cases: `PROPTEST_RNG_SEED` when set; a fresh one with
+/// `SLUICE_MODEL_EXPLORE=1` (to look for new counterexamples); else one fixed per test,
+/// so a run of `.ci/run` is repeatable and fails only on a change of the code.
 fn seed(test: &str) -> u64 {
+    let fixed = || {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        test.hash(&mut h);
+        h.finish()
+    };
+    let explore = std::env::var("SLUICE_MODEL_EXPLORE").is_ok_and(|v| v == "1");
     let seed = std::env::var("PROPTEST_RNG_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand_seed);
+        .unwrap_or_else(|| if explore { rand_seed() } else { fixed() });
     eprintln!("{test}: seed {seed} (PROPTEST_RNG_SEED={seed} runs the same cases)");
     seed
 }
