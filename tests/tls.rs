@@ -265,7 +265,7 @@ async fn curl_proxy_user_names_the_endpoint_of_a_passthrough_tunnel() {
     let st = setup();
     let up = TlsUpstream::ok(&st.pki).await;
     let s = common::sluice(&format!(
-        "[proxy]\nendpoint_from_proxy_user = true\n[defaults]\nrate = 0.5\nburst = 1.0\nmax_wait = \"0s\"\n{}",
+        "[proxy]\nendpoint_from_proxy_user = true\n[defaults]\nrate = 0.05\nburst = 1.0\nmax_wait = \"0s\"\n{}",
         st.tls_config("passthrough_hosts = [\"localhost\"]\n")
     ))
     .await;
