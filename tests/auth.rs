@@ -687,6 +687,49 @@ async fn open_tunnel(
     t
 }
 
+/// The reload tests' users file (alice, bob, carol, team_b) and config file, team_b
+/// granted `grants`: the temporary folder, the users file and the config's path.
+fn four_users(grants: &str) -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let users = htpasswd(
+        dir.path(),
+        &[
+            ("alice", "wonder"),
+            ("bob", "builder"),
+            ("carol", "singer"),
+            ("team_b", "pw-b"),
+        ],
+    );
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, grants_config(&users, grants)).unwrap();
+    (dir, users, path)
+}
+
+fn grants_config(users: &std::path::Path, grants: &str) -> String {
+    format!(
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[security]\nallow_private_destinations = true\nauth_users_file = \"{}\"\n[security.user_endpoints]\nteam_b = [{grants}]\n",
+        users.display()
+    )
+}
+
+/// Reloads with bob removed, carol's password changed and team_b no longer granted
+/// `b_*`: alice alone keeps her right to send. Every other line stays as it was (a new
+/// hash for the same password is a change).
+fn revoke(users: &std::path::Path, path: &std::path::Path, s: &sluice::app::Running) {
+    let lines: String = std::fs::read_to_string(users)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("bob:"))
+        .map(|l| match l.starts_with("carol:") {
+            true => format!("carol:{}\n", bcrypt::hash("another", 4).unwrap()),
+            false => format!("{l}\n"),
+        })
+        .collect();
+    std::fs::write(users, lines).unwrap();
+    std::fs::write(path, grants_config(users, "\"c_*\"")).unwrap();
+    sluice::app::reload(&s.app, path).unwrap();
+}
+
 /// A TCP server that echoes what it is sent, on 127.0.0.1.
 async fn echo_server() -> std::net::SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -718,24 +761,7 @@ async fn echoed(t: &mut tokio::net::TcpStream, line: &str) -> Option<String> {
 /// those tunnels close.
 #[tokio::test]
 async fn a_reload_closes_the_byte_tunnels_of_senders_it_revokes() {
-    let dir = tempfile::tempdir().unwrap();
-    let users = htpasswd(
-        dir.path(),
-        &[
-            ("alice", "wonder"),
-            ("bob", "builder"),
-            ("carol", "singer"),
-            ("team_b", "pw-b"),
-        ],
-    );
-    let path = dir.path().join("sluice.toml");
-    let config = |grants: &str| {
-        format!(
-            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[security]\nallow_private_destinations = true\nauth_users_file = \"{}\"\n[security.user_endpoints]\nteam_b = [{grants}]\n",
-            users.display()
-        )
-    };
-    std::fs::write(&path, config("\"b_*\"")).unwrap();
+    let (_dir, users, path) = four_users("\"b_*\"");
     let echo = echo_server().await;
     let s = sluice::app::start(sluice::config::Config::load(&path).unwrap())
         .await
@@ -752,21 +778,7 @@ async fn a_reload_closes_the_byte_tunnels_of_senders_it_revokes() {
         assert_eq!(first.as_deref(), Some("SSH-2.0-before\r\n"), "{user}");
         tunnels.push((user, t));
     }
-    // bob removed, carol's password changed, team_b no longer granted b_*: alice alone
-    // keeps her right to send.
-    // Every other line stays as it was: a new hash for the same password is a change.
-    let lines: String = std::fs::read_to_string(&users)
-        .unwrap()
-        .lines()
-        .filter(|l| !l.starts_with("bob:"))
-        .map(|l| match l.starts_with("carol:") {
-            true => format!("carol:{}\n", bcrypt::hash("another", 4).unwrap()),
-            false => format!("{l}\n"),
-        })
-        .collect();
-    std::fs::write(&users, lines).unwrap();
-    std::fs::write(&path, config("\"c_*\"")).unwrap();
-    sluice::app::reload(&s.app, &path).unwrap();
+    revoke(&users, &path, &s);
     let deadline = Duration::from_secs(5);
     for (user, t) in tunnels.iter_mut() {
         let after = tokio::time::timeout(deadline, echoed(t, "SSH-2.0-after\r\n")).await;
@@ -791,24 +803,7 @@ async fn a_reload_closes_the_byte_tunnels_of_senders_it_revokes() {
 /// receiver; the admitted sender's still do.
 #[tokio::test]
 async fn a_reload_refuses_revoked_senders_requests_inside_tunnels() {
-    let dir = tempfile::tempdir().unwrap();
-    let users = htpasswd(
-        dir.path(),
-        &[
-            ("alice", "wonder"),
-            ("bob", "builder"),
-            ("carol", "singer"),
-            ("team_b", "pw-b"),
-        ],
-    );
-    let path = dir.path().join("sluice.toml");
-    let config = |grants: &str| {
-        format!(
-            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[security]\nallow_private_destinations = true\nauth_users_file = \"{}\"\n[security.user_endpoints]\nteam_b = [{grants}]\n",
-            users.display()
-        )
-    };
-    std::fs::write(&path, config("\"b_*\"")).unwrap();
+    let (_dir, users, path) = four_users("\"b_*\"");
     let up = Upstream::start().await;
     let s = sluice::app::start(sluice::config::Config::load(&path).unwrap())
         .await
@@ -829,21 +824,7 @@ async fn a_reload_refuses_revoked_senders_requests_inside_tunnels() {
         );
         tunnels.push((user, t));
     }
-    // bob removed, carol's password changed, team_b no longer granted b_*: alice alone
-    // keeps her right to send.
-    // Every other line stays as it was: a new hash for the same password is a change.
-    let lines: String = std::fs::read_to_string(&users)
-        .unwrap()
-        .lines()
-        .filter(|l| !l.starts_with("bob:"))
-        .map(|l| match l.starts_with("carol:") {
-            true => format!("carol:{}\n", bcrypt::hash("another", 4).unwrap()),
-            false => format!("{l}\n"),
-        })
-        .collect();
-    std::fs::write(&users, lines).unwrap();
-    std::fs::write(&path, config("\"c_*\"")).unwrap();
-    sluice::app::reload(&s.app, &path).unwrap();
+    revoke(&users, &path, &s);
     let arrived = up.count();
     let deadline = Duration::from_secs(5);
     for (user, t) in tunnels.iter_mut() {
