@@ -98,8 +98,7 @@ pub fn feedback(
             });
         }
         // Without them it is no throttle, but quota headers saying "exhausted" still
-        // pause as on any other status (until the sixth session of 2026-12-07 a 503
-        // dropped them).
+        // pause as on any other status.
     }
     exhausted_until(headers, now)
         .filter(|d| !d.is_zero())
@@ -281,7 +280,7 @@ mod tests {
         UNIX_EPOCH + Duration::from_secs(1_780_000_000)
     }
 
-    /// (Sixth session of 2026-12-07, a review) A 503 without `Retry-After` is no
+    /// A 503 without `Retry-After` is no
     /// throttle, but its quota headers saying "exhausted" pause as on a 500: they were
     /// dropped.
     #[test]
@@ -357,7 +356,7 @@ mod tests {
         })
     }
 
-    /// (2026-12-07 reviews) A throttling answer always pauses: a 429 or 503 whose
+    /// A throttling answer always pauses: a 429 or 503 whose
     /// `Retry-After` is `0`, a past date or unreadable gets at least the 1 ms pause that
     /// empties the bucket (a 503's unreadable one, the default cooldown); a 503 that
     /// says nothing of coming back is no throttle.
@@ -407,7 +406,7 @@ mod tests {
             parse_retry_after(b"Thu May 28 20:27:10 2026", earlier),
             Some(Duration::from_secs(10))
         );
-        // (2026-12-07, later session) The zone or the names as receivers get them
+        // The zone or the names as receivers get them
         // wrong: read as the date they mean, not as garbage (a 1 s default cooldown
         // instead of the minutes asked for).
         for odd in [

@@ -660,7 +660,7 @@ mod tests {
         );
     }
 
-    /// (2026-12-07 review) With costs mixed in the file, a name that is not listed costs
+    /// With costs mixed in the file, a name that is not listed costs
     /// what listed names cost, in the same proportions, and always the same for one
     /// name. Before, it always cost the file's highest: a listed user of a lower cost was
     /// refused in 1 ms, an unknown name in 90 ms.
@@ -711,8 +711,8 @@ mod tests {
     /// every value of the flood is still checked (none is refused unchecked: a sender
     /// naming several endpoints after `+` sends several right values at once). Before,
     /// every value queued a bcrypt in arrival order (200 wrong passwords kept a valid
-    /// login waiting 10 s). (Until 2026-12-07 this counted the flood's runs when the
-    /// other sender was in, which depended on how soon its task ran again: CI saw 5.)
+    /// login waiting 10 s). The flood's runs are not counted at the moment the other
+    /// sender is in: that depends on how soon its task runs again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_address_cannot_queue_others_behind_its_wrong_passwords() {
         let u = users();

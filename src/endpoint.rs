@@ -199,7 +199,7 @@ pub fn proxy_user(headers: &HeaderMap) -> Option<String> {
 mod tests {
     use super::*;
 
-    /// (2026-12-07 reviews) Spellings of a path a receiver reads as `/v1/...` match the
+    /// Spellings of a path a receiver reads as `/v1/...` match the
     /// `/v1` rule; before, `/%761/x`, `//v1/x` and `/./v1/x` escaped it to the host's
     /// default bucket. A path that starts with `/v1` as sent stays under it too (the
     /// first version of the fix let `/v1/../x` out).

@@ -328,8 +328,7 @@ impl<S: SenderIo> Lane<S> {
                     Parsed::Handoff => return Ok(Next::Handoff),
                     Parsed::Malformed(e) => return Ok(Next::Malformed(e)),
                     // A head whose last bytes came in the read that took it past the
-                    // limit parses whole (until the sixth session of 2026-12-07 it was
-                    // forwarded, up to one read over).
+                    // limit parses whole: it is over the limit all the same.
                     Parsed::Head(h) if h.len > MAX_HEAD_BYTES => {
                         return Ok(Next::Malformed(ProxyError::HeadTooLarge));
                     }
@@ -1467,8 +1466,8 @@ impl Chunks {
 /// A plain connection that did hear something, or whose last read filled the buffer,
 /// is read; a TLS one is not reused then (its bytes cannot be peeked at outside the
 /// session), nor when its session holds plaintext nobody read: a read can empty the
-/// socket into the session, bytes after the response with it (until the sixth session
-/// of 2026-12-07, such bytes were the next request's answer).
+/// socket into the session, bytes after the response with it, and they would be the
+/// next request's answer.
 fn still_open(up: &Upstream) -> bool {
     if let UpIo::Tls(tls) = &up.stream {
         // rustls wants more records only when it holds no plaintext.
@@ -1642,9 +1641,9 @@ async fn write_all<T: AsyncWrite + Unpin>(stream: &mut T, bytes: &[u8]) -> io::R
 /// and the request's slot. Dropped before [`Relaying::done`] (a write to the sender
 /// failed, or the lane's future was dropped at `idle_timeout` while a write waited on a
 /// sender that stopped reading), the rest of the body is drained for the receiver
-/// holding the slot, as on hyper's path: until the sixth session of 2026-12-07 the
-/// timeout released the slot at once, and the next request reached a receiver still at
-/// work on this one (2 in flight where `max_in_flight = 1`).
+/// holding the slot, as on hyper's path: releasing it at the timeout would let the next
+/// request reach a receiver still at work on this one (2 in flight where
+/// `max_in_flight = 1`).
 struct Relaying {
     up: Option<Upstream>,
     relay: Framing,

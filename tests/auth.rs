@@ -249,7 +249,7 @@ async fn a_user_removed_and_reloaded_is_refused_from_the_next_request() {
     s.stop().await;
 }
 
-/// (2026-12-07 reviews) A reload never switches a safeguard off by leaving its key out:
+/// A reload never switches a safeguard off by leaving its key out:
 /// a config file cut short while it is written (or emptied) used to open the proxy to
 /// every sender, `/metrics` to anyone, and every endpoint and host to every user. The
 /// running values stay, and the restart-only warning names them; a reload may still
@@ -414,7 +414,7 @@ async fn admin_token_guards_metrics_and_endpoints_but_not_probes() {
             200
         );
     }
-    // (2026-12-07 review) A 405 names the methods allowed (RFC 9110 §15.5.6).
+    // A 405 names the methods allowed (RFC 9110 §15.5.6).
     let r = c.post(format!("{base}/healthz")).send().await.unwrap();
     assert_eq!(r.status(), 405);
     assert_eq!(r.headers()["allow"], "GET, HEAD");
@@ -518,7 +518,7 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
     // Wrong credentials on the CONNECT: no tunnel at all.
     let wrong = client("team_b", "nope").get(up.url("/x")).send().await;
     assert!(wrong.is_err(), "a tunnel opened with a wrong password");
-    // (2026-12-07 review) alice's password changed: her open tunnel refuses the next
+    // alice's password changed: her open tunnel refuses the next
     // request, and team_b's, whose line is unchanged, goes on. Before, only a removed
     // user's tunnel was refused: a leaked password stayed good in an open tunnel.
     let a = client("alice", "wonder");
@@ -555,7 +555,7 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
     s.stop().await;
 }
 
-/// (2026-12-07 review) bcrypt checks a password's first 72 bytes only: `passwd` refuses
+/// bcrypt checks a password's first 72 bytes only: `passwd` refuses
 /// a longer one (it accepted it, and then any password sharing its first 72 bytes
 /// logged in). 72 bytes is still accepted.
 #[test]
@@ -577,7 +577,7 @@ fn passwd_refuses_a_password_bcrypt_would_cut() {
     assert!(whole.status.success());
 }
 
-/// (2026-12-07 review) `sluice status` reaches an admin listener that wants a token
+/// `sluice status` reaches an admin listener that wants a token
 /// (`--admin-token-file`), and says what is missing when it has none; before, it had no
 /// way to send one and failed with a bare 401.
 #[tokio::test]

@@ -128,7 +128,7 @@ fn run_exits_2_naming_a_taken_port() {
     assert!(err.contains(&addr.to_string()), "{err}");
 }
 
-/// (2026-12-07 review) A file the config names that `check` refuses (a users file with
+/// A file the config names that `check` refuses (a users file with
 /// a hash that is not bcrypt, an empty admin token file) makes `run` exit 1 as `check`
 /// does: bad config, not a failure at run time (it exited 2).
 #[test]
@@ -330,7 +330,7 @@ fn check_resolves_relative_paths_against_the_config_folder() {
     );
 }
 
-/// (2026-12-07 review) A grant to a user the users file does not list (a misspelt
+/// A grant to a user the users file does not list (a misspelt
 /// name) is warned about by `check` (and at start and reload): the real user is left
 /// free to spend any endpoint. It stays a warning: the user may be added later.
 #[test]

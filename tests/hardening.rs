@@ -141,7 +141,7 @@ async fn a_trailing_dot_or_capitals_cannot_escape_a_host_rule() {
     s.stop().await;
 }
 
-/// (2026-12-07 review) An IPv4-mapped IPv6 literal is the IPv4 address it maps: it
+/// An IPv4-mapped IPv6 literal is the IPv4 address it maps: it
 /// shares that address's endpoint (before, each spelling had a bucket of its own, and
 /// passed the limit again), plain and CONNECT alike. A host with a label that starts
 /// or ends with '-' is a 400 before anything else (before, a CONNECT to one got its 200
@@ -536,7 +536,7 @@ async fn reload_drops_pooled_connections_to_refused_addresses() {
 }
 
 /// Finding 10: a sender's malformed body (bad chunked framing, or fewer bytes than its
-/// `Content-Length`) is the sender's 400, not the upstream's 502. (Changed 2026-12-07.)
+/// `Content-Length`) is the sender's 400, not the upstream's 502.
 /// Its head reached the receiver, so its token stays spent: the receiver sees no more
 /// heads than the bound. Before, the token went back, and senders that broke their
 /// bodies put 30 heads in 1 s before a receiver whose bound was 8.
@@ -1008,7 +1008,7 @@ async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
     s.stop().await;
 }
 
-/// (2026-12-07 review) An upload must keep moving on average too: a byte every half
+/// An upload must keep moving on average too: a byte every half
 /// timeout never trips the silence rule, and held a connection and a `max_in_flight`
 /// slot for as long as the sender liked (14 s, seven timeouts, in the review). It is
 /// cut with the sender's 408 once `upstream_timeout` plus a second per 500 bytes has
@@ -1075,7 +1075,7 @@ async fn a_trickled_upload_is_cut_at_its_average_and_frees_its_slot() {
     s.stop().await;
 }
 
-/// (Found 2026-12-07, later session, by reviews) Senders that leave while others wait
+/// Senders that leave while others wait
 /// behind them must not let the ones behind out together, nor leave the rate unused.
 /// Each sender that hung up gave its token back, and the next request took the start of
 /// the last one waiting again: with K senders leaving, K+1 requests reached the receiver
@@ -1142,14 +1142,14 @@ async fn senders_leaving_the_queue_never_let_the_ones_behind_out_together() {
     let times: Vec<Instant> = arrivals.iter().map(|a| a.at).collect();
     common::assert_no_overdraw(&times, rate, burst);
     // And the starts the leavers gave up are used: the senders that came after them
-    // take those, not the slots after the last one waiting (a review found the endpoint
-    // idle while new senders queued behind starts nobody would use).
+    // take those, not the slots after the last one waiting (else the endpoint idles
+    // while new senders queue behind starts nobody will use).
     let achieved = common::sustained_rate(&times, burst as usize);
     assert!(achieved >= 0.9 * rate, "{achieved:.2}/s of {rate}/s");
     s.stop().await;
 }
 
-/// (Found 2026-12-07, later session, by a review) A 429 whose sender left before it came
+/// A 429 whose sender left before it came
 /// must still start the cooldown, on both engines. On hyper's path (HTTP/1.0 senders,
 /// HTTP/2, requests after a handover) the exchange went with the sender, so a receiver
 /// slower than its senders' timeouts never slowed anything down: 80 arrivals in 10 s
@@ -1190,7 +1190,7 @@ async fn a_429_starts_the_cooldown_when_its_sender_left_before_it_came() {
             },
         )
         .await;
-        // Counted once, as the lane counts it (a review found hyper's path without it).
+        // Counted once, on hyper's path as the lane counts it.
         wait_for_metric(
             s.admin_addr,
             &format!("sluice_upstream_responses_total{{endpoint=\"{id}\",code=\"429\"}} 1\n"),
@@ -1200,7 +1200,7 @@ async fn a_429_starts_the_cooldown_when_its_sender_left_before_it_came() {
     s.stop().await;
 }
 
-/// (Found 2026-12-07, later session, by a review) An endpoint ID that breaks its Redis
+/// An endpoint ID that breaks its Redis
 /// Cluster hash tag (`}` first leaves `<prefix>{}}` with an empty tag, and its leases key
 /// in another slot) failed every script call for it, and each failure was taken for a
 /// store outage: five such requests a second left another endpoint 24 answers in 8 s,
@@ -1246,13 +1246,13 @@ async fn an_endpoint_id_that_breaks_a_cluster_hash_tag_is_the_senders_400() {
     s.stop().await;
 }
 
-/// (2026-12-07, the session after the later one) Senders waiting behind ones that hang
+/// Senders waiting behind ones that hang
 /// up move up into the starts given up, in their order, end to end: after the burst,
 /// eight senders queue half a second apart, the first four hang up, and the other four
 /// arrive at the first four starts (by 2 s), not at their own (2.5 s to 4 s).
-/// Before, a given-up start went only to a sender arriving later, and with none the
-/// endpoint idled: a review measured 0.80–0.95 of the rate with senders timing out
-/// while they waited.
+/// A given-up start going only to a sender arriving later would leave the endpoint
+/// idle when none comes (0.80–0.95 of the rate with senders timing out while they
+/// waited).
 #[tokio::test]
 async fn senders_behind_ones_that_hang_up_move_up_into_their_starts() {
     let (rate, burst) = (2.0, 1.0);
@@ -1311,7 +1311,7 @@ async fn senders_behind_ones_that_hang_up_move_up_into_their_starts() {
     s.stop().await;
 }
 
-/// (2026-12-07, fourth session) A request head no HTTP/1.1 server would read gets
+/// A request head no HTTP/1.1 server would read gets
 /// sluice's own answer, like every other refusal: `X-Sluice-Reason: bad_request` and a
 /// JSON body saying what was wrong, then the connection closes. Before, hyper answered
 /// with a bare 400 or 431 and no body: nothing told the sender it was sluice, or why.

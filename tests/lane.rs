@@ -356,7 +356,7 @@ async fn an_unusual_request_hands_the_connection_to_hyper() {
     s.stop().await;
 }
 
-/// A body cut short is the sender's 400 and arrives nowhere whole. (Changed 2026-12-07.)
+/// A body cut short is the sender's 400 and arrives nowhere whole.
 /// Its head reached the receiver, so its token stays spent (it used to come back, and
 /// senders that cut their bodies sent heads without limit).
 #[tokio::test]
@@ -1091,7 +1091,7 @@ async fn a_large_response_head_reaches_the_sender_on_both_paths() {
     s.stop().await;
 }
 
-/// (2026-12-07 review) A 101 to a request that asked for no upgrade (sluice sends none)
+/// A 101 to a request that asked for no upgrade (sluice sends none)
 /// is a 502 on both paths. Before, hyper's path relayed a bare 101 and closed, also to
 /// an HTTP/1.0 sender, which may get no 1xx at all.
 #[tokio::test]
@@ -1172,7 +1172,7 @@ async fn inside_a_tunnel_a_connect_or_a_target_that_is_no_path_is_refused() {
         format!("DELETE users HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
         format!("GET evil.example:443 HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
         format!("GET a@b HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
-        // (2026-12-07 review) asterisk-form went to the receiver as `GET *`.
+        // asterisk-form went to the receiver as `GET *`.
         format!("GET * HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
         format!("OPTIONS * HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
     ] {
@@ -1280,7 +1280,7 @@ async fn a_head_without_end_during_an_upload_is_refused_at_the_limit() {
     s.stop().await;
 }
 
-/// (Sixth session of 2026-12-07, a review) A `HEAD` that sluice refuses on a
+/// A `HEAD` that sluice refuses on a
 /// kept-alive connection: the answer to a HEAD has no body (RFC 9110 §9.3.2), so the
 /// next bytes on the connection are the next response. The lane wrote its JSON body
 /// after the head and kept the connection, so the sender read `{"endpoint":...` where
@@ -1325,7 +1325,7 @@ async fn a_refused_head_request_gets_no_body_on_a_kept_connection() {
     s.stop().await;
 }
 
-/// (Sixth session of 2026-12-07, a review) A request head over 64 KiB is a 431
+/// A request head over 64 KiB is a 431
 /// (docs/SPEC.md's table). The lane checked the limit only while the head was
 /// incomplete: a head whose last piece took it past 64 KiB in one read was complete at
 /// its first parse past the limit, and was forwarded.
@@ -1358,7 +1358,7 @@ async fn a_request_head_over_64_kib_is_a_431_however_it_arrives() {
     s.stop().await;
 }
 
-/// (Sixth session of 2026-12-07, a review) A TLS receiver whose first answer is exactly 8192 bytes (the lane's read buffer)
+/// A TLS receiver whose first answer is exactly 8192 bytes (the lane's read buffer)
 /// and is followed, in the same TLS record, by bytes no request asked for. The lane
 /// reads 8192 bytes of plaintext, the response ends there, `up.buf` is empty, and
 /// `still_open` looks only at the TCP socket's readiness (drained by rustls), so the

@@ -855,7 +855,7 @@ mod tests {
 
     #[test]
     fn endpoint_ids_keep_redis_hash_tags_and_the_overflow_label_intact() {
-        // (2026-12-07, later session) `}` as an id put its two keys in different cluster
+        // `}` as an id put its two keys in different cluster
         // slots: every call for it failed, and the whole replica fell back.
         for bad in ["}", "a}b", "{x}", "ten{ant", "_other"] {
             assert!(check_endpoint_id(bad).is_err(), "{bad}");
@@ -1016,7 +1016,7 @@ mod tests {
                 "[proxy]\nendpoint_header = \"bad header\"",
                 "proxy.endpoint_header",
             ),
-            // (2026-12-07 review) Removed before forwarding, these would unframe the
+            // Removed before forwarding, these would unframe the
             // request (its body forwarded as a request of its own) or unroute it.
             (
                 "[proxy]\nendpoint_header = \"Content-Length\"",
@@ -1034,7 +1034,7 @@ mod tests {
                 "[proxy]\nendpoint_header = \"X-Sluice-Sender\"",
                 "proxy.endpoint_header",
             ),
-            // (2026-12-07 review) Settings that passed `check` and could never work.
+            // Settings that passed `check` and could never work.
             (
                 "[proxy]\nlisten = \"127.0.0.1:8080\"\nadmin_listen = \"127.0.0.1:8080\"",
                 "proxy.admin_listen",
@@ -1133,7 +1133,7 @@ mod tests {
         assert_eq!(ok.defaults.lease_ttl, MIN_LEASE_TTL);
     }
 
-    /// (Sixth session of 2026-12-07, a review) A store URL `run` cannot parse is refused
+    /// A store URL `run` cannot parse is refused
     /// by `check` at its line (it passed), without the password; so is a mistyped
     /// scheme, whose password the message used to print.
     #[test]
@@ -1153,7 +1153,7 @@ mod tests {
         assert!(Config::parse(ok).is_ok());
     }
 
-    /// (Sixth session of 2026-12-07, a review) A host glob with a port, a scheme or a
+    /// A host glob with a port, a scheme or a
     /// trailing dot can never match (hosts are matched normalised, without them): in
     /// `passthrough_hosts` it let the host be intercepted. Refused at its line.
     #[test]
@@ -1178,7 +1178,7 @@ mod tests {
         assert!(Config::parse(ok).is_ok());
     }
 
-    /// (2026-12-07, fifth session) On `redis-cluster` a brace in `key_prefix` would
+    /// On `redis-cluster` a brace in `key_prefix` would
     /// move every key's hash tag off the endpoint: refused at its line; elsewhere kept.
     #[test]
     fn a_cluster_key_prefix_with_a_brace_is_refused_where_it_is() {
@@ -1193,7 +1193,7 @@ mod tests {
         assert_eq!(ok.store.key_prefix, "prod:sluice:");
     }
 
-    /// (2026-12-07 review) A zero `upstream_timeout` is reported at its own line (it
+    /// A zero `upstream_timeout` is reported at its own line (it
     /// was at 1:1), and a reserved endpoint header at its.
     #[test]
     fn proxy_value_errors_are_reported_where_they_are() {
@@ -1206,7 +1206,7 @@ mod tests {
         );
     }
 
-    /// (Sixth session of 2026-12-07, a review) Any `Proxy-*` endpoint header is refused
+    /// Any `Proxy-*` endpoint header is refused
     /// (`Proxy-Status` passed), and a wildcard listener clashes with the other one on
     /// its port.
     #[test]

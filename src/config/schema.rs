@@ -232,7 +232,7 @@ impl Reader<'_> {
         let endpoint_header = match self.string(t, p, "endpoint_header") {
             None => HeaderName::from_static("x-endpoint-id"),
             Some((s, at)) => match HeaderName::from_bytes(s.as_bytes()) {
-                // (Sixth session of 2026-12-07) Every `Proxy-*` header, as SPEC says: a
+                // Every `Proxy-*` header, as SPEC says: a
                 // listed three used to be all.
                 Ok(h)
                     if RESERVED_HEADERS.contains(&h.as_str())
@@ -277,9 +277,8 @@ impl Reader<'_> {
         let listen = self.addr(t, p, "listen", "127.0.0.1:8080");
         let admin_listen = self.addr(t, p, "admin_listen", "127.0.0.1:9090");
         // Port 0 picks a free port for each: only a fixed address can be taken twice.
-        // A wildcard address takes its port on every address (until the sixth session of
-        // 2026-12-07 `0.0.0.0:8080` beside `127.0.0.1:8080` passed `check`, and `run`
-        // could not listen).
+        // A wildcard address takes its port on every address: `0.0.0.0:8080` beside
+        // `127.0.0.1:8080` is a clash `run` could not listen through.
         let clash = listen.port() == admin_listen.port()
             && (listen.ip() == admin_listen.ip()
                 || listen.ip().is_unspecified()
@@ -375,9 +374,9 @@ impl Reader<'_> {
                     format!("\"{}\" must start with redis:// or rediss://", redact(u)),
                 );
             } else if let Err(e) = redis::IntoConnectionInfo::into_connection_info(u.as_str()) {
-                // Parsed here as the store will parse it (it passed `check` and failed
-                // `run` until the sixth session of 2026-12-07), after `${ENV}`: a
-                // password holding `/`, `#`, `?` or `@` must be percent-encoded.
+                // Parsed here as the store will parse it, so nothing passes `check` and
+                // fails `run`, after `${ENV}`: a password holding `/`, `#`, `?` or `@`
+                // must be percent-encoded.
                 self.issue(
                     *at,
                     "store.urls",

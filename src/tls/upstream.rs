@@ -358,7 +358,7 @@ mod tests {
         assert!(reason.contains("tls.upstream_roots"), "{reason}");
     }
 
-    /// (2026-12-07 review) A receiver serving a self-signed CA:TRUE certificate (what
+    /// A receiver serving a self-signed CA:TRUE certificate (what
     /// `openssl req -x509` makes) is refused even when it is listed; the reason says why
     /// and what to do, not `Other(OtherError(CaUsedAsEndEntity))`.
     #[tokio::test]
