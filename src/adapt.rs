@@ -42,10 +42,9 @@ pub struct Feedback {
 /// Longest pause any header may ask for before clamping (guards float conversions).
 const MAX_SECS: f64 = 365.0 * 86_400.0;
 
-/// The shortest pause a throttling answer makes: `Retry-After: 0`, or a date already
-/// past (a receiver whose clock is behind), still empties the bucket, so no burst goes
-/// into a receiver that just said stop (guarantee 4). Before, a zero pause left the
-/// bucket as it was: 200 requests reached a receiver within 36 ms of its 429.
+/// The shortest pause a throttling answer makes: `Retry-After: 0`, or a date already past
+/// (a receiver whose clock is behind), still empties the bucket, so no burst goes into a
+/// receiver that just said stop (guarantee 4).
 const MIN_THROTTLED_PAUSE: Duration = Duration::from_millis(1);
 
 /// Whether a response can carry anything for the limiter: a 429, a 503, or a header

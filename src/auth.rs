@@ -395,13 +395,11 @@ impl Users {
         verified.insert(digest, Cached { identity, until });
     }
 
-    /// The bcrypt cost a name that is not listed is checked at: a listed user's, picked
-    /// by a digest of the name. So a name always costs the same, and names not listed
-    /// cost what listed names cost, in the same proportions: with costs mixed in the file
+    /// The bcrypt cost a name that is not listed is checked at: a listed user's, picked by
+    /// a digest of the name. So a name always costs the same, and names not listed cost
+    /// what listed names cost, in the same proportions: with costs mixed in the file
     /// (`htpasswd -B` makes cost 5, `sluice passwd` cost 10), the time of a refusal still
-    /// does not tell whether a name is listed. (Before, every such name cost the file's
-    /// highest, and a listed user of a lower cost was refused visibly faster.) `None`
-    /// without users.
+    /// does not tell whether a name is listed. `None` without users.
     fn decoy_cost(&self, name: &str) -> Option<u32> {
         if self.costs.is_empty() {
             return None;
@@ -660,10 +658,8 @@ mod tests {
         );
     }
 
-    /// With costs mixed in the file, a name that is not listed costs
-    /// what listed names cost, in the same proportions, and always the same for one
-    /// name. Before, it always cost the file's highest: a listed user of a lower cost was
-    /// refused in 1 ms, an unknown name in 90 ms.
+    /// With costs mixed in the file, a name that is not listed costs what listed names
+    /// cost, in the same proportions, and always the same for one name.
     #[test]
     fn names_not_listed_cost_what_listed_ones_cost() {
         let (low, high) = (bcrypt::hash("a", 4).unwrap(), bcrypt::hash("b", 5).unwrap());
@@ -682,9 +678,8 @@ mod tests {
         assert_eq!(Users::parse("", &[]).unwrap().decoy_cost("x"), None);
     }
 
-    /// A flood of refused values (each a new one) never evicts a verified value: the
-    /// sender at work is answered from the cache throughout. Before, one cache held
-    /// both, and a full one was cleared.
+    /// A flood of refused values (each a new one) never evicts a verified value: the sender
+    /// at work is answered from the cache throughout.
     #[tokio::test]
     async fn refused_values_never_evict_verified_ones() {
         let u = users();
@@ -704,15 +699,14 @@ mod tests {
         assert_eq!(u.bcrypt_runs(), runs, "alice's value is still cached");
     }
 
-    /// A flood of new wrong values from one address is checked one at a time, beside
-    /// the other senders' checks: while one value of the flood is being checked (here
-    /// for as long as the test holds that address's turn), another address's first
-    /// login is checked and let in, and the flood's other values wait their turn; then
-    /// every value of the flood is still checked (none is refused unchecked: a sender
-    /// naming several endpoints after `+` sends several right values at once). Before,
-    /// every value queued a bcrypt in arrival order (200 wrong passwords kept a valid
-    /// login waiting 10 s). The flood's runs are not counted at the moment the other
-    /// sender is in: that depends on how soon its task runs again.
+    /// A flood of new wrong values from one address is checked one at a time, beside the
+    /// other senders' checks: while one value of the flood is being checked (here for as
+    /// long as the test holds that address's turn), another address's first login is
+    /// checked and let in, and the flood's other values wait their turn; then every value
+    /// of the flood is still checked (none is refused unchecked: a sender naming several
+    /// endpoints after `+` sends several right values at once). The flood's runs are not
+    /// counted at the moment the other sender is in: that depends on how soon its task runs
+    /// again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_address_cannot_queue_others_behind_its_wrong_passwords() {
         let u = users();
@@ -752,11 +746,9 @@ mod tests {
         );
     }
 
-    /// Spellings of one credential (the scheme in any case, any run of spaces before
-    /// the base64) are one cache entry, checked by one bcrypt run, and never evict
-    /// another user's entry. Before, the cache was keyed by the header value: each
-    /// spelling cost a bcrypt run of its own, and 10,001 of them cleared the full cache,
-    /// bob's entry with it.
+    /// Spellings of one credential (the scheme in any case, any run of spaces before the
+    /// base64) are one cache entry, checked by one bcrypt run, and never evict another
+    /// user's entry.
     #[tokio::test]
     async fn spellings_of_one_credential_do_not_evict_another_users_entry() {
         let (a, b) = (
@@ -781,8 +773,8 @@ mod tests {
         );
     }
 
-    /// A full cache of verified values makes room by evicting the one used least
-    /// recently: a sender at work keeps its entry. Before, a full cache was cleared.
+    /// A full cache of verified values makes room by evicting the one used least recently:
+    /// a sender at work keeps its entry.
     #[tokio::test(start_paused = true)]
     async fn a_full_cache_evicts_the_least_recently_used_value() {
         let u = users();

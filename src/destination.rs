@@ -230,7 +230,7 @@ mod tests {
 
     /// SIIT's IPv4-translated addresses (`::ffff:0:0:0/96`, RFC 7915) stand for the IPv4
     /// address in their last 32 bits, like the other embedded forms: a private one is
-    /// refused, a public one allowed. Before, `::ffff:0:127.0.0.1` passed.
+    /// refused, a public one allowed.
     #[test]
     fn siit_addresses_are_classified_by_their_ipv4() {
         let p = policy("");

@@ -1631,19 +1631,12 @@ async fn write_all<T: AsyncWrite + Unpin>(stream: &mut T, bytes: &[u8]) -> io::R
     stream.flush().await
 }
 
-/// A response body whose sender left before its end (closed, reset) while the request
-/// holds a `max_in_flight` slot: the receiver is still sending, so the slot is not
-/// free. The rest is read and thrown away on a task of its own, which holds the slot
-/// until the body ends, the receiver closes, or no byte came for `limit`. Before, the
-/// upstream connection was closed and the slot freed at once, and a receiver had 5
-/// requests in flight where `max_in_flight` was 2.
 /// A response body on its way to the sender, with the upstream connection it comes on
 /// and the request's slot. Dropped before [`Relaying::done`] (a write to the sender
 /// failed, or the lane's future was dropped at `idle_timeout` while a write waited on a
-/// sender that stopped reading), the rest of the body is drained for the receiver
-/// holding the slot, as on hyper's path: releasing it at the timeout would let the next
-/// request reach a receiver still at work on this one (2 in flight where
-/// `max_in_flight = 1`).
+/// sender that stopped reading), the rest of the body is drained, on a task of its own,
+/// for the receiver holding the slot, as on hyper's path: releasing it at once would let
+/// the next request reach a receiver still at work on this one.
 struct Relaying {
     up: Option<Upstream>,
     relay: Framing,

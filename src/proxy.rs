@@ -414,7 +414,6 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> R
 /// A request being served: when its future is dropped after the request left for the
 /// receiver and before an answer (the sender reset its HTTP/2 stream or closed its
 /// connection), it is still counted under its outcome and leaves its decision line.
-/// Before, such requests reached the receiver and left no trace.
 struct Unanswered<'a> {
     app: &'a App,
     peer: SocketAddr,

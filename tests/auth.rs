@@ -518,9 +518,8 @@ async fn intercepted_https_with_credentials_on_the_connect_paces_each_request() 
     // Wrong credentials on the CONNECT: no tunnel at all.
     let wrong = client("team_b", "nope").get(up.url("/x")).send().await;
     assert!(wrong.is_err(), "a tunnel opened with a wrong password");
-    // alice's password changed: her open tunnel refuses the next
-    // request, and team_b's, whose line is unchanged, goes on. Before, only a removed
-    // user's tunnel was refused: a leaked password stayed good in an open tunnel.
+    // alice's password changed: her open tunnel refuses the next request, and team_b's,
+    // whose line is unchanged, goes on.
     let a = client("alice", "wonder");
     let get = |c: &reqwest::Client, path: &str, endpoint: &str| {
         c.get(up.url(path)).header("x-endpoint-id", endpoint).send()

@@ -364,8 +364,8 @@ fn check_warns_of_a_grant_to_a_user_not_in_the_users_file() {
 
 /// A CA key file its group or others may read (mode & 0o077 != 0) is warned about by
 /// `check` and at start, naming the key and the mode: whoever reads it can impersonate
-/// any site to the senders. It stays a warning (a secret volume may be readable by a
-/// group on purpose). Before, nothing was said.
+/// any site to the senders. It stays a warning (a secret volume may be readable by a group
+/// on purpose).
 #[test]
 fn a_ca_key_others_can_read_is_warned_about() {
     use std::os::unix::fs::PermissionsExt;

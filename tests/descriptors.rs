@@ -12,11 +12,10 @@ use common::process::LoggedChild;
 /// Longest the child may take to start.
 const START: Duration = Duration::from_secs(30);
 
-/// Under `prlimit --nofile=256` (soft and hard, so the limit cannot be raised), sluice
-/// with the default `max_connections = 10000` warns at start naming both figures and
-/// serves fewer senders at once, so with 300 idle sender connections open `/healthz`
-/// still answers. Before, nothing was said, the proxy accepted until `EMFILE`, and the
-/// admin listener could accept nothing: `/healthz` timed out.
+/// Under `prlimit --nofile=256` (soft and hard, so the limit cannot be raised), sluice with
+/// the default `max_connections = 10000` warns at start naming both figures and serves
+/// fewer senders at once, so with 300 idle sender connections open `/healthz` still
+/// answers.
 #[tokio::test]
 async fn a_descriptor_limit_too_low_is_warned_about_and_healthz_answers() {
     let dir = tempfile::tempdir().unwrap();

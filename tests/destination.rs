@@ -11,11 +11,8 @@ use common::{Upstream, read_response};
 /// `Connection` values that keep a request in the lane, and that hand it to hyper.
 const BOTH_PATHS: [&str; 2] = ["keep-alive", "x-hop"];
 
-/// A SIIT address (`::ffff:0:a.b.c.d`, RFC 7915) embedding a loopback or private IPv4
-/// is refused like that IPv4 address, `403 destination_denied`, on both engines. Before,
-/// the policy let it through (it knew the IPv4-mapped `::ffff:a.b.c.d` but not this
-/// form) and sluice tried to connect: a 502, or on a host whose translator maps it, a
-/// request to the private address.
+/// A SIIT address (`::ffff:0:a.b.c.d`, RFC 7915) embedding a loopback or private IPv4 is
+/// refused like that IPv4 address, `403 destination_denied`, on both engines.
 #[tokio::test]
 async fn siit_addresses_embedding_private_ipv4_are_refused() {
     let up = Upstream::start().await;

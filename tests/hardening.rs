@@ -537,9 +537,8 @@ async fn reload_drops_pooled_connections_to_refused_addresses() {
 
 /// Finding 10: a sender's malformed body (bad chunked framing, or fewer bytes than its
 /// `Content-Length`) is the sender's 400, not the upstream's 502.
-/// Its head reached the receiver, so its token stays spent: the receiver sees no more
-/// heads than the bound. Before, the token went back, and senders that broke their
-/// bodies put 30 heads in 1 s before a receiver whose bound was 8.
+/// Its head reached the receiver, so its token stays spent: the receiver sees no more heads
+/// than the bound.
 #[tokio::test]
 async fn a_malformed_request_body_is_a_400_and_its_head_is_paid_for() {
     let up = Upstream::start().await;
@@ -762,9 +761,8 @@ async fn hundreds_of_senders_wait_in_the_backlog_at_the_connection_cap() {
 
 /// An IPv4 address spelled another way (`0x7f.0.0.1`, `127.1`, `2130706433`: every
 /// resolver takes them) is that address: it spends the bucket of the endpoint whose
-/// `hosts` name the address, on both paths. Before, each spelling was an endpoint of
-/// its own with the default policy, so a sender could multiply its budget for one
-/// receiver by spelling its address differently.
+/// `hosts` name the address, on both paths, so a sender cannot multiply its budget for
+/// one receiver by spelling its address differently.
 #[tokio::test]
 async fn an_address_spelled_another_way_spends_the_same_bucket() {
     let up = Upstream::start().await;
@@ -805,10 +803,8 @@ async fn an_address_spelled_another_way_spends_the_same_bucket() {
     s.stop().await;
 }
 
-/// A CONNECT whose target is not `host:port` (a URL, userinfo) or that frames content
-/// (RFC 9110 §9.3.6: it has none) is a 400 and opens no tunnel. Before, sluice took
-/// a `Content-Length`'s bytes as a body and tunnelled what followed, where the sender
-/// may count those bytes as the tunnel's.
+/// A CONNECT whose target is not `host:port` (a URL, userinfo) or that frames content (RFC
+/// 9110 §9.3.6: it has none) is a 400 and opens no tunnel.
 #[tokio::test]
 async fn a_connect_that_is_not_host_and_port_alone_opens_no_tunnel() {
     let up = Upstream::start().await;
@@ -866,8 +862,7 @@ async fn a_trailing_dot_host_reaches_the_same_address_on_both_paths() {
 }
 
 /// Two endpoint headers with different values are a 400 on both paths, as two `Host`
-/// headers are: nothing is sent or spent. Before, the first one decided (checked
-/// against the sender's grant, so no bypass, but which bucket paid was the order's).
+/// headers are: nothing is sent or spent.
 #[tokio::test]
 async fn two_endpoint_headers_are_a_bad_request() {
     let up = Upstream::start().await;
@@ -900,8 +895,7 @@ async fn two_endpoint_headers_are_a_bad_request() {
 /// a `Content-Length` body, hyper for a chunked one), on a fresh upstream connection and
 /// on a held one; a sender that stops mid-body gets a 408 `request_timeout` once a
 /// timeout passed since its last byte (its token stays spent: its head reached the
-/// receiver). Before, both were cut a timeout after the head left, with a 504
-/// `upstream_timeout` that blamed the receiver.
+/// receiver), not a 504 `upstream_timeout` that blames the receiver.
 #[tokio::test]
 async fn a_long_upload_is_never_cut_and_a_stalled_one_is_the_senders_408() {
     // 24 pieces of 100 bytes: one every 75 ms keeps above the average an upload must
@@ -1311,10 +1305,9 @@ async fn senders_behind_ones_that_hang_up_move_up_into_their_starts() {
     s.stop().await;
 }
 
-/// A request head no HTTP/1.1 server would read gets
-/// sluice's own answer, like every other refusal: `X-Sluice-Reason: bad_request` and a
-/// JSON body saying what was wrong, then the connection closes. Before, hyper answered
-/// with a bare 400 or 431 and no body: nothing told the sender it was sluice, or why.
+/// A request head no HTTP/1.1 server would read gets sluice's own answer, like every other
+/// refusal: `X-Sluice-Reason: bad_request` and a JSON body saying what was wrong, then the
+/// connection closes.
 #[tokio::test]
 async fn a_malformed_or_oversized_head_gets_a_clear_refusal() {
     let up = Upstream::start().await;

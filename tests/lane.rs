@@ -869,10 +869,8 @@ async fn a_query_without_a_path_reaches_the_receiver_as_origin_form() {
 
 /// A sender that sends its next request while a slow response body is still arriving
 /// (pipelining, or a client that writes ahead) gets the whole body and then the next
-/// answer, on both paths: the head deadline (`header_read_timeout`) runs from the end
-/// of the response, not from the next head's bytes. Before, hyper's path cut the
-/// connection mid-body at the deadline (the next head's bytes started its clock while
-/// the body was still being written).
+/// answer, on both paths: the head deadline (`header_read_timeout`) runs from the end of
+/// the response, not from the next head's bytes.
 #[tokio::test]
 async fn a_head_sent_while_a_slow_body_arrives_waits_for_it_uncut() {
     let up = RawUpstream::start().await;
@@ -906,11 +904,10 @@ async fn a_head_sent_while_a_slow_body_arrives_waits_for_it_uncut() {
     s.stop().await;
 }
 
-/// A receiver that answers from the head alone and then neither reads the body nor
-/// closes: its answer reaches the sender at once, on both paths, whether the sender
-/// uploads fast (sluice's writes to the receiver stall) or has stopped uploading
-/// (sluice waits for the sender). Before, the lane kept sending (or waiting for) the
-/// body and answered 504 at `upstream_timeout`.
+/// A receiver that answers from the head alone and then neither reads the body nor closes:
+/// its answer reaches the sender at once, on both paths, whether the sender uploads fast
+/// (sluice's writes to the receiver stall) or has stopped uploading (sluice waits for the
+/// sender).
 #[tokio::test]
 async fn an_answer_before_the_body_reaches_the_sender_while_the_receiver_stays_open() {
     let up = RawUpstream::start().await;
@@ -966,11 +963,9 @@ async fn read_until_half(
     (String::from_utf8_lossy(&got).into_owned(), whole)
 }
 
-/// A chunked body whose end a sender's client could read somewhere else than sluice
-/// does (a bare LF ending the last line) is cut, on both paths, and the response the
-/// receiver placed after it reaches no request. Before, the lane relayed the bytes as
-/// they came, and a lenient client (Python's http.client) took the receiver's
-/// response as the answer to its next request.
+/// A chunked body whose end a sender's client could read somewhere else than sluice does (a
+/// bare LF ending the last line) is cut, on both paths, and the response the receiver
+/// placed after it reaches no request.
 #[tokio::test]
 async fn a_receiver_cannot_place_a_response_after_an_ambiguous_chunked_body() {
     let up = RawUpstream::start().await;
@@ -1092,8 +1087,7 @@ async fn a_large_response_head_reaches_the_sender_on_both_paths() {
 }
 
 /// A 101 to a request that asked for no upgrade (sluice sends none)
-/// is a 502 on both paths. Before, hyper's path relayed a bare 101 and closed, also to
-/// an HTTP/1.0 sender, which may get no 1xx at all.
+/// is a 502 on both paths, also to an HTTP/1.0 sender, which may get no 1xx at all.
 #[tokio::test]
 async fn an_unasked_101_is_a_502_on_both_paths() {
     let up = RawUpstream::start().await;
@@ -1154,11 +1148,9 @@ async fn tls_response(tls: &mut tokio_rustls::client::TlsStream<TcpStream>) -> S
     String::from_utf8_lossy(&got).into_owned()
 }
 
-/// Inside an intercepted tunnel, a CONNECT (a tunnel in the tunnel), a request whose
-/// target is `host:port` or a bare word (authority-form, CONNECT's alone) and one whose
-/// target is `*` (asterisk-form, refused outside tunnels too) are 400s:
-/// nothing reaches the receiver. Before, the CONNECT went upstream as one (a token
-/// spent, no answer), and `DELETE users` went out as `DELETE /`.
+/// Inside an intercepted tunnel, a CONNECT (a tunnel in the tunnel), a request whose target
+/// is `host:port` or a bare word (authority-form, CONNECT's alone) and one whose target is
+/// `*` (asterisk-form, refused outside tunnels too) are 400s: nothing reaches the receiver.
 #[tokio::test]
 async fn inside_a_tunnel_a_connect_or_a_target_that_is_no_path_is_refused() {
     use common::tls::{TestPki, TlsUpstream};
@@ -1187,8 +1179,7 @@ async fn inside_a_tunnel_a_connect_or_a_target_that_is_no_path_is_refused() {
 
 /// A CONNECT to an IPv4 address spelled another way (`127.1`) reaches that address on
 /// both paths inside the tunnel, with one name for the TLS handshake and `Host`: the
-/// address. Before, hyper's path asked its TLS client for the name `127.1` and
-/// answered 502.
+/// address.
 #[tokio::test]
 async fn a_tunnel_to_an_address_spelled_another_way_reaches_it_on_both_paths() {
     use common::tls::{TestPki, TlsUpstream};
@@ -1219,10 +1210,8 @@ async fn a_tunnel_to_an_address_spelled_another_way_reaches_it_on_both_paths() {
     s.stop().await;
 }
 
-/// An h2 sender's `cookie` fields (browsers and h2 clients split them, one pair each)
-/// reach the HTTP/1.1 receiver as one `cookie` joined with `; ` (RFC 9113 §8.2.3).
-/// Before, they went out as several `cookie` lines, and a receiver that reads one lost
-/// the rest.
+/// An h2 sender's `cookie` fields (browsers and h2 clients split them, one pair each) reach
+/// the HTTP/1.1 receiver as one `cookie` joined with `; ` (RFC 9113 §8.2.3).
 #[tokio::test]
 async fn an_h2_senders_split_cookies_reach_the_receiver_as_one() {
     use common::tls::{TestPki, TlsUpstream};
@@ -1258,8 +1247,8 @@ async fn an_h2_senders_split_cookies_reach_the_receiver_as_one() {
 
 /// A response head that does not end, sent while the request's body is still coming
 /// (a slow upload), is refused at the head's limit, as it is after a whole body: a 502
-/// at once, on both paths. Before, the lane kept every byte of it until
-/// `upstream_timeout` (gigabytes, and a core re-parsing them).
+/// at once, on both paths, never kept until `upstream_timeout` (gigabytes, and a core
+/// re-parsing them).
 #[tokio::test]
 async fn a_head_without_end_during_an_upload_is_refused_at_the_limit() {
     let up = RawUpstream::start().await;

@@ -93,9 +93,8 @@ fn size_lines(response: &str) -> Vec<String> {
 
 /// A chunk size of more than 16 hex digits (leading zeros included) never reaches the
 /// sender: Go's net/http, the usual webhook sender, refuses such a line and fails the
-/// request. The lane cuts the answer, as other malformed framing; hyper's path decodes
-/// the size and writes it anew (`2`), so its sender reads the whole body. Before, the
-/// lane relayed sizes of up to 32 digits as they came.
+/// request. The lane cuts the answer, as other malformed framing; hyper's path decodes the
+/// size and writes it anew (`2`), so its sender reads the whole body.
 #[tokio::test]
 async fn chunk_sizes_over_16_digits_never_reach_the_sender() {
     let answers: [&'static [u8]; 2] = [
@@ -146,11 +145,10 @@ async fn send_raw(proxy: SocketAddr, head: &str, body: &[u8]) -> String {
     common::read_response(&mut t).await
 }
 
-/// A request whose transfer codings are anything but a lone `chunked` (RFC 9112 §6.1)
-/// is answered `501 not_implemented` before anything is spent or sent, on both
-/// engines: sluice cannot forward `gzip` as a transfer coding, and dropping it would
-/// hand the receiver compressed bytes as the body. Before, `gzip, chunked` reached
-/// the receiver as `chunked` with the body still compressed (a 200).
+/// A request whose transfer codings are anything but a lone `chunked` (RFC 9112 §6.1) is
+/// answered `501 not_implemented` before anything is spent or sent, on both engines: sluice
+/// cannot forward `gzip` as a transfer coding, and dropping it would hand the receiver
+/// compressed bytes as the body.
 #[tokio::test]
 async fn a_transfer_coding_other_than_chunked_is_501() {
     let up = common::Upstream::start().await;
@@ -186,9 +184,8 @@ async fn a_transfer_coding_other_than_chunked_is_501() {
     s.stop().await;
 }
 
-/// A chunked body on a GET or HEAD reaches the receiver whole, as Squid forwards it,
-/// on both engines. Before, hyper's client (which sends a GET or HEAD of unknown length
-/// without its body) dropped it silently: the receiver read an empty body.
+/// A chunked body on a GET or HEAD reaches the receiver whole, as Squid forwards it, on
+/// both engines.
 #[tokio::test]
 async fn a_chunked_body_on_get_or_head_is_forwarded() {
     let up = common::Upstream::start().await;
