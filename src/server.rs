@@ -152,16 +152,8 @@ async fn accept_admin(
     let limit = Arc::new(Semaphore::new(max_connections));
     let open = Arc::new(AdminConns::default());
     loop {
-        let (stream, _peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(s) => s,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let stream = tokio::select! {
+            s = accept(&listener) => match s { Some(s) => s, None => continue },
             _ = until_down(&mut stop) => return,
         };
         let permit = match Arc::clone(&limit).try_acquire_owned() {
@@ -211,6 +203,19 @@ async fn accept_admin(
             }
             open.leave(id);
         }));
+    }
+}
+
+/// The next connection, or `None` after a failed accept (EMFILE and friends), backing
+/// off instead of spinning.
+async fn accept(listener: &TcpListener) -> Option<TcpStream> {
+    match listener.accept().await {
+        Ok((s, _)) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "accept failed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            None
+        }
     }
 }
 
@@ -272,16 +277,8 @@ async fn accept_loop<F, Fut>(
             p = Arc::clone(&limit).acquire_owned() => match p { Ok(p) => p, Err(_) => return },
             _ = until_down(&mut stop) => return,
         };
-        let (stream, _peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(s) => s,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let stream = tokio::select! {
+            s = accept(&listener) => match s { Some(s) => s, None => continue },
             _ = until_down(&mut stop) => return,
         };
         let _ = stream.set_nodelay(true);

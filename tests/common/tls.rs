@@ -147,6 +147,18 @@ pub async fn tunnel_session(
         head.push(b[0]);
     }
     assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    let cfg = http11_client(ca);
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned()).unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .unwrap()
+}
+
+/// A TLS client offering ALPN `http/1.1` that trusts only the CA certificate in the PEM
+/// file `ca`.
+#[allow(dead_code)]
+pub fn http11_client(ca: &Path) -> rustls::ClientConfig {
     let mut roots = rustls::RootCertStore::empty();
     for cert in rustls_pemfile::certs(&mut std::fs::read(ca).unwrap().as_slice()) {
         roots.add(cert.unwrap()).unwrap();
@@ -158,9 +170,5 @@ pub async fn tunnel_session(
         .with_root_certificates(roots)
         .with_no_client_auth();
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned()).unwrap();
-    tokio_rustls::TlsConnector::from(Arc::new(cfg))
-        .connect(name, tcp)
-        .await
-        .unwrap()
+    cfg
 }
