@@ -223,7 +223,7 @@ pub struct BuildLabels {
 
 /// The endpoint label every endpoint past `proxy.metrics_max_endpoints` shares (an
 /// endpoint may not have this ID).
-pub const OTHER: &str = "_other";
+pub const OTHER: &str = crate::config::OTHER_ENDPOINT;
 
 /// How many endpoints past `proxy.metrics_max_endpoints` that receivers throttled are
 /// still watched (logs, `/endpoints`): a bound on what a sender spraying IDs at

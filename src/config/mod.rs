@@ -764,6 +764,10 @@ pub fn expand_env(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Strin
     out.push_str(rest);
     Ok(out)
 }
+/// The endpoint ID every endpoint past `proxy.metrics_max_endpoints` shares as its
+/// metrics label, reserved so no endpoint can take it.
+pub const OTHER_ENDPOINT: &str = "_other";
+
 /// The slowest rate (and floor) a config may ask for: one token in ~11.6 days. Slower
 /// rates make waits that no clock or `Duration` can hold.
 pub const MIN_RATE: f64 = 1e-6;
@@ -827,7 +831,7 @@ pub fn check_endpoint_id(id: &str) -> Result<(), String> {
         return Err(format!("endpoint id {id:?} may not contain '{{' or '}}'"));
     }
     // The label everything past `metrics_max_endpoints` shares.
-    if id == crate::metrics::OTHER {
+    if id == OTHER_ENDPOINT {
         return Err(format!("endpoint id {id:?} is reserved"));
     }
     Ok(())
