@@ -71,7 +71,10 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
         config.endpoints.iter().map(|e| &e.id),
     ));
     let store: Arc<dyn BucketStore> = match config.store.backend {
-        Backend::Memory => Arc::new(MemoryStore::new()),
+        Backend::Memory => Arc::new(MemoryStore::new().capped(
+            config.store.max_endpoints,
+            metrics.store.endpoints.clone(),
+        )),
         Backend::Redis | Backend::RedisCluster | Backend::RedisSentinel => {
             let primary = match config.store.on_error {
                 // Fail closed: a dead store would refuse every request, so refuse to start.
@@ -415,6 +418,7 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "store.sentinel_master" => store.sentinel_master;
         "store.fallback_min_replicas" => store.fallback_min_replicas;
         "store.prefetch" => store.prefetch;
+        "store.max_endpoints" => store.max_endpoints;
         "tls.intercept" => tls.intercept;
         "tls.ca_cert" => tls.ca_cert;
         "tls.ca_key" => tls.ca_key;

@@ -114,6 +114,15 @@ pub enum ProxyError {
         /// The endpoint ID.
         endpoint: String,
     },
+    /// The memory store holds `store.max_endpoints` busy endpoints and this one has no
+    /// bucket.
+    #[error(
+        "sluice holds state for store.max_endpoints endpoints, none idle: endpoint {endpoint} gets none"
+    )]
+    EndpointCapacity {
+        /// The endpoint ID.
+        endpoint: String,
+    },
     /// The upstream failed after the request left (connect, TLS, reset...).
     #[error("upstream error: {0}")]
     Upstream(String),
@@ -145,6 +154,7 @@ impl ProxyError {
             ProxyError::Cooldown { .. } => "cooldown",
             ProxyError::ConcurrencyLimited { .. } => "concurrency_limited",
             ProxyError::StoreUnavailable { .. } => "store_unavailable",
+            ProxyError::EndpointCapacity { .. } => "endpoint_capacity",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",
             ProxyError::RequestTimeout(_) => "request_timeout",
@@ -166,7 +176,8 @@ impl ProxyError {
             ProxyError::RateLimited { .. }
             | ProxyError::Cooldown { .. }
             | ProxyError::ConcurrencyLimited { .. }
-            | ProxyError::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            | ProxyError::StoreUnavailable { .. }
+            | ProxyError::EndpointCapacity { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -179,7 +190,9 @@ impl ProxyError {
             ProxyError::RateLimited { retry_after, .. }
             | ProxyError::Cooldown { retry_after, .. }
             | ProxyError::ConcurrencyLimited { retry_after, .. } => Some(*retry_after),
-            ProxyError::StoreUnavailable { .. } => Some(Duration::from_secs(1)),
+            ProxyError::StoreUnavailable { .. } | ProxyError::EndpointCapacity { .. } => {
+                Some(Duration::from_secs(1))
+            }
             _ => None,
         }
     }
@@ -198,7 +211,8 @@ impl ProxyError {
             ProxyError::RateLimited { endpoint, .. }
             | ProxyError::Cooldown { endpoint, .. }
             | ProxyError::ConcurrencyLimited { endpoint, .. }
-            | ProxyError::StoreUnavailable { endpoint } => Some(endpoint),
+            | ProxyError::StoreUnavailable { endpoint }
+            | ProxyError::EndpointCapacity { endpoint } => Some(endpoint),
             ProxyError::UnknownEndpoint(e) | ProxyError::EndpointNotAllowed { endpoint: e, .. } => {
                 Some(e)
             }

@@ -475,6 +475,16 @@ impl Metrics {
             m.store.rebuilds.clone(),
         );
         registry.register(
+            "endpoints_tracked",
+            "Endpoints the memory store holds a bucket of (at most store.max_endpoints)",
+            m.store.endpoints.tracked.clone(),
+        );
+        registry.register(
+            "endpoint_state_evicted",
+            "Idle endpoint buckets the memory store evicted (full again: nothing lost)",
+            m.store.endpoints.evicted.clone(),
+        );
+        registry.register(
             "log_dropped",
             "Log lines dropped because the log writer had fallen behind",
             LogDropped,

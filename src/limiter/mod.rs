@@ -64,6 +64,22 @@ pub enum StoreError {
     /// The store answered with something sluice cannot use.
     #[error("store answered unexpectedly: {0}")]
     Protocol(String),
+    /// The memory store holds its most buckets (`store.max_endpoints`), none idle, and
+    /// the endpoint has none: it gets no bucket rather than one being forgotten early.
+    #[error(
+        "sluice holds state for {0} endpoints (store.max_endpoints), none idle: no room for another"
+    )]
+    Full(usize),
+}
+
+impl StoreError {
+    /// The refusal a failed call makes.
+    fn refusal(&self) -> Refusal {
+        match self {
+            StoreError::Full(_) => Refusal::EndpointCapacity,
+            _ => Refusal::StoreUnavailable,
+        }
+    }
 }
 
 /// Whether the store is serving normally.
@@ -176,6 +192,9 @@ pub enum Refusal {
         /// Time until the soonest lease expires (a release may come sooner).
         retry_after: Duration,
     },
+    /// The memory store is full of busy endpoints and this one has no bucket
+    /// (`store.max_endpoints`).
+    EndpointCapacity,
 }
 
 /// What waits on one endpoint on this replica ([`Limiter::parked`]).
@@ -353,7 +372,7 @@ impl Limiter {
                         .store
                         .acquire(endpoint, ask)
                         .await
-                        .map_err(|_| Refusal::StoreUnavailable)?;
+                        .map_err(|e| e.refusal())?;
                     (now, outcome)
                 }
             };
@@ -453,7 +472,7 @@ impl Limiter {
                 let asked = Instant::now();
                 let ask = Ask::new(policy, micros(deadline - asked), None);
                 let o = self.store.acquire(endpoint, ask).await;
-                ((asked, o.map_err(|_| Refusal::StoreUnavailable)?), None)
+                ((asked, o.map_err(|e| e.refusal())?), None)
             }
         };
         let slot_wait = started.elapsed();
@@ -519,7 +538,7 @@ impl Limiter {
             if leased.is_ok() {
                 pending.answered();
             }
-            let retry_us = match leased.map_err(|_| Refusal::StoreUnavailable)? {
+            let retry_us = match leased.map_err(|e| e.refusal())? {
                 Leased::Took(o @ Outcome::Granted { .. }) => {
                     let (store, gates) = (Arc::clone(&self.store), Arc::clone(&self.gates));
                     let slot = Slot::new(store, gates, Arc::clone(endpoint), ask, lease);
@@ -576,7 +595,7 @@ impl Limiter {
                     Refusal::RateLimited { retry_after }
                 })
             }
-            Err(_) => Shadow::Refuse(Refusal::StoreUnavailable),
+            Err(e) => Shadow::Refuse(e.refusal()),
         }
     }
 
@@ -751,6 +770,9 @@ pub struct StoreStats {
     /// `sluice_store_degraded_slots`: on `redis-cluster`, the hash slots whose endpoints
     /// the `on_error` fallback decides now (0 on other stores).
     pub degraded_slots: prometheus_client::metrics::gauge::Gauge,
+    /// `sluice_endpoints_tracked` and `sluice_endpoint_state_evicted_total`: the memory
+    /// store's buckets (`store.max_endpoints`).
+    pub endpoints: memory::EndpointStats,
 }
 
 impl Default for StoreStats {
@@ -764,6 +786,7 @@ impl Default for StoreStats {
             notices: Default::default(),
             rebuilds: Default::default(),
             degraded_slots: Default::default(),
+            endpoints: Default::default(),
         }
     }
 }
