@@ -6,8 +6,9 @@
 -- ARGV[4]  floor (tokens/s)   ARGV[5] decrease (multiplier in (0,1))
 -- ARGV[6]  default cooldown (µs)   ARGV[7] pause (µs; 0 = none)   ARGV[8] throttled 0|1
 -- ARGV[9]  pub/sub channel announcing cooldowns ("" = none)
--- Returns  1 (and, when a cooldown starts, PUBLISHes KEYS[1] on ARGV[9] so waiting
---          requests on every replica know their reservation must be confirmed)
+-- Returns  1 (and, when a cooldown starts, PUBLISHes "KEYS[1] ARGV[7]" on
+--          ARGV[9]..':until', so every replica knows until when it cools, then KEYS[1]
+--          on ARGV[9], so waiting requests know their reservation must be confirmed)
 --
 -- Why atomic: "once per cooldown window" is decided here from the stored `du`, so fifty
 -- concurrent 429s from any number of replicas lower the rate once; and the cooldown
@@ -50,6 +51,7 @@ if pause > 0 and now + pause > s.cu then
   s.ho = ''
   s.la = 0
   if ARGV[9] ~= '' then
+    redis.call('PUBLISH', ARGV[9] .. ':until', KEYS[1] .. ' ' .. ARGV[7])
     redis.call('PUBLISH', ARGV[9], KEYS[1])
   end
 end

@@ -150,3 +150,103 @@ async fn run(kill_flow: bool) {
         "a request already waiting left during the cooldown: {outcome:?}"
     );
 }
+
+/// `sluice_store_cooldown_notices_total` of the replica at `admin`.
+async fn notices_heard(admin: std::net::SocketAddr) -> u64 {
+    let m = common::metrics(admin).await;
+    m.lines()
+        .find_map(|l| l.strip_prefix("sluice_store_cooldown_notices_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Three replicas on one Redis (`on_error = "local"`). Replica A's request comes back
+/// 429 with `Retry-After: 5`; replicas B and C hear the cooldown's notice, and then
+/// Redis dies. B's requests waiting on shared reservations wake during the cooldown,
+/// and C takes new requests with its local bucket: the notice heard before the cut
+/// holds both back until the cooldown ends (guarantee 4), although neither replica
+/// ever had an answer of the store showing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cooldown_notice_heard_before_a_cut_holds_the_local_bucket() {
+    const RETRY_AFTER: Duration = Duration::from_secs(5);
+    const ANSWER_AFTER: Duration = Duration::from_millis(500);
+    let mut redis = common::redis::RedisServer::start();
+    let conf = format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 1.0\nburst = 1.0\nmax_wait = \"20s\"\n\
+         [defaults.adaptive]\nabsorb = \"off\"\n",
+        redis.url()
+    );
+    let mut rs = Vec::new();
+    for _ in 0..3 {
+        rs.push(common::sluice(&conf).await);
+    }
+    common::until_all_count(&rs, 3).await;
+    let up = common::Upstream::with(Arc::new(|a: &common::Arrival| {
+        if a.path.starts_with("/cool/throttle") {
+            common::Reply::status(429)
+                .header("retry-after", &RETRY_AFTER.as_secs().to_string())
+                .delay(ANSWER_AFTER)
+        } else {
+            common::Reply::ok()
+        }
+    }))
+    .await;
+    let send = |r: &sluice::app::Running, path: &str| {
+        let (c, url) = (common::client(r.proxy_addr), up.url(path));
+        tokio::spawn(async move {
+            let r = c.get(&url).header("x-endpoint-id", "cool").send().await;
+            r.map(|r| r.status().as_u16())
+        })
+    };
+    // A's request takes the bucket's one token; its 429 comes 0.5 s later.
+    let throttled = send(&rs[0], "/cool/throttle");
+    common::wait_for(
+        "the request to be throttled",
+        Duration::from_secs(5),
+        || std::future::ready(up.count() == 1),
+    )
+    .await;
+    let sent_at = up.arrivals()[0].at;
+    // Meanwhile B's requests reserve the next tokens, 1, 2 and 3 s on.
+    let waiting: Vec<_> = (0..3)
+        .map(|i| send(&rs[1], &format!("/cool/b/{i}")))
+        .collect();
+    assert_eq!(throttled.await.unwrap().unwrap(), 429);
+    common::wait_for(
+        "B and C to hear the notice",
+        Duration::from_secs(5),
+        || async {
+            notices_heard(rs[1].admin_addr).await >= 1 && notices_heard(rs[2].admin_addr).await >= 1
+        },
+    )
+    .await;
+    redis.kill();
+    assert!(
+        tokio::time::Instant::now() < sent_at + Duration::from_secs(1),
+        "Redis died after B's first waiter woke: nothing tested"
+    );
+    let fresh: Vec<_> = (0..3)
+        .map(|i| send(&rs[2], &format!("/cool/c/{i}")))
+        .collect();
+    // The cooldown runs RETRY_AFTER from the 429, sent ANSWER_AFTER after its arrival.
+    let ends = sent_at + ANSWER_AFTER + RETRY_AFTER;
+    tokio::time::sleep_until(ends).await;
+    let early: Vec<(String, Duration)> = up
+        .arrivals()
+        .iter()
+        .filter(|a| a.at > sent_at && a.at < ends)
+        .map(|a| (a.path.clone(), a.at - sent_at))
+        .collect();
+    eprintln!("arrivals during the cooldown: {}", early.len());
+    assert!(
+        early.is_empty(),
+        "arrived during the cooldown a notice announced before the cut: {early:?}"
+    );
+    for t in waiting.into_iter().chain(fresh) {
+        t.abort();
+    }
+    for r in rs {
+        r.stop().await;
+    }
+}

@@ -243,3 +243,91 @@ async fn a_lane_sender_that_stops_reading_does_not_free_the_slot_while_the_recei
     );
     s.stop().await;
 }
+
+/// Redis stalls (SIGSTOP) for longer than `lease_ttl` while requests hold and ask for
+/// all `max_in_flight = 3` slots (`on_error = "local"`). Each leased call the queue's
+/// head sent as a probe during the stall timed out, and the local store answered
+/// "busy"; Redis runs those calls when it resumes and adds their leases, which nobody
+/// holds, renews or releases. They are released when Redis answers again, before it
+/// decides anything else for this replica: within `lease_ttl` of the stall's end the
+/// receiver has its three requests in flight again (12/s with each held 250 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_left_unanswered_in_a_redis_stall_hold_no_slot_after_it() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const HOLD: Duration = Duration::from_millis(250);
+    const STALL: Duration = Duration::from_secs(5);
+    const TTL: Duration = Duration::from_secs(4);
+    let redis = common::redis::RedisServer::start();
+    let s = common::sluice(&format!(
+        "[store]\nbackend = \"redis\"\nurls = [\"{}\"]\ntimeout = \"100ms\"\non_error = \"local\"\n\
+         [defaults]\nrate = 100.0\nburst = 10.0\nmax_wait = \"60s\"\nmax_in_flight = 3\n\
+         lease_ttl = \"{}s\"\n",
+        redis.url(),
+        TTL.as_secs()
+    ))
+    .await;
+    let up = common::Upstream::with(Arc::new(|_: &common::Arrival| {
+        common::Reply::ok().delay(HOLD)
+    }))
+    .await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let senders: Vec<_> = (0..8)
+        .map(|i| {
+            let (c, url, stop) = (
+                common::client(s.proxy_addr),
+                up.url(&format!("/stall/{i}")),
+                Arc::clone(&stop),
+            );
+            tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let r = c.get(&url).header("x-endpoint-id", "stall").send().await;
+                    assert_eq!(r.unwrap().status(), 200);
+                }
+            })
+        })
+        .collect();
+    common::wait_for("arrivals on Redis", Duration::from_secs(10), || {
+        std::future::ready(up.count() >= 12)
+    })
+    .await;
+    redis.stop();
+    let state = |want: &'static str| {
+        let admin = s.admin_addr;
+        move || async move { common::readyz(admin).await["store"] == want }
+    };
+    common::wait_for(
+        "the store degraded",
+        Duration::from_secs(5),
+        state("degraded"),
+    )
+    .await;
+    // The stall is the fault under test: it outlasts lease_ttl.
+    tokio::time::sleep(STALL).await;
+    redis.cont();
+    common::wait_for("the store back", Duration::from_secs(5), state("ok")).await;
+    let back = tokio::time::Instant::now();
+    let (from, to) = (
+        back + Duration::from_millis(500),
+        back + TTL - Duration::from_millis(500),
+    );
+    tokio::time::sleep_until(to).await;
+    let served = up
+        .arrivals()
+        .iter()
+        .filter(|a| a.at >= from && a.at < to)
+        .count();
+    let per_s = served as f64 / (to - from).as_secs_f64();
+    let leases = card(&redis, "sluice:{stall}:leases");
+    eprintln!("after the stall: {per_s:.1} requests/s at the receiver; leases in Redis: {leases}");
+    stop.store(true, Ordering::SeqCst);
+    for t in senders {
+        t.await.unwrap();
+    }
+    // Three slots, each turning over every HOLD plus the hand-over: 12/s at most.
+    let full = 3.0 / HOLD.as_secs_f64();
+    assert!(
+        per_s >= 0.8 * full,
+        "{per_s:.1} requests/s after the stall where 3 slots give {full:.0}/s: slots held by leases nobody owns"
+    );
+    s.stop().await;
+}

@@ -10,6 +10,13 @@
 //! reconnected meanwhile, or a notice arrived) it confirms with the store as before.
 //! Redis does not buffer pub/sub messages for a dropped subscriber, hence "up since".
 //!
+//! The same step first publishes `<key> <pause µs>` on `<prefix>cooldowns:until`, so a
+//! replica also knows until when the endpoint cools down ([`CooldownWatch::cooling_until`]):
+//! from the notice's arrival plus the pause, never before the cooldown's end on the
+//! store's clock. A replica cut off from the store afterwards holds its local bucket
+//! back until then ([`super::fallback`]). The bare key stays on its own channel for
+//! replicas that read only that one.
+//!
 //! A subscription can also die without a word (a NAT or firewall dropping the idle
 //! flow, a partition, a host gone without a reset): nothing ends the stream then, and
 //! it would vouch for waiters until the process restarted, so they would leave during
@@ -46,6 +53,8 @@ struct State {
     answered: Option<Instant>,
     /// Bucket key → when its last cooldown notice arrived.
     notices: HashMap<String, Instant>,
+    /// Bucket key → the end of its latest cooldown announced with its pause.
+    until: HashMap<String, Instant>,
 }
 
 /// What this replica has heard of cooldowns (see the module docs).
@@ -104,6 +113,43 @@ impl CooldownWatch {
         self.notice_at(key, Instant::now());
     }
 
+    /// The end of the latest cooldown of `key` heard announced, when it is still to come.
+    pub(crate) fn cooling_until(&self, key: &str) -> Option<Instant> {
+        let s = self.lock();
+        s.until.get(key).copied().filter(|t| *t > Instant::now())
+    }
+
+    /// A cooldown of `key` announced with its pause (`<key> <pause µs>`): it ends no
+    /// earlier than `pause` from now. At most [`MAX_NOTICES`] cooldowns are kept; when
+    /// that many are still running, a further one is not (the local bucket then does
+    /// not know of it during an outage, as before notices carried their end).
+    fn cooling(&self, payload: &str) {
+        self.cooling_at(payload, Instant::now());
+    }
+
+    fn cooling_at(&self, payload: &str, now: Instant) {
+        let Some((key, pause)) = payload.rsplit_once(' ') else {
+            return;
+        };
+        let Some(pause) = pause
+            .parse::<f64>()
+            .ok()
+            .filter(|p| p.is_finite() && *p > 0.0)
+        else {
+            return;
+        };
+        let end = now + Duration::from_secs_f64(pause.min(1e15) / 1e6);
+        let mut s = self.lock();
+        if s.until.len() >= MAX_NOTICES && !s.until.contains_key(key) {
+            s.until.retain(|_, t| *t > now);
+            if s.until.len() >= MAX_NOTICES {
+                return;
+            }
+        }
+        let t = s.until.entry(key.to_owned()).or_insert(end);
+        *t = (*t).max(end);
+    }
+
     fn notice_at(&self, key: String, now: Instant) {
         let mut s = self.lock();
         if s.notices.len() >= MAX_NOTICES {
@@ -143,7 +189,8 @@ async fn listen(
 ) -> Result<(), redis::RedisError> {
     let pubsub = client.get_async_pubsub().await?;
     let (mut sink, mut messages) = pubsub.split();
-    sink.subscribe(channel).await?;
+    let until = format!("{channel}:until");
+    sink.subscribe(&[channel, until.as_str()]).await?;
     watch.subscribed(true);
     // Pinged through itself on a task of its own, so notices are read meanwhile.
     let (dead_tx, mut dead) = tokio::sync::oneshot::channel();
@@ -171,8 +218,12 @@ async fn listen(
         tokio::select! {
             msg = messages.next() => {
                 let Some(msg) = msg else { return Ok(()) };
-                if let Ok(key) = msg.get_payload::<String>() {
-                    watch.notice(key);
+                let Ok(payload) = msg.get_payload::<String>() else { continue };
+                // One cooldown, two messages: the key with its pause, then the bare key (counted).
+                if msg.get_channel_name() == until {
+                    watch.cooling(&payload);
+                } else {
+                    watch.notice(payload);
                     heard.inc();
                 }
             }
@@ -225,6 +276,35 @@ mod tests {
         assert!(w.quiet_since("other", at(20)));
         w.subscribed_at(None);
         assert!(!w.quiet_since("other", at(20)), "subscription lost");
+    }
+
+    #[test]
+    fn a_cooldown_announced_with_its_pause_is_known_until_it_ends() {
+        let w = CooldownWatch::default();
+        let t0 = Instant::now();
+        w.cooling_at("sluice:{a b} 3000000", t0);
+        let end = w.cooling_until("sluice:{a b}").expect("cooling");
+        assert_eq!(end, t0 + Duration::from_secs(3));
+        // A shorter one later does not shorten it; a longer one lengthens it.
+        w.cooling_at("sluice:{a b} 1000000", t0 + Duration::from_millis(10));
+        assert_eq!(w.cooling_until("sluice:{a b}"), Some(end));
+        w.cooling_at("sluice:{a b} 5000000", t0);
+        assert_eq!(
+            w.cooling_until("sluice:{a b}"),
+            Some(t0 + Duration::from_secs(5))
+        );
+        for bad in [
+            "sluice:{x}",
+            "sluice:{x} soon",
+            "sluice:{x} -5",
+            "sluice:{x} 0",
+        ] {
+            w.cooling_at(bad, t0);
+        }
+        assert_eq!(w.cooling_until("sluice:{x}"), None);
+        // Over: no longer cooling.
+        w.cooling_at("sluice:{y} 1", t0 - Duration::from_secs(1));
+        assert_eq!(w.cooling_until("sluice:{y}"), None);
     }
 
     #[test]

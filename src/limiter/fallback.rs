@@ -17,7 +17,15 @@
 //!
 //! The other way round, a 429 the local store learns from during an outage (a cooldown,
 //! a decrease) is handed to the shared store before it decides anything again
-//! ([`Resilient::rejoin`]): guarantee 4 holds across both changes.
+//! ([`Resilient::rejoin`]): guarantee 4 holds across both changes. A cooldown another
+//! replica started, heard as a notice before the outage
+//! ([`BucketStore::cooling_heard`]), holds in the local bucket until its end too.
+//!
+//! A lease the shared store may hold for nobody (a leased call that went unanswered,
+//! its request then answered by the local store or refused; a lease whose release could
+//! not reach the store) is owed to it: released there as soon as it answers again,
+//! before it decides anything else for this replica ([`Resilient::rejoin`]), whatever
+//! `on_error`.
 //!
 //! Reservations handed out by the local store carry [`LOCAL_GENERATION`] and the number
 //! of the outage whose store made them. Confirmed during that outage, they stay local.
@@ -46,6 +54,7 @@
 //!
 //! The probe interval runs on tokio's clock, like the limiter and the memory store.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -64,6 +73,11 @@ use crate::config::{Adaptive, OnError};
 
 /// How often a degraded store lets one call try the primary again.
 pub const PROBE_EVERY: Duration = Duration::from_millis(250);
+
+/// Most leases kept owed to the shared store (the oldest is dropped past it: that one
+/// expires there at its `lease_ttl`). A degraded store sends one call per
+/// [`PROBE_EVERY`], so this covers an outage of over 15 minutes of leased probes.
+const MAX_OWED: usize = 4096;
 
 /// Bit set in the generation of reservations made by the local fallback store; bits
 /// 32–61 hold the outage's number, bits 0–31 the local bucket's generation.
@@ -137,6 +151,15 @@ pub struct Resilient {
     local_gate: std::sync::RwLock<()>,
     /// What this fallback covers, and the count of degraded ones it shares.
     scope: Scope,
+    /// Leases the primary may hold for nobody, released there at the next rejoin.
+    owed: Mutex<VecDeque<Owed>>,
+}
+
+/// A lease the primary may hold although no request of this replica does.
+struct Owed {
+    endpoint: Box<str>,
+    ask: Ask,
+    id: u64,
 }
 
 /// What one [`Resilient`] covers: the whole store, or one cluster hash slot among
@@ -239,7 +262,60 @@ impl Resilient {
             local_gate: std::sync::RwLock::new(()),
             peers,
             scope,
+            owed: Mutex::new(VecDeque::new()),
         }
+    }
+
+    /// Remembers that the primary may hold lease `id` of `endpoint` for nobody.
+    fn owe(&self, endpoint: &str, ask: Ask, id: u64) {
+        let mut owed = self.owed.lock().unwrap_or_else(PoisonError::into_inner);
+        if owed.len() >= MAX_OWED {
+            owed.pop_front();
+        }
+        owed.push_back(Owed {
+            endpoint: endpoint.into(),
+            ask,
+            id,
+        });
+    }
+
+    /// Releases in the primary every lease owed to it; what fails stays owed.
+    async fn settle(&self) -> Result<(), StoreError> {
+        loop {
+            let next = self
+                .owed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop_front();
+            let Some(o) = next else { return Ok(()) };
+            if let Err(e) = self.primary.release_lease(&o.endpoint, o.ask, o.id).await {
+                let mut owed = self.owed.lock().unwrap_or_else(PoisonError::into_inner);
+                owed.push_front(o);
+                return Err(e);
+            }
+        }
+    }
+
+    /// Brings into the local store a cooldown of `endpoint` the primary heard announced
+    /// (another replica's 429) and this replica did not know of yet: no local grant
+    /// before its end, shared reservations made before it void, and the bucket empty
+    /// after it, as the shared bucket is.
+    fn heard(&self, endpoint: &str, ask: Ask, local: &Local) {
+        let Some(h) = &self.handover else { return };
+        let Some(until) = self.primary.cooling_heard(endpoint) else {
+            return;
+        };
+        if h.cooling_until(endpoint).is_some_and(|t| t >= until) {
+            return;
+        }
+        h.cooling(endpoint, ask, until);
+        let pause = until.saturating_duration_since(Instant::now());
+        let share = self.peers.share(ask);
+        // A pause without a decrease: the adaptive settings go unused.
+        let adaptive = Adaptive::default();
+        local
+            .store
+            .feedback_now(endpoint, share, &adaptive, pause, false);
     }
 
     /// Whether this call should try the primary: always when healthy; when degraded,
@@ -348,6 +424,9 @@ impl Resilient {
     /// Back from an outage, it then hands the shared store the cooldowns and decreases
     /// the local store learned meanwhile, and the slots this replica's requests hold
     /// ([`Handover::teach`]): guarantee 4 and `max_in_flight` hold across the change.
+    /// Last, it releases the leases owed to the shared store (see [`Resilient::owe`]):
+    /// a leased call Redis ran late (a stall, a network that held the bytes) holds no
+    /// slot for nobody past this point.
     pub async fn rejoin(&self) -> Result<(), StoreError> {
         let _one = self.rejoining.lock().await;
         {
@@ -378,6 +457,7 @@ impl Resilient {
             h.teach(self.primary.as_ref(), &local.store, peers.count(), share)
                 .await?;
         }
+        self.settle().await?;
         self.registered.store(true, Ordering::Release);
         Ok(())
     }
@@ -610,6 +690,7 @@ impl BucketStore for Resilient {
                         if let Some(h) = &self.handover {
                             h.decided_locally(endpoint, ask);
                         }
+                        self.heard(endpoint, ask, l);
                         match survived {
                             // Void if a cooldown began since it was made (the cooldown's
                             // end is past it): asked afresh, locally.
@@ -746,6 +827,9 @@ impl BucketStore for Resilient {
             || self.primary.needs_confirm(endpoint, since)
     }
 
+    /// Asks the primary when it may; when its answer does not come, the lease may
+    /// still be added there (the call ran late), so unless this replica holds the slot
+    /// (granted locally under the same id, released when its request ends) it is owed.
     fn acquire_leased<'a>(
         &'a self,
         endpoint: &'a str,
@@ -754,25 +838,42 @@ impl BucketStore for Resilient {
     ) -> StoreFuture<'a, Leased> {
         let (share, slots) = (self.peers.share(ask), self.peers.share_slots(lease));
         Box::pin(async move {
-            let leased = self
+            let sent = AtomicBool::new(false);
+            let answer = self
                 .run(
-                    move |p| p.acquire_leased(endpoint, ask, lease),
+                    |p| {
+                        sent.store(true, Ordering::Relaxed);
+                        let call = p.acquire_leased(endpoint, ask, lease);
+                        Box::pin(async move { call.await.map(|l| (l, true)) })
+                    },
                     move |l| {
                         if let Some(h) = &self.handover {
                             h.decided_locally(endpoint, ask);
                         }
-                        match l.store.acquire_leased_now(endpoint, share, slots) {
+                        self.heard(endpoint, ask, l);
+                        let leased = match l.store.acquire_leased_now(endpoint, share, slots) {
                             Leased::Took(o) => Leased::Took(l.tag(o)),
                             busy => busy,
-                        }
+                        };
+                        (leased, false)
                     },
-                    Leased::Took(Outcome::Granted {
-                        wait_us: 0.0,
-                        generation: u64::MAX,
-                        at_us: None,
-                    }),
+                    (
+                        Leased::Took(Outcome::Granted {
+                            wait_us: 0.0,
+                            generation: u64::MAX,
+                            at_us: None,
+                        }),
+                        false,
+                    ),
                 )
-                .await?;
+                .await;
+            let unanswered = sent.load(Ordering::Relaxed)
+                && !matches!(answer, Ok((_, true)))
+                && !matches!(answer, Ok((Leased::Took(Outcome::Granted { .. }), _)));
+            if unanswered {
+                self.owe(endpoint, ask, lease.id);
+            }
+            let (leased, _) = answer?;
             if let Leased::Took(o) = &leased {
                 self.saw(endpoint, ask, o);
                 if let Some(h) = self.handover.as_ref() {
@@ -802,21 +903,30 @@ impl BucketStore for Resilient {
     }
 
     /// Releases wherever the lease may be: the local store (a no-op when it is not
-    /// there) and the shared one, now or, while it is away, when it is back.
+    /// there) and the shared one, now or, while it is away, when it is back (owed).
     fn release_lease<'a>(&'a self, endpoint: &'a str, ask: Ask, id: u64) -> StoreFuture<'a, ()> {
         Box::pin(async move {
-            let flying = self.handover.as_ref().and_then(|h| h.ended(id));
+            if let Some(h) = &self.handover {
+                h.ended(id);
+            }
             self.local
                 .load()
                 .store
                 .release_lease_now(endpoint, self.peers.share(ask), id);
-            let later = move |_: &Local| {
-                if let (Some(h), Some(f)) = (&self.handover, flying) {
-                    h.unreleased(f);
-                }
-            };
-            self.run(move |p| p.release_lease(endpoint, ask, id), later, ())
-                .await
+            let released = self
+                .run(
+                    move |p| {
+                        let call = p.release_lease(endpoint, ask, id);
+                        Box::pin(async move { call.await.map(|()| true) })
+                    },
+                    |_| false,
+                    false,
+                )
+                .await;
+            if !matches!(released, Ok(true)) {
+                self.owe(endpoint, ask, id);
+            }
+            released.map(drop)
         })
     }
 

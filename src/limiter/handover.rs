@@ -9,7 +9,8 @@
 //!   more than the local bucket has left, nothing before the last shared reservation
 //!   seen: also right when the store lost its state);
 //! - both ways: the slots (leases) this replica's requests hold, adopted by whichever
-//!   store takes over, and the shared leases released while the store was away.
+//!   store takes over (the leases that may be in the shared store for nobody are
+//!   released there by [`super::fallback`] itself, whatever `on_error`).
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -35,8 +36,6 @@ pub struct Handover {
     learned: Mutex<HashMap<Box<str>, Learned>>,
     /// This replica's in-flight slots (leases) by id.
     in_flight: Mutex<HashMap<u64, Flying>>,
-    /// Shared leases released while the store was away.
-    unreleased: Mutex<Vec<Flying>>,
     /// Endpoints the local store decided for during the outage, with their policies.
     decided: Mutex<HashMap<Box<str>, Ask>>,
     /// How many endpoints this handover and those sharing the budget keep in
@@ -103,6 +102,11 @@ impl Handover {
             .is_some_and(|t| t > Instant::now())
     }
 
+    /// The end of the last cooldown of `endpoint` this replica started or was told of.
+    pub fn cooling_until(&self, endpoint: &str) -> Option<Instant> {
+        self.cooling.get(endpoint)
+    }
+
     /// Keeps what a 429 taught the local store during an outage (`pause` from now, and
     /// a decrease when `throttled`), with the endpoint's full policy.
     pub fn learn(
@@ -140,11 +144,6 @@ impl Handover {
         lock(&self.in_flight).remove(&id)
     }
 
-    /// Keeps a lease released while the shared store was away, to release there later.
-    pub fn unreleased(&self, f: Flying) {
-        lock(&self.unreleased).push(f);
-    }
-
     /// This replica's leases of requests in flight, as they are now.
     pub fn flying(&self) -> Vec<Flying> {
         lock(&self.in_flight).values().cloned().collect()
@@ -154,9 +153,9 @@ impl Handover {
     /// cooldown learned and each decrease whose climb back is not over; how much each
     /// bucket may hold now (no more than the local bucket has left, times the `replicas`
     /// sharing it, and nothing before the last shared reservation this replica saw,
-    /// which a Redis that lost its state no longer knows of); the slots this replica's
-    /// requests hold (wherever they were taken); and the shared leases released
-    /// meanwhile. `local` is the outage's store, deciding at `share` of each policy.
+    /// which a Redis that lost its state no longer knows of); and the slots this
+    /// replica's requests hold (wherever they were taken). `local` is the outage's
+    /// store, deciding at `share` of each policy.
     /// What fails is kept for the next try.
     pub async fn teach(
         &self,
@@ -215,14 +214,6 @@ impl Handover {
         self.kept.fetch_sub(decided.len(), Ordering::AcqRel);
         for f in self.flying() {
             shared.adopt_lease(&f.endpoint, f.ask, f.lease).await?;
-        }
-        loop {
-            let next = lock(&self.unreleased).pop();
-            let Some(f) = next else { break };
-            if let Err(e) = shared.release_lease(&f.endpoint, f.ask, f.lease.id).await {
-                lock(&self.unreleased).push(f);
-                return Err(e);
-            }
         }
         Ok(())
     }

@@ -165,6 +165,13 @@ pub trait BucketStore: Send + Sync {
         let _ = (endpoint, since);
         true
     }
+    /// The end of a cooldown of `endpoint` this replica heard announced (another
+    /// replica's 429), when it is still to come; `None` (the default) when the store
+    /// announces none. The fallback holds its local bucket back until then.
+    fn cooling_heard(&self, endpoint: &str) -> Option<Instant> {
+        let _ = endpoint;
+        None
+    }
     /// How many replicas share the limits, as the fallback wrapper last learned it
     /// (`None` for stores that are not shared).
     fn replicas(&self) -> Option<usize> {

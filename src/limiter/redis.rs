@@ -1155,6 +1155,10 @@ impl BucketStore for RedisStore {
             .is_none_or(|w| !w.quiet_since(&self.key(endpoint), since))
     }
 
+    fn cooling_heard(&self, endpoint: &str) -> Option<tokio::time::Instant> {
+        self.watch.as_ref()?.cooling_until(&self.key(endpoint))
+    }
+
     fn acquire_leased<'a>(
         &'a self,
         endpoint: &'a str,
