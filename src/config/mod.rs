@@ -250,6 +250,13 @@ pub struct Policy {
 pub struct Shares {
     weights: std::collections::HashMap<String, f64>,
 }
+    /// `windows = [{ limit, per }]`: sliding windows decided with the bucket (at most
+    /// `limit` cost units in any interval of `per`); none by default.
+    pub windows: crate::limiter::window::Windows,
+    /// `cost`: what one request spends of the bucket and of every window, unless it
+    /// names its own (`X-Sluice-Cost`); 1 by default, never over `burst` or a window's
+    /// `limit`.
+    pub cost: u32,
 
 impl Shares {
     /// Weights by sender name.
@@ -290,6 +297,8 @@ pub struct EndpointRule {
     /// The endpoint ID.
     pub id: Arc<str>,
     /// Its limit.
+            windows: crate::limiter::window::Windows::NONE,
+            cost: 1,
     pub policy: Arc<Policy>,
     /// Destination hosts (each with an optional port) that map here without the header.
     pub hosts: Vec<HostRule>,

@@ -4,6 +4,7 @@
 //! [`super::reader`].
 
 use super::reader::{Reader, Table, Value, join};
+use crate::limiter::window::{MAX_WINDOWS, Window, Windows};
 use super::*;
 
 impl Reader<'_> {
@@ -46,6 +47,8 @@ impl Reader<'_> {
                 "lease_ttl",
                 "shares",
                 "absorb_post",
+                "windows",
+                "cost",
             ],
         );
         let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
@@ -669,6 +672,8 @@ impl Reader<'_> {
             max_wait,
             adaptive,
             max_in_flight,
+        let windows = self.windows(t, path).unwrap_or(base.windows);
+        let cost = self.cost(t, path, base.cost, burst, &windows);
             lease_ttl: self.lease_ttl(t, path, base.lease_ttl),
             shares: self.shares(t, path).or_else(|| base.shares.clone()),
             absorb_post: self.boolean(t, path, "absorb_post", base.absorb_post),
@@ -678,10 +683,87 @@ impl Reader<'_> {
     /// `lease_ttl`: at least [`MIN_LEASE_TTL`], so a typo (`"10ms"` for `"10s"`) cannot
     /// quietly let leases lapse and `max_in_flight` with them.
     fn lease_ttl(&mut self, t: &Table<'_>, path: &str, base: Duration) -> Duration {
+            windows,
+            cost,
         let d = self.duration(t, path, "lease_ttl", base);
         if d < MIN_LEASE_TTL {
             let at = t.get("lease_ttl").map_or(0, |v| v.span().start);
             let why = "must be at least 1s: a slot's lease is renewed every third of it, and a \
+    /// `windows = [{ limit = 5000, per = "1h" }, ...]`: at most `MAX_WINDOWS` sliding
+    /// windows, each a whole-number `limit` ≥ 1 over a `per` of at least 1 ms (and at
+    /// most a year); `None` when absent (inherited) or wrong (an issue).
+    fn windows(&mut self, t: &Table<'_>, path: &str) -> Option<Windows> {
+        let v = t.get("windows")?;
+        let key = join(path, "windows");
+        let DeValue::Array(items) = v.get_ref() else {
+            let want = "an array of { limit, per } tables";
+            self.type_issue(v, &key, want, v.get_ref().type_str());
+            return None;
+        };
+        let mut list = Vec::new();
+        let mut ok = true;
+        for (i, item) in items.iter().enumerate() {
+            let at = format!("{key}[{i}]");
+            let DeValue::Table(w) = item.get_ref() else {
+                self.type_issue(item, &at, "a { limit, per } table", item.get_ref().type_str());
+                ok = false;
+                continue;
+            };
+            self.known_keys(w, &at, &["limit", "per"]);
+            let limit = self.whole(w, &at, "limit", 0, 1..=1_000_000_000);
+            let per = self.duration(w, &at, "per", Duration::ZERO);
+            if !w.contains_key("limit") || !w.contains_key("per") {
+                let why = "a window needs both `limit` and `per`".to_owned();
+                self.issue(item.span().start, &at, why);
+                ok = false;
+                continue;
+            }
+            if per < Duration::from_millis(1) || per > Duration::from_secs(366 * 86_400) {
+                let at_per = w.get("per").map_or(item.span().start, |p| p.span().start);
+                let why = "must be between 1ms and 366d".to_owned();
+                self.issue(at_per, &join(&at, "per"), why);
+                ok = false;
+                continue;
+            }
+            if limit == 0 {
+                ok = false;
+                continue;
+            }
+            if list.iter().any(|x: &Window| x.per_us == per.as_micros() as f64) {
+                let why = "two windows with the same `per`: keep the lower limit".to_owned();
+                self.issue(item.span().start, &at, why);
+                ok = false;
+                continue;
+            }
+            list.push(Window {
+                limit: limit as f64,
+                per_us: per.as_micros() as f64,
+            });
+        }
+        let windows = Windows::new(&list);
+        if windows.is_none() {
+            let why = format!("at most {MAX_WINDOWS} windows per endpoint");
+            self.issue(v.span().start, &key, why);
+        }
+        windows.filter(|_| ok)
+    }
+
+    /// `cost`: a whole number ≥ 1 that fits the bucket (`burst`) and every window.
+    fn cost(&mut self, t: &Table<'_>, path: &str, base: u32, burst: f64, ws: &Windows) -> u32 {
+        let cost = self.whole(t, path, "cost", u64::from(base), 1..=1_000_000_000) as u32;
+        let fits = crate::limiter::window::cost_fits(f64::from(cost), burst, ws);
+        if let Err(why) = fits {
+            let at = t
+                .get("cost")
+                .or_else(|| t.get("burst"))
+                .or_else(|| t.get("windows"))
+                .map_or(0, |v| v.span().start);
+            self.issue(at, &join(path, "cost"), why);
+            return 1;
+        }
+        cost
+    }
+
                        shorter one can lapse between renewals, letting more than \
                        max_in_flight requests in";
             self.issue(at, &join(path, "lease_ttl"), why.into());
@@ -896,6 +978,8 @@ impl Reader<'_> {
                         &join(&path, "id"),
                         format!("duplicate endpoint id \"{id}\""),
                     );
+                "windows",
+                "cost",
                 }
                 id
             }

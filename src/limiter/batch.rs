@@ -157,6 +157,11 @@ impl Lanes {
     /// notices able to vouch for more), whether to top the endpoint's held tokens up
     /// now and by how many.
     fn spend_then(&self, endpoint: &str, ask: &Ask, top_up: bool) -> Option<(u64, Option<u32>)> {
+        // A token held ahead is one token of the bucket alone: never a costlier
+        // request's, nor one the windows must count.
+        if !ask.plain() {
+            return None;
+        }
         let ahead = self.ahead.as_ref()?;
         let quiet = |bucket: &str, since| {
             self.watch
@@ -259,7 +264,10 @@ struct Next {
 }
 
 fn same_policy(a: &Ask, b: &Ask) -> bool {
-    a.rate == b.rate && a.burst == b.burst && a.recovery_us == b.recovery_us
+    a.rate == b.rate
+        && a.burst == b.burst
+        && a.recovery_us == b.recovery_us
+        && a.windows == b.windows
 }
 
 /// Decides `ask` for `endpoint`: alone at once when nothing is in flight for it, else in
@@ -586,6 +594,8 @@ mod tests {
             budget_us: tag,
             recovery_us: 0.0,
             held: None,
+            cost: 1.0,
+            windows: crate::limiter::window::Windows::NONE,
         }
     }
 

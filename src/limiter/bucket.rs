@@ -12,12 +12,13 @@
 //! nothing refills (and nothing is granted) before it ends, and the first grant after it
 //! comes `1/rate` later: no burst into a receiver that just said stop.
 
+use super::window::{Logs, WindowUse, Windows};
 use crate::config::{Adaptive, Policy};
 
 const MICROS: f64 = 1_000_000.0;
 
 /// The stored state of one endpoint's bucket.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct BucketState {
     /// Token balance at `ts`; negative while reservations are outstanding.
     pub tokens: f64,
@@ -47,6 +48,8 @@ pub struct BucketState {
     /// (and a second more), so its holder's confirmation meets the generation that
     /// voided it, not a bucket made afresh at generation 0 that would let it go.
     pub voided: f64,
+    /// The starts each sliding window counts (`windows`; see [`super::window`]).
+    pub windows: Logs,
 }
 
 /// How many given-up starts a bucket keeps for the next senders (`BucketState::holes`);
@@ -111,6 +114,10 @@ pub struct Ask {
     pub recovery_us: f64,
     /// A reservation already held from this generation: confirm it instead of taking another.
     pub held: Option<u64>,
+    /// Tokens (and units of every window) the request spends (`cost`, a whole number ≥ 1).
+    pub cost: f64,
+    /// The endpoint's sliding windows (`windows`), decided with the bucket.
+    pub windows: Windows,
 }
 
 impl Ask {
@@ -124,7 +131,15 @@ impl Ask {
                 .adaptive
                 .map_or(0.0, |a| a.recovery.as_secs_f64() * MICROS),
             held,
+            cost: f64::from(policy.cost),
+            windows: policy.windows,
         }
+    }
+
+    /// Whether only the bucket decides, one token a request: what tokens taken ahead
+    /// (`store.prefetch`) and given-up starts kept for the next sender (holes) assume.
+    pub fn plain(&self) -> bool {
+        self.cost == 1.0 && self.windows.is_empty()
     }
 }
 
@@ -180,8 +195,9 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
         };
     }
     // A start a sender gave up comes first: those behind it keep theirs, and the
-    // bucket already counted it.
-    if s.tokens < 1.0 {
+    // bucket already counted it (one token's worth: a costlier request or one a window
+    // counts takes none).
+    if s.tokens < 1.0 && ask.plain() {
         if let Some(wait_us) = take_hole(s, now, ask.budget_us) {
             return Outcome::Granted {
                 wait_us,
@@ -192,13 +208,19 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
     }
     let rate = effective_rate(s, ask.rate, ask.recovery_us, now.max(s.ts));
     let base = s.ts.max(now);
-    let missing = (1.0 - s.tokens).max(0.0);
-    let mut start = base + missing / rate * MICROS;
+    let missing = (ask.cost - s.tokens).max(0.0);
+    let balance_start = base + missing / rate * MICROS;
+    let mut start = balance_start;
     // Never among the starts already handed out: those made while the rate was lower
-    // keep their places, and the balance, refilled at the climbing rate, would put new
-    // ones between them.
+    // (or held back by a window) keep their places, and the balance, refilled at the
+    // climbing rate, would put new ones between them.
     if s.last > now {
-        start = start.max(s.last + MICROS / rate);
+        start = start.max(s.last + ask.cost * MICROS / rate);
+    }
+    // Every window must take the cost too: the start moves to the first instant they
+    // all do (never earlier than the bucket's).
+    if !ask.windows.is_empty() {
+        start = s.windows.earliest(&ask.windows, ask.cost, start, now);
     }
     let wait = start - now;
     if wait > ask.budget_us {
@@ -215,9 +237,22 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
             }
         };
     }
-    s.tokens -= 1.0;
+    if start > balance_start && !ask.plain() {
+        // Held back past where the balance has its tokens (by a window, or behind the
+        // latest start): they go at its own start, not before. Taken earlier, the
+        // balance would refill meanwhile (up to the burst) and let the next request go
+        // right after this one. The bucket is brought to the start (at the rate now,
+        // never more than it will refill) and holds still until then, as during a
+        // cooldown.
+        s.tokens = (s.tokens + (start - base) / MICROS * rate).min(ask.burst);
+        s.ts = start;
+    }
+    s.tokens -= ask.cost;
     if start > now {
         s.last = s.last.max(start);
+    }
+    if !ask.windows.is_empty() {
+        s.windows.record(&ask.windows, start, ask.cost);
     }
     Outcome::Granted {
         wait_us: wait.max(0.0),
@@ -230,7 +265,10 @@ pub fn acquire(s: &mut BucketState, ask: &Ask, now: f64) -> Outcome {
 /// bucket already paced leaves, and this bucket must count it.
 pub fn charge(s: &mut BucketState, ask: &Ask, now: f64) {
     refill(s, ask, now);
-    s.tokens -= 1.0;
+    s.tokens -= ask.cost;
+    if !ask.windows.is_empty() {
+        s.windows.charge(&ask.windows, ask.cost, now);
+    }
 }
 
 /// Lowers the balance to at most `most` tokens at `now` (negative: reservations are
@@ -278,6 +316,13 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
     let base = s.ts.max(now);
     let rate = effective_rate(s, ask.rate, ask.recovery_us, base);
     let due = now + unused.due_in_us;
+    let cost = ask.cost;
+    // A window's entry for it goes, wherever it is among the others: the windows hold
+    // every start that stays, this one no longer.
+    if !ask.windows.is_empty() {
+        s.windows
+            .unrecord(&ask.windows, unused.at_us.unwrap_or(due), cost);
+    }
     // The latest reservation starts when the balance is back at zero, or later (one
     // made while the rate was lower).
     let latest = (base + (-s.tokens).max(0.0) / rate * MICROS).max(s.last);
@@ -286,8 +331,12 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
     // a reservation with others behind it (half way, where clocks of a shared store
     // put it off by a little).
     if behind >= 0.5 && due > now {
-        if let Some(free) = s.holes.iter_mut().find(|h| **h <= 0.0) {
-            *free = due;
+        // Kept for the next sender of one token; of a costlier request or one the
+        // windows count, its tokens stay spent (never more back than was taken).
+        if ask.plain() {
+            if let Some(free) = s.holes.iter_mut().find(|h| **h <= 0.0) {
+                *free = due;
+            }
         }
         return;
     }
@@ -297,9 +346,9 @@ pub fn release(s: &mut BucketState, ask: &Ask, unused: Unused, now: f64) {
         // with others behind it leaves `last` at the latest of them (as release.lua
         // does), or new starts would go among those made at a lower rate (during a
         // climb, one refund of a past start could put 12 arrivals over the bound).
-        s.last = s.last.min(due - MICROS / rate);
+        s.last = s.last.min(due - cost * MICROS / rate);
     }
-    s.tokens = (s.tokens + (1.0 - behind).clamp(0.0, 1.0)).min(ask.burst);
+    s.tokens = (s.tokens + (cost - behind).clamp(0.0, cost)).min(ask.burst);
 }
 
 /// Applies a pause (cooldown) and, when `throttled`, a decrease once per cooldown window.
@@ -368,11 +417,22 @@ pub struct View {
     /// Tokens replicas took ahead and may still spend (`store.prefetch`, Redis only;
     /// spent or not, counted until their end): not in `tokens` meanwhile.
     pub held_ahead: f64,
+    /// Each window's use (`windows`, in configured order; unused places are zero).
+    pub windows: [WindowUse; super::window::MAX_WINDOWS],
+}
+
+/// The uses of `list` in a fixed array (a `View` stays `Copy`).
+pub fn window_uses(list: &[WindowUse]) -> [WindowUse; super::window::MAX_WINDOWS] {
+    let mut out = [WindowUse::default(); super::window::MAX_WINDOWS];
+    for (o, u) in out.iter_mut().zip(list) {
+        *o = *u;
+    }
+    out
 }
 
 /// The operator's view of `s` at `now`.
 pub fn view(s: &BucketState, ask: &Ask, floor: Option<f64>, now: f64) -> View {
-    let mut v = *s;
+    let mut v = scalars(s);
     refill(&mut v, ask, now);
     let rate = effective_rate(&v, ask.rate, ask.recovery_us, now);
     let at_floor = floor.is_some_and(|f| v.dec_rate > 0.0 && near_floor(rate, f, ask.rate));
@@ -388,6 +448,15 @@ pub fn view(s: &BucketState, ask: &Ask, floor: Option<f64>, now: f64) -> View {
             0.0
         },
         held_ahead: 0.0,
+        windows: window_uses(&s.windows.view(&ask.windows, now)),
+    }
+}
+
+/// The bucket without its window logs (cheap to copy).
+fn scalars(s: &BucketState) -> BucketState {
+    BucketState {
+        windows: Logs::default(),
+        ..*s
     }
 }
 
@@ -396,7 +465,7 @@ pub fn view(s: &BucketState, ask: &Ask, floor: Option<f64>, now: f64) -> View {
 /// while starts made at the lower one are to come: forgetting them let new requests
 /// leave among them, and their holders confirm against a fresh bucket's generation).
 pub fn idle(s: &BucketState, ask: &Ask, now: f64) -> bool {
-    let mut v = *s;
+    let mut v = scalars(s);
     refill(&mut v, ask, now);
     v.tokens >= ask.burst
         && v.cool_until <= now
@@ -404,6 +473,7 @@ pub fn idle(s: &BucketState, ask: &Ask, now: f64) -> bool {
         && v.dec_until <= now
         && v.last <= now
         && (v.voided <= 0.0 || v.voided + MICROS <= now)
+        && s.windows.time_to_idle(now) <= 0.0
 }
 
 /// Time after which an untouched bucket is [`idle`] again (µs), for key expiry.
@@ -423,11 +493,13 @@ pub fn time_to_idle(s: &BucketState, ask: &Ask, floor: f64, now: f64) -> f64 {
         .max(recovery)
         .max(dec_window)
         .max(handed_out)
+        .max(s.windows.time_to_idle(now))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::window::Window;
     use proptest::prelude::*;
     use std::time::Duration;
 
@@ -478,7 +550,7 @@ mod tests {
             acquire(&mut s, &ask, 0.0),
             Outcome::Granted { .. }
         ));
-        let before = s;
+        let before = s.clone();
         match acquire(&mut s, &ask, 0.25 * S) {
             Outcome::Refused { cooldown, retry_us } => {
                 assert!(!cooldown);
@@ -788,7 +860,178 @@ mod tests {
         }
     }
 
+    fn windowed(rate: f64, burst: f64, windows: &[(f64, f64)]) -> Policy {
+        let list: Vec<Window> = windows
+            .iter()
+            .map(|&(limit, per_s)| Window {
+                limit,
+                per_us: per_s * S,
+            })
+            .collect();
+        Policy {
+            windows: Windows::new(&list).unwrap(),
+            adaptive: None,
+            ..policy(rate, burst)
+        }
+    }
+
+    /// The most cost starting in any interval of `per` µs (half-open, ending at a start).
+    fn most_in(starts: &[(f64, f64)], per: f64) -> f64 {
+        let mut sorted = starts.to_vec();
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut worst: f64 = 0.0;
+        for (i, &(t, _)) in sorted.iter().enumerate() {
+            let sum: f64 = sorted[..=i].iter().filter(|e| e.0 > t - per).map(|e| e.1).sum();
+            worst = worst.max(sum);
+        }
+        worst
+    }
+
+    #[test]
+    fn a_window_holds_requests_back_until_its_oldest_start_falls_out() {
+        // Rate 50, burst 5, at most 20 per 4 s: the bucket lets 20 go within 0.3 s,
+        // then the 21st waits for the first start to be 4 s behind, the 22nd for the
+        // second, and so on: the window's own pace, in order.
+        let p = windowed(50.0, 5.0, &[(20.0, 4.0)]);
+        let ask = Ask::new(&p, 10.0 * S, None);
+        let mut s = fresh(5.0, 0.0);
+        let mut starts = Vec::new();
+        for _ in 0..30 {
+            match acquire(&mut s, &ask, 0.0) {
+                Outcome::Granted { wait_us, .. } => starts.push(wait_us),
+                o => panic!("{o:?}"),
+            }
+        }
+        assert!(starts[19] < 0.4 * S, "{}", starts[19]);
+        for i in 20..30 {
+            let due = (starts[i - 20] + 4.0 * S).max(starts[i - 1] + 0.02 * S);
+            assert!((starts[i] - due).abs() < 2.0, "{i}: {starts:?}");
+        }
+        // With no wait allowed, the refusal names the window's wait.
+        let now = 0.5 * S;
+        match acquire(&mut s, &Ask::new(&p, 0.0, None), now) {
+            Outcome::Refused { cooldown, retry_us } => {
+                assert!(!cooldown);
+                assert!((retry_us - (starts[29] + 0.02 * S - now)).abs() < 2.0, "{retry_us}");
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn a_cost_spends_its_tokens_and_its_window_units() {
+        // Rate 10, burst 10: a cost of 5 twice empties the bucket, the third waits
+        // half a second; a window of 12 per 10 s takes two of them, then holds the
+        // third until the first is 10 s behind.
+        let p = Policy {
+            cost: 5,
+            ..windowed(10.0, 10.0, &[(12.0, 10.0)])
+        };
+        let ask = Ask::new(&p, 20.0 * S, None);
+        let mut s = fresh(10.0, 0.0);
+        let waits: Vec<f64> = (0..3)
+            .map(|_| match acquire(&mut s, &ask, 0.0) {
+                Outcome::Granted { wait_us, .. } => wait_us,
+                o => panic!("{o:?}"),
+            })
+            .collect();
+        assert_eq!(&waits[..2], &[0.0, 0.0]);
+        assert!((waits[2] - 10.0 * S).abs() < 2.0, "{waits:?}");
+        // Without the window, the bucket alone: half a second.
+        let plain = Ask::new(&Policy { cost: 5, ..policy(10.0, 10.0) }, 20.0 * S, None);
+        let mut b = fresh(10.0, 0.0);
+        acquire(&mut b, &plain, 0.0);
+        acquire(&mut b, &plain, 0.0);
+        match acquire(&mut b, &plain, 0.0) {
+            Outcome::Granted { wait_us, .. } => assert!((wait_us - 0.5 * S).abs() < 1.0),
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn a_start_given_back_frees_its_window_units_and_no_others() {
+        // Rate 100, burst 10, 2 per second: two at once, the third held to 1 s.
+        let p = windowed(100.0, 10.0, &[(2.0, 1.0)]);
+        let ask = Ask::new(&p, 5.0 * S, None);
+        let mut s = fresh(10.0, 0.0);
+        acquire(&mut s, &ask, 0.0);
+        acquire(&mut s, &ask, 0.0);
+        let Outcome::Granted { wait_us, generation, .. } = acquire(&mut s, &ask, 0.0) else {
+            panic!()
+        };
+        assert!((wait_us - S).abs() < 2.0, "the window holds the third: {wait_us}");
+        // Its sender leaves before it started: its unit comes back.
+        let unused = Unused { generation, due_in_us: wait_us - 0.1 * S, at_us: None };
+        release(&mut s, &ask, unused, 0.1 * S);
+        let v = view(&s, &ask, None, 0.1 * S);
+        assert_eq!((v.windows[0].used, v.windows[0].ahead), (2.0, 0.0));
+        // A give-back naming a start no entry has frees nothing.
+        let stray = Unused { generation, due_in_us: 0.3 * S, at_us: None };
+        release(&mut s, &ask, stray, 0.1 * S);
+        let v = view(&s, &ask, None, 0.1 * S);
+        assert_eq!(v.windows[0].used, 2.0);
+        // The next one takes the start at 1 s again.
+        match acquire(&mut s, &ask, 0.2 * S) {
+            Outcome::Granted { wait_us, .. } => assert!((wait_us - 0.8 * S).abs() < 2.0, "{wait_us}"),
+            o => panic!("{o:?}"),
+        }
+    }
+
     proptest! {
+        /// With windows and costs, starts that stay (senders hang up at random) never
+        /// put more than rate·t + burst tokens in an interval of t, nor more than a
+        /// window's limit in an interval of its `per`.
+        #[test]
+        fn windows_and_costs_never_overdraw(
+            rate in 1.0f64..100.0,
+            burst in 5.0f64..30.0,
+            limit in 5u32..40,
+            per_ms in 50u32..3000,
+            budget_s in 0.0f64..5.0,
+            steps in proptest::collection::vec((0u32..200_000, 1u32..5, any::<bool>(), 0usize..100), 1..300),
+            with_window in any::<bool>(),
+        ) {
+            // Without a window, costs of 1 (one token, as ever) mix with costlier ones.
+            let p = match with_window {
+                true => windowed(rate, burst, &[(f64::from(limit), f64::from(per_ms) / 1000.0)]),
+                false => windowed(rate, burst, &[]),
+            };
+            let per = f64::from(per_ms) * 1000.0;
+            let limit = if with_window { limit } else { u32::MAX };
+            let mut s = fresh(burst, 0.0);
+            let mut now = 0.0;
+            let mut starts: Vec<(f64, f64, u64)> = Vec::new();
+            for (gap, cost, leaves, which) in steps {
+                now += f64::from(gap);
+                if leaves {
+                    let waiting: Vec<usize> = (0..starts.len()).filter(|&k| starts[k].0 > now).collect();
+                    if !waiting.is_empty() {
+                        let (start, c, generation) = starts.remove(waiting[which % waiting.len()]);
+                        let ask = Ask::new(&Policy { cost: c as u32, ..p.clone() }, 0.0, None);
+                        release(&mut s, &ask, Unused { generation, due_in_us: start - now, at_us: None }, now);
+                    }
+                }
+                let ask = Ask::new(&Policy { cost, ..p.clone() }, budget_s * S, None);
+                if let Outcome::Granted { wait_us, generation, .. } = acquire(&mut s, &ask, now) {
+                    starts.push((now + wait_us, f64::from(cost), generation));
+                }
+            }
+            let pairs: Vec<(f64, f64)> = starts.iter().map(|e| (e.0, e.1)).collect();
+            let most = most_in(&pairs, per);
+            prop_assert!(most <= f64::from(limit), "{most} in a window of {limit}");
+            // The bucket: cost in [a, b] ≤ rate·(b − a) + burst.
+            let mut sorted = pairs.clone();
+            sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+            for i in 0..sorted.len() {
+                let mut sum = 0.0;
+                for j in i..sorted.len() {
+                    sum += sorted[j].1;
+                    let allowed = rate * (sorted[j].0 - sorted[i].0) / S + burst;
+                    prop_assert!(sum <= allowed + 1e-6, "{sum} tokens against {allowed}");
+                }
+            }
+        }
+
         /// Never more than rate·t + burst grants start in any interval of length t.
         #[test]
         fn no_overdraw_for_random_patterns(

@@ -273,6 +273,8 @@ mod tests {
             budget_us: 0.0,
             recovery_us: 0.0,
             held: None,
+            cost: 1.0,
+            windows: crate::limiter::window::Windows::NONE,
         }
     }
 

@@ -326,6 +326,8 @@ mod tests {
             budget_us: 0.0,
             recovery_us: 0.0,
             held: None,
+            cost: 1.0,
+            windows: crate::limiter::window::Windows::NONE,
         };
         for i in 0..Handover::MAX_DECIDED + 10 {
             h.decided_locally(&format!("spray-{i}"), ask);

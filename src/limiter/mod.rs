@@ -32,6 +32,7 @@ pub mod redis;
 mod sentinel;
 pub mod slot;
 mod waiting;
+pub mod window;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -424,7 +425,7 @@ impl Limiter {
                     };
                     let spot = self
                         .waiting
-                        .join_since(endpoint, generation, start, started);
+                        .join_since(endpoint, generation, policy.cost, start, started);
                     let mut guard = Reservation {
                         store: Arc::clone(&self.store),
                         endpoint: endpoint.to_owned(),

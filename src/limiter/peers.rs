@@ -88,12 +88,14 @@ impl Peers {
         }
     }
 
-    /// This replica's share of `ask`: rate / N, burst / N (at least one token).
+    /// This replica's share of `ask`: rate / N, burst / N (at least one token), each
+    /// window's limit / N (at least one unit).
     pub(super) fn share(&self, ask: Ask) -> Ask {
         let n = self.count() as f64;
         Ask {
             rate: ask.rate / n,
             burst: (ask.burst / n).max(1.0),
+            windows: ask.windows.shared(n),
             ..ask
         }
     }

@@ -1145,6 +1145,7 @@ impl BucketStore for RedisStore {
                 at_floor: f[4] == 1.0,
                 floor_for_us: f[5],
                 held_ahead: f[6],
+                windows: Default::default(),
             }))
         })
     }

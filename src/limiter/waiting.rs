@@ -45,6 +45,9 @@ struct Entry {
     /// The bucket generation its reservation belongs to: starts move only between
     /// reservations of one generation (a cooldown voided the others').
     generation: u64,
+    /// What it spends (`cost`): starts move only between requests of one cost, so each
+    /// start carries what the bucket and the windows counted for it.
+    cost: u32,
     start: Start,
     /// When the request began waiting (for `/endpoints`' `oldest_wait_ms`).
     since: Instant,
@@ -80,7 +83,7 @@ impl Waiting {
     /// Adds a request of `endpoint` waiting for `start` in `generation`.
     #[cfg(test)]
     pub(super) fn join(&self, endpoint: &str, generation: u64, start: Start) -> Spot {
-        self.join_since(endpoint, generation, start, Instant::now())
+        self.join_since(endpoint, generation, 1, start, Instant::now())
     }
 
     /// [`join`](Self::join), for a request waiting since `since`.
@@ -88,6 +91,7 @@ impl Waiting {
         &self,
         endpoint: &str,
         generation: u64,
+        cost: u32,
         start: Start,
         since: Instant,
     ) -> Spot {
@@ -98,6 +102,7 @@ impl Waiting {
         let entry = Entry {
             id,
             generation,
+            cost,
             start,
             since,
             moved: Arc::clone(&moved),
@@ -133,7 +138,7 @@ impl Waiting {
     pub(super) fn left(&self, endpoint: &str, spot: &Spot) -> Option<Start> {
         let now = Instant::now();
         let mut map = self.lock();
-        let (generation, mut free) = Self::remove(&mut map, endpoint, spot.id)?;
+        let (generation, cost, mut free) = Self::remove(&mut map, endpoint, spot.id)?;
         let Some(v) = map.get_mut(endpoint) else {
             return Some(free);
         };
@@ -142,7 +147,7 @@ impl Waiting {
         }
         let mut behind: Vec<&mut Entry> = v
             .iter_mut()
-            .filter(|e| e.generation == generation && e.start.wake > free.wake)
+            .filter(|e| e.generation == generation && e.cost == cost && e.start.wake > free.wake)
             .collect();
         behind.sort_by_key(|e| e.start.wake);
         for e in behind {
@@ -153,19 +158,19 @@ impl Waiting {
     }
 
     /// Removes `id` from `endpoint`'s waiting requests (the endpoint with its last):
-    /// its generation and start.
+    /// its generation, cost and start.
     fn remove(
         map: &mut HashMap<Box<str>, Vec<Entry>>,
         endpoint: &str,
         id: u64,
-    ) -> Option<(u64, Start)> {
+    ) -> Option<(u64, u32, Start)> {
         let v = map.get_mut(endpoint)?;
         let i = v.iter().position(|e| e.id == id)?;
         let e = v.swap_remove(i);
         if v.is_empty() {
             map.remove(endpoint);
         }
-        Some((e.generation, e.start))
+        Some((e.generation, e.cost, e.start))
     }
 
     /// Per endpoint with requests waiting for their starts: how many, and since when
