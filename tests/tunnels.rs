@@ -12,7 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
-use common::{Upstream, assert_within_bound, read_response, sluice};
+use common::{Upstream, assert_within_bound, read_head, read_response, sluice};
 
 /// Opens a CONNECT tunnel to `to` through sluice and reads its `200`.
 async fn open_tunnel(proxy: SocketAddr, to: SocketAddr) -> TcpStream {
@@ -22,24 +22,6 @@ async fn open_tunnel(proxy: SocketAddr, to: SocketAddr) -> TcpStream {
     let head = read_head(&mut t).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     t
-}
-
-/// Reads up to the end of a head (the CONNECT's answer has no body).
-async fn read_head(t: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let mut b = [0u8; 1];
-    let reading = async {
-        while !out.ends_with(b"\r\n\r\n") {
-            if t.read(&mut b).await.unwrap() == 0 {
-                break;
-            }
-            out.push(b[0]);
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), reading)
-        .await
-        .expect("a head within 10 s");
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `tunnels` tunnels, each sending `each` plain HTTP requests one after another (the

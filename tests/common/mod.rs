@@ -427,3 +427,39 @@ pub async fn read_response(s: &mut tokio::net::TcpStream) -> String {
         .expect("a whole response within 10 s");
     String::from_utf8_lossy(&out).into_owned()
 }
+
+/// Sends `request` to `addr` and returns what comes back up to the end of the head (or
+/// the close), within 10 s.
+pub async fn raw_head(addr: SocketAddr, request: &str) -> String {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // The server may answer and close before reading everything (e.g. a 431).
+    let _ = s.write_all(request.as_bytes()).await;
+    read_head(&mut s).await
+}
+
+/// Reads `s` byte by byte up to the end of a head (or the close), within 10 s, so
+/// nothing after the head is consumed.
+pub async fn read_head<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    let mut b = [0u8; 1];
+    let reading = async {
+        while !out.ends_with(b"\r\n\r\n") {
+            match s.read(&mut b).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => out.push(b[0]),
+            }
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(10), reading)
+        .await
+        .is_err()
+    {
+        panic!(
+            "no head within 10 s; got {:?}",
+            String::from_utf8_lossy(&out)
+        );
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
