@@ -51,7 +51,7 @@ pub enum ProxyError {
     #[error(
         "request head too large: sluice reads at most {bytes} bytes and {headers} header lines before the body",
         bytes = crate::conn::MAX_HEAD_BYTES,
-        headers = crate::lane::MAX_HEADERS
+        headers = crate::conn::MAX_HEADERS
     )]
     HeadTooLarge,
     /// Proxy authentication is on and the credentials are missing or wrong.

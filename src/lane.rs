@@ -55,22 +55,16 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 use crate::absorb::{IDEMPOTENCY_KEY, REQUEST_ID_HEADER};
-use crate::conn::{Activity, InFlight, MAX_HEAD_BYTES, Quiet, SendIo, Timeouts, Writes, watched};
+use crate::conn::{
+    Activity, InFlight, MAX_HEAD_BYTES, MAX_HEADERS, MAX_RESPONSE_HEAD_BYTES, Quiet, SendIo,
+    SenderIo, Timeouts, Writes, watched,
+};
 use crate::core::App;
 use crate::decision::{self, Trace};
 use crate::error::ProxyError;
 use crate::forward::{ForwardError, content_length, content_length_list, hop_by_hop_index};
 use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
 use crate::upload::{self, Progress, Stalled};
-
-/// Most headers a request or response head may have in the lane (hyper's own limit);
-/// a request with more is handed to hyper, which answers 431.
-pub const MAX_HEADERS: usize = 100;
-
-/// Longest response head the lane reads from an upstream: hyper's client limit (its
-/// default read buffer), so a receiver's large head (many cookies) is relayed on
-/// both paths alike.
-pub(crate) const MAX_RESPONSE_HEAD_BYTES: usize = 8192 + 4096 * 100;
 
 /// Longest a tunnel's TLS session is given to send its close_notify when the lane ends
 /// it (a sender that reads nothing more must not hold the task).
@@ -82,12 +76,6 @@ pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SLUICE_PLAIN_LANE").map_or(true, |v| v != "0"))
 }
-
-/// A sender's stream the lane serves: a plain TCP connection, or the TLS session inside
-/// an intercepted CONNECT tunnel.
-pub trait SenderIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
-
-impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> SenderIo for T {}
 
 /// Serves one sender connection: plain requests in the lane, and the whole connection
 /// by hyper from the first request that is not plain.

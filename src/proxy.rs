@@ -838,10 +838,10 @@ async fn forward_request(
             "101 Switching Protocols to a request that asked for no upgrade".into(),
         )),
         // One limit on both engines (the lane's, counted in bytes as they came).
-        _ if response_head_len(&r) > crate::lane::MAX_RESPONSE_HEAD_BYTES => {
+        _ if response_head_len(&r) > crate::conn::MAX_RESPONSE_HEAD_BYTES => {
             Err(ForwardError::Other(format!(
                 "upstream response head larger than {} bytes",
-                crate::lane::MAX_RESPONSE_HEAD_BYTES
+                crate::conn::MAX_RESPONSE_HEAD_BYTES
             )))
         }
         _ => Ok(r),
@@ -1611,7 +1611,7 @@ fn tunnel_conn(peer: SocketAddr, slot: Arc<ConnSlot>, tunnel: Tunnel) -> Arc<Con
 /// Serves the requests inside a tunnel (plain HTTP, or the TLS session of an
 /// intercepted one): HTTP/1.1 in the lane (when on), else, and HTTP/2, by hyper.
 /// `pre` is what was read of the stream already.
-async fn serve_inside<S: crate::lane::SenderIo>(
+async fn serve_inside<S: crate::conn::SenderIo>(
     app: Arc<App>,
     stream: S,
     pre: Bytes,
@@ -1699,7 +1699,7 @@ impl Intercepted {
     /// Terminates the sender's TLS and serves the requests inside.
     async fn terminate<C>(self, client: C, timeout: std::time::Duration)
     where
-        C: crate::lane::SenderIo,
+        C: crate::conn::SenderIo,
     {
         let handshake = self.interceptor.accept(client, &self.target.host);
         let ended = tokio::time::timeout(timeout, handshake).await;

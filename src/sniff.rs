@@ -79,7 +79,7 @@ pub fn classify(bytes: &[u8]) -> Option<Opening> {
     if n == 0 || bytes[n] != b' ' || &bytes[..n] == b"PRI" {
         return Some(Opening::Other);
     }
-    let mut slots = [httparse::EMPTY_HEADER; crate::lane::MAX_HEADERS];
+    let mut slots = [httparse::EMPTY_HEADER; crate::conn::MAX_HEADERS];
     let mut req = httparse::Request::new(&mut slots);
     match req.parse(bytes) {
         Ok(httparse::Status::Complete(_)) => {}
