@@ -29,8 +29,13 @@ pub struct EndpointView {
     pub rate: f64,
     /// Capacity.
     pub burst: f64,
-    /// Tokens now (negative: reservations outstanding).
+    /// Tokens now in the store (negative: reservations outstanding, requests sleeping
+    /// until their start; the table shows 0 and counts them in `waiting`).
     pub tokens: f64,
+    /// `enforce`, or `shadow` (nothing waits or is refused: the bucket only measures).
+    /// Absent from older servers' answers: `enforce`.
+    #[serde(default = "enforce")]
+    pub mode: String,
     /// Cooldown left, milliseconds.
     pub cooldown_ms: u64,
     /// Throttling responses (429s) seen.
@@ -66,6 +71,14 @@ pub struct EndpointView {
     /// sent/s).
     #[serde(default)]
     pub sent: u64,
+    /// The quota the receiver last published to this replica and the pace it leaves
+    /// (`[defaults.adaptive] learn`), while that pace holds.
+    #[serde(default)]
+    pub learned: Option<crate::learned::LearnedView>,
+}
+
+fn enforce() -> String {
+    "enforce".into()
 }
 
 /// Queued requests by priority class.
@@ -119,6 +132,11 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
             rate: view.map_or(policy.rate, |v| v.rate),
             burst: policy.burst,
             tokens: view.map_or(policy.burst, |v| v.tokens),
+            mode: match rt.resolver.mode_of(&id) {
+                crate::config::Mode::Enforce => "enforce",
+                crate::config::Mode::Shadow => "shadow",
+            }
+            .into(),
             cooldown_ms: view.map_or(0, |v| (v.cooldown_us / 1000.0).ceil() as u64),
             throttles: view.map_or(0, |v| v.throttles),
             at_floor: view.is_some_and(|v| v.at_floor),
@@ -134,6 +152,7 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
             oldest_wait_ms: waits.oldest.as_millis() as u64,
             refused_1m: of_label(crate::metrics::EndpointLabel::refused_last_minute),
             sent: of_label(crate::metrics::EndpointLabel::forwarded),
+            learned: app.limiter.learned().view(&id),
         });
     }
     out
@@ -338,6 +357,7 @@ pub async fn fetch_endpoints(admin: &str, token: Option<&str>) -> Result<String,
 pub fn render_table(views: &[EndpointView]) -> String {
     let header = [
         "ENDPOINT",
+        "MODE",
         "RATE/S",
         "CONFIGURED",
         "BURST",
@@ -350,15 +370,19 @@ pub fn render_table(views: &[EndpointView]) -> String {
         "OLDEST",
         "REFUSED/1M",
     ];
-    let rows: Vec<[String; 12]> = views
+    let rows: Vec<[String; 13]> = views
         .iter()
         .map(|v| {
             [
                 v.id.clone(),
+                v.mode.clone(),
                 format!("{:.2}", v.rate),
                 format!("{:.2}", v.configured_rate),
                 format!("{:.0}", v.burst),
-                format!("{:.1}", v.tokens),
+                // Below 0 the store counts reservations: requests sleeping until their
+                // start, which WAITING shows (a shadow bucket's are requests that went
+                // on at once).
+                format!("{:.1}", v.tokens.max(0.0)),
                 if v.cooldown_ms > 0 {
                     format!("{:.1}s", v.cooldown_ms as f64 / 1000.0)
                 } else {

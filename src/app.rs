@@ -298,6 +298,7 @@ fn swap_in(app: &App, path: &Path) -> Result<(), ReloadError> {
         app.forwarder.set_policy(policy);
     }
     let changed = what_changed(&old.config, &new);
+    app.metrics.configure(new.endpoints.iter().map(|e| &e.id));
     app.runtime.store(Arc::new(runtime));
     app.reloads.send_replace(());
     tracing::info!(path = %path.display(), %changed, "config reloaded");

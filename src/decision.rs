@@ -61,13 +61,29 @@ impl Sampler {
     }
 }
 
+/// The `endpoint` of a line whose request was refused before it resolved to one (bad
+/// proxy credentials, a malformed endpoint header, `require_endpoint`): a space keeps it
+/// apart from every endpoint ID (visible ASCII).
+pub const UNRESOLVED: &str = "(none resolved)";
+
+/// The endpoint a refusal's line names: the resolved one; else the ID the request
+/// named when that is the refusal (`unknown_endpoint` under `unknown = "reject"`);
+/// else [`UNRESOLVED`].
+fn endpoint_of<'a>(t: &'a Trace, e: &'a ProxyError) -> &'a str {
+    match (&t.endpoint, e) {
+        (Some(id), _) => id,
+        (None, ProxyError::UnknownEndpoint(id)) => id,
+        (None, _) => UNRESOLVED,
+    }
+}
+
 /// One forwarded request's line, with `$message` (a literal, as tracing wants).
 macro_rules! request_line {
     ($peer:expr, $method:expr, $t:expr, $message:literal) => {{
         let t: &Trace = $t;
         tracing::info!(
             target: "sluice::decision",
-            endpoint = t.endpoint.as_deref().unwrap_or("-"),
+            endpoint = t.endpoint.as_deref().unwrap_or(UNRESOLVED),
             user = t.user.as_deref().unwrap_or("-"),
             peer = %$peer,
             method = $method,
@@ -105,7 +121,7 @@ pub fn sender_left(peer: SocketAddr, method: &str, t: &Trace) {
 
 /// Logs a refusal or failure (always).
 pub fn refused(peer: SocketAddr, method: &str, t: &Trace, e: &ProxyError) {
-    let endpoint = t.endpoint.as_deref().unwrap_or("-");
+    let endpoint = endpoint_of(t, e);
     let user = t.user.as_deref().unwrap_or("-");
     let destination = t.destination.as_ref().map_or("-", |a| a.as_str());
     let waited_ms = t.waited.as_millis() as u64;

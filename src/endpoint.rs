@@ -104,6 +104,11 @@ impl Resolver {
             .unwrap_or_else(|| Arc::clone(&self.defaults))
     }
 
+    /// Whether an ID's requests are enforced or shadowed (configured, or the default).
+    pub fn mode_of(&self, id: &str) -> Mode {
+        self.by_id.get(id).map_or(self.default_mode, |(_, m)| *m)
+    }
+
     /// Resolves a request. `proxy_user` is the user name of the connection's
     /// `Proxy-Authorization` (from this request, or from the CONNECT of its tunnel);
     /// `port` is the target's effective port (the scheme's default when it names none).

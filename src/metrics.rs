@@ -335,11 +335,7 @@ impl Metrics {
             build_info: Family::default(),
             host_fallback: Counter::default(),
             reload_failures: Counter::default(),
-            labelled: RwLock::new(
-                configured
-                    .map(|id| (Arc::clone(id), EndpointLabel::new(Arc::clone(id))))
-                    .collect(),
-            ),
+            labelled: RwLock::default(),
             throttled: RwLock::default(),
             max_labels,
             other: EndpointLabel::new(OTHER.into()),
@@ -351,8 +347,50 @@ impl Metrics {
                 commit: crate::version::COMMIT,
             })
             .set(1);
+        m.configure(configured);
         m.register(&mut registry);
         Metrics { registry, ..m }
+    }
+
+    /// Gives each configured endpoint its own label (whatever the cap) and its request
+    /// series at 0 (`sluice_requests_total` for `forwarded` and each pacing refusal,
+    /// `sluice_wait_seconds`, `sluice_upstream_throttles_total`), so dashboards and
+    /// `rate()` see a configured endpoint from the start, or from the reload that adds
+    /// it, not from its first request.
+    pub fn configure<'a>(&self, configured: impl Iterator<Item = &'a Arc<str>>) {
+        for id in configured {
+            // `_other` is no endpoint ID (the config refuses it).
+            if &**id == OTHER {
+                continue;
+            }
+            let Ok(mut set) = self.labelled.write() else {
+                return;
+            };
+            let label = set
+                .entry(Arc::clone(id))
+                .or_insert_with(|| EndpointLabel::new(Arc::clone(id)))
+                .clone();
+            drop(set);
+            let of = |outcome| OutcomeLabels {
+                endpoint: label.clone(),
+                outcome,
+            };
+            label
+                .0
+                .forwarded
+                .get_or_init(|| self.requests.get_or_create(&of(FORWARDED)).clone());
+            for outcome in PACING_REFUSALS {
+                drop(self.requests.get_or_create(&of(outcome)));
+            }
+            let labels = EndpointLabels {
+                endpoint: label.clone(),
+            };
+            label
+                .0
+                .wait
+                .get_or_init(|| self.wait.get_or_create(&labels).clone());
+            drop(self.throttles.get_or_create(&labels));
+        }
     }
 
     /// Registers every instrument under the `sluice_` prefix.
@@ -659,11 +697,12 @@ mod tests {
         assert_eq!(m.label(&Arc::from("configured")).as_str(), "configured");
         assert_eq!(m.label(&Arc::from("ep999")).as_str(), "_other");
         let text = m.render();
-        let series = text
+        let endpoints: HashSet<&str> = text
             .lines()
-            .filter(|l| l.starts_with("sluice_requests_total{"))
-            .count();
-        assert!(series <= 11, "{series} series");
+            .filter_map(|l| l.strip_prefix("sluice_requests_total{endpoint=\""))
+            .filter_map(|l| l.split('"').next())
+            .collect();
+        assert!(endpoints.len() <= 11, "{} endpoints", endpoints.len());
     }
 
     /// The series a label carries render exactly as looked-up ones would, and a second

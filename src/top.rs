@@ -267,7 +267,7 @@ pub fn cells(l: &Shown) -> [String; 11] {
         id,
         format!("{:.2}", v.rate),
         format!("{:.2}", v.configured_rate),
-        format!("{:.1}", v.tokens),
+        format!("{:.1}", v.tokens.max(0.0)),
         v.waiting.to_string(),
         v.in_flight.to_string(),
         if v.waiting > 0 {
@@ -425,6 +425,7 @@ mod tests {
             rate: 10.0,
             burst: 10.0,
             tokens: 3.0,
+            mode: "enforce".into(),
             cooldown_ms,
             throttles: 0,
             at_floor: false,
@@ -436,6 +437,7 @@ mod tests {
             oldest_wait_ms: 1500,
             refused_1m: 0,
             sent: 10,
+            learned: None,
         }
     }
 

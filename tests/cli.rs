@@ -892,3 +892,119 @@ fn usage_errors_exit_1_and_help_exits_0() {
         assert!(!out.stdout.is_empty(), "{args:?}");
     }
 }
+
+/// The `keytool` command of the README's Java row, as written there.
+fn readme_keytool_line() -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let row = readme
+        .lines()
+        .find(|l| l.starts_with("| Java |"))
+        .expect("a Java row in the README's client table");
+    row.split('`')
+        .find(|s| s.starts_with("keytool "))
+        .expect("a keytool command in the Java row")
+        .to_owned()
+}
+
+/// A JDK beside the installed one whose `cacerts` is a copy: its `bin/keytool` and
+/// `lib/server/libjvm.so` are copies (the JVM finds its home from libjvm's real path),
+/// everything else links to the installed JDK. A command run with this `bin` first
+/// on PATH changes only the copy.
+fn shadow_jdk(jdk: &std::path::Path, into: &std::path::Path) {
+    use std::os::unix::fs::symlink;
+    let mirror = |from: &std::path::Path, to: &std::path::Path, keep: &[&str]| {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let name = e.unwrap().file_name();
+            if !keep.iter().any(|k| name == *k) {
+                symlink(from.join(&name), to.join(&name)).unwrap();
+            }
+        }
+    };
+    mirror(jdk, into, &["bin", "lib"]);
+    mirror(&jdk.join("lib"), &into.join("lib"), &["security", "server"]);
+    mirror(
+        &jdk.join("lib/security"),
+        &into.join("lib/security"),
+        &["cacerts"],
+    );
+    mirror(
+        &jdk.join("lib/server"),
+        &into.join("lib/server"),
+        &["libjvm.so"],
+    );
+    std::fs::create_dir_all(into.join("bin")).unwrap();
+    for (from, to) in [
+        ("bin/keytool", "bin/keytool"),
+        ("lib/server/libjvm.so", "lib/server/libjvm.so"),
+        ("lib/security/cacerts", "lib/security/cacerts"),
+    ] {
+        std::fs::copy(jdk.join(from), into.join(to)).unwrap();
+    }
+}
+
+/// The README's Java trust line works verbatim with no `JAVA_HOME` set: it imports
+/// the CA into the running JDK's `cacerts` without a prompt. Run against a shadow of
+/// the installed JDK, so the machine's store is untouched; skipped without `keytool`.
+#[test]
+fn the_readme_keytool_line_works_without_java_home() {
+    let line = readme_keytool_line();
+    assert!(!line.contains('$'), "no environment variable: {line}");
+    let Ok(found) = Command::new("sh")
+        .args(["-c", "readlink -f \"$(command -v keytool)\""])
+        .output()
+    else {
+        eprintln!("skipped: no sh");
+        return;
+    };
+    let keytool = String::from_utf8_lossy(&found.stdout).trim().to_owned();
+    if keytool.is_empty() {
+        eprintln!("skipped: keytool is not installed (a JDK or JRE brings it)");
+        return;
+    }
+    let jdk = std::path::Path::new(&keytool)
+        .parent()
+        .and_then(std::path::Path::parent)
+        .unwrap();
+    if !jdk.join("lib/server/libjvm.so").exists() || !jdk.join("lib/security/cacerts").exists() {
+        eprintln!("skipped: {} is not laid out as a JDK 9+", jdk.display());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let shadow = dir.path().join("jdk");
+    shadow_jdk(jdk, &shadow);
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    let out = sluice()
+        .args(["ca", "init", "--dir"])
+        .arg(work.join("config/ca"))
+        .run_within(CHILD_DEADLINE);
+    assert!(out.status.success(), "{out:?}");
+    let path = format!(
+        "{}:{}",
+        shadow.join("bin").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let keytool_in_shadow = |args: &str| {
+        Command::new("sh")
+            .args(["-c", args])
+            .current_dir(&work)
+            .env_remove("JAVA_HOME")
+            .env("PATH", &path)
+            .run_within(Duration::from_secs(60))
+    };
+    let out = keytool_in_shadow(&line);
+    assert!(
+        out.status.success(),
+        "{line}\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed = keytool_in_shadow("keytool -list -cacerts -storepass changeit -alias sluice");
+    assert!(listed.status.success(), "{listed:?}");
+    assert!(
+        String::from_utf8_lossy(&listed.stdout).contains("trustedCertEntry"),
+        "{listed:?}"
+    );
+}

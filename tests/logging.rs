@@ -298,3 +298,70 @@ fn a_reload_keeps_the_running_log_target() {
     assert!(changed.contains(&"log.buffer_lines"), "{changed:?}");
     assert_eq!(new.log, running.log);
 }
+
+/// A refused request's decision line names the endpoint it asked for when that is what
+/// was refused (`unknown_endpoint`), and one refused before naming any says so
+/// (`(none resolved)`), never a bare `-`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_before_resolution_name_the_endpoint_or_say_none_resolved() {
+    let upstream = common::Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("sluice.log");
+    let (proxy, admin) = (free_port(), free_port());
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"{proxy}\"\nadmin_listen = \"{admin}\"\n\
+             [defaults]\nunknown = \"reject\"\n\
+             [[endpoints]]\nid = \"known\"\n\
+             [log]\nfile = \"sluice.log\"\n\
+             [security]\nallow_private_destinations = true\n"
+        ),
+    )
+    .unwrap();
+    let mut child = ChildGuard::spawn(
+        sluice()
+            .args(["run", "--config"])
+            .arg(&path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    until_listening(proxy, &mut child).await;
+    let client = common::client(proxy);
+    for (id, status) in [("ghost", 403), ("bad{id}", 400), ("known", 200)] {
+        let r = client
+            .get(upstream.url("/"))
+            .header("X-Endpoint-Id", id)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), status, "{id}");
+    }
+    signal(&child, "-TERM");
+    let status = child.wait_within(CHILD_DEADLINE);
+    assert!(status.success(), "sluice exited with {status}");
+    let log = std::fs::read_to_string(&file).unwrap();
+    let decisions: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("sluice::decision"))
+        .collect();
+    assert_eq!(decisions.len(), 3, "{log}");
+    let line = |outcome: &str| {
+        decisions
+            .iter()
+            .find(|l| l.contains(&format!("outcome=\"{outcome}\"")))
+            .unwrap_or_else(|| panic!("no {outcome} line:\n{log}"))
+    };
+    assert!(
+        line("unknown_endpoint").contains("endpoint=\"ghost\""),
+        "{log}"
+    );
+    assert!(
+        line("bad_request").contains("endpoint=\"(none resolved)\""),
+        "{log}"
+    );
+    assert!(line("forwarded").contains("endpoint=\"known\""), "{log}");
+    assert!(!log.contains("endpoint=\"-\""), "{log}");
+}

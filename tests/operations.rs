@@ -1037,3 +1037,160 @@ async fn a_throttled_endpoint_past_the_label_cap_is_still_watched() {
     let log = p.stop();
     assert!(log.contains("past-cap"), "{log}");
 }
+
+/// `sluice status` names each endpoint's mode and never shows a negative balance: the
+/// requests an enforced endpoint holds until their start are in WAITING, and a
+/// shadow endpoint (whose requests go on at once) shows `shadow`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_shadow_mode_and_waiting_requests_not_negative_tokens() {
+    let up = Upstream::start().await;
+    let s = common::sluice(
+        "[[endpoints]]\nid = \"held\"\nrate = 0.2\nburst = 1.0\nmax_wait = \"60s\"\n\
+         [[endpoints]]\nid = \"measured\"\nrate = 0.2\nburst = 1.0\nmode = \"shadow\"\n",
+    )
+    .await;
+    let c = client(s.proxy_addr);
+    // Three to the shadow endpoint: all forwarded at once, the bucket 2 below 0.
+    for _ in 0..3 {
+        let r = c
+            .get(up.url("/"))
+            .header("x-endpoint-id", "measured")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    // Three to the enforced one: the first goes, two wait (for 5 s and 10 s).
+    let senders: Vec<_> = (0..3)
+        .map(|_| {
+            let (c, url) = (c.clone(), up.url("/"));
+            tokio::spawn(async move {
+                let _ = c.get(url).header("x-endpoint-id", "held").send().await;
+            })
+        })
+        .collect();
+    common::wait_for(
+        "two requests waiting for held",
+        Duration::from_secs(5),
+        || async {
+            common::endpoint(s.admin_addr, "held")
+                .await
+                .is_some_and(|e| e["waiting"] == 2)
+        },
+    )
+    .await;
+    let admin = format!("http://{}", s.admin_addr);
+    let out = tokio::task::spawn_blocking(move || {
+        output_within(
+            Command::new(env!("CARGO_BIN_EXE_sluice")).args(["status", "--admin", &admin]),
+            Duration::from_secs(10),
+        )
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}");
+    let header: Vec<&str> = text
+        .lines()
+        .next()
+        .unwrap()
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    let row = |id: &str| -> Vec<String> {
+        let line = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(id))
+            .unwrap_or_else(|| panic!("no {id} row:\n{text}"));
+        // Cells are two spaces apart; a cell may hold one space ("yes (3s)").
+        line.split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .unwrap_or_else(|| panic!("no {name} column:\n{text}"))
+    };
+    let (held, measured) = (row("held"), row("measured"));
+    assert_eq!(held[col("MODE")], "enforce", "{text}");
+    assert_eq!(measured[col("MODE")], "shadow", "{text}");
+    assert_eq!(held[col("WAITING")], "2", "{text}");
+    for r in [&held, &measured] {
+        let tokens: f64 = r[col("TOKENS")].parse().unwrap();
+        assert!(tokens >= 0.0, "a negative balance shown:\n{text}");
+    }
+    for t in senders {
+        t.abort();
+    }
+    s.stop().await;
+}
+
+/// Every configured endpoint has its request series from the start, at 0, and one a
+/// reload adds has them from that reload: `rate()` and alerts see an endpoint before
+/// its first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_endpoints_have_request_series_before_their_first_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    let (proxy, admin) = (free_addr(), free_addr());
+    let endpoints = |ids: &[&str]| -> String {
+        ids.iter()
+            .map(|id| format!("[[endpoints]]\nid = \"{id}\"\nrate = 5.0\n"))
+            .collect()
+    };
+    std::fs::write(&path, Proc::config(proxy, admin, &endpoints(&["alpha"]))).unwrap();
+    let p = Proc::start(&path, admin).await;
+    let zero_series = |scrape: &prometheus_parse::Scrape, id: &str| -> Vec<String> {
+        scrape
+            .samples
+            .iter()
+            .filter(|s| s.labels.get("endpoint") == Some(id))
+            .filter(|s| match s.value {
+                prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => {
+                    v == 0.0
+                }
+                prometheus_parse::Value::Histogram(ref h) => h.iter().all(|b| b.count == 0.0),
+                _ => false,
+            })
+            .map(|s| {
+                format!(
+                    "{}{{outcome={:?}}}",
+                    s.metric,
+                    s.labels.get("outcome").unwrap_or("")
+                )
+            })
+            .collect()
+    };
+    let want = |id: &str, scrape: &prometheus_parse::Scrape| {
+        let found = zero_series(scrape, id);
+        for series in [
+            "sluice_requests_total{outcome=\"forwarded\"}",
+            "sluice_requests_total{outcome=\"rate_limited\"}",
+            "sluice_requests_total{outcome=\"cooldown\"}",
+            "sluice_upstream_throttles_total{outcome=\"\"}",
+        ] {
+            assert!(
+                found.iter().any(|f| f == series),
+                "{id}: no {series} at 0 in {found:?}"
+            );
+        }
+    };
+    want("alpha", &scrape(admin).await);
+
+    std::fs::write(
+        &path,
+        Proc::config(proxy, admin, &endpoints(&["alpha", "beta"])),
+    )
+    .unwrap();
+    p.signal("-HUP");
+    p.wait_log("config reloaded", Duration::from_secs(5)).await;
+    let after = scrape(admin).await;
+    want("alpha", &after);
+    want("beta", &after);
+    p.stop();
+}
