@@ -5,8 +5,8 @@ Prints JSON: {"chart": Chart.yaml, "values": values.yaml, "docs": [every manifes
 Templates are made plain YAML by dropping lines that hold only template actions
 ({{- if }}, {{- end }}, {{- with }}, {{- toYaml ... }}) and replacing inline
 {{ expressions }} by "TPL"; both branches of every `if` are kept, so each manifest the
-chart can render is parsed. tests/deploy.rs asserts on the result; with helm present it
-also runs `helm lint` and `helm template`.
+chart can render is parsed. tests/deploy.rs asserts on the result; scripts/check-chart
+renders the chart with a real helm and checks what it renders.
 """
 import json
 import pathlib

@@ -337,22 +337,39 @@ fn read_cert(path: &Path) -> Result<CertificateDer<'static>, MitmError> {
     }
 }
 
+/// Whether a key file may be read by others than sluice: by others, or by its group,
+/// except where sluice reads it only through that group: a file of another user whose
+/// group is sluice's own effective group, as Kubernetes mounts a secret for a non-root
+/// pod (root's, the pod's `fsGroup`, mode 0440), where sluice could not `chmod` it.
+/// `file` and `own` are `(uid, gid)`; `own` is `None` where it cannot be told.
+fn exposed(mode: u32, file: (u32, u32), own: Option<(u32, u32)>) -> bool {
+    let through_own_group = own.is_some_and(|(uid, gid)| file.0 != uid && file.1 == gid);
+    mode & 0o007 != 0 || (mode & 0o070 != 0 && !through_own_group)
+}
+
+/// The process's effective user and group: those of `/proc/self` (Linux).
+fn own_ids() -> Option<(u32, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata("/proc/self").ok().map(|m| (m.uid(), m.gid()))
+}
+
 /// Reads the private key of a PEM file.
-/// Warns when the CA key file may be read by its group or by others: whoever reads it can
-/// impersonate any site to the senders that trust the CA. A warning, not an error: a
-/// mounted secret may be readable by a group on purpose (Kubernetes `fsGroup`).
+/// Warns when the CA key file may be read by others than sluice ([`exposed`]): whoever
+/// reads it can impersonate any site to the senders that trust the CA. A warning, not
+/// an error: a key may be shared with a group on purpose.
 fn warn_if_exposed(key: &Path) {
+    use std::os::unix::fs::MetadataExt;
     let Ok(meta) = fs::metadata(key) else {
         return;
     };
     let mode = meta.permissions().mode() & 0o777;
-    if mode & 0o077 != 0 {
+    if exposed(mode, (meta.uid(), meta.gid()), own_ids()) {
         tracing::warn!(
             path = %key.display(),
             mode = format!("{mode:o}"),
             "tls.ca_key {} is readable by its group or others (mode {mode:o}): anyone who \
-             reads it can impersonate any site to your senders; `chmod 600` it (or set the \
-             secret volume's defaultMode to 0400)",
+             reads it can impersonate any site to your senders; `chmod 600` it (a Kubernetes \
+             secret: defaultMode 0440 with the pod's fsGroup set to sluice's group)",
             key.display()
         );
     }
@@ -386,6 +403,20 @@ fn read_key(path: &Path) -> Result<KeyPair, MitmError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A key sluice owns is exposed by any group or other bit; one it reads only
+    /// through its own group (a Kubernetes secret with `fsGroup`) is not, unless
+    /// others may read it too.
+    #[test]
+    fn a_key_read_through_sluices_own_group_is_not_exposed() {
+        let sluice = Some((10001, 10001));
+        assert!(!exposed(0o600, (10001, 10001), sluice));
+        assert!(exposed(0o640, (10001, 10001), sluice));
+        assert!(!exposed(0o440, (0, 10001), sluice));
+        assert!(exposed(0o444, (0, 10001), sluice));
+        assert!(exposed(0o440, (0, 20), sluice));
+        assert!(exposed(0o440, (0, 10001), None));
+    }
 
     #[test]
     fn generate_ca_writes_files_and_refuses_to_overwrite() {
