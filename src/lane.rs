@@ -6,7 +6,8 @@
 //!
 //! When a sender connection ends between requests, its clean upstream connection is
 //! left on the worker's idle shelf ([`crate::idle`]) for the next sender connection to
-//! the same destination.
+//! the same destination, when it carried one request of it; one the sender held (two
+//! requests or more in a row) is closed with it, as on hyper's path.
 //!
 //! Heads are parsed with `httparse` (the parser hyper itself uses); the request goes out
 //! on the sender connection's own upstream connection, written and read in the
@@ -166,6 +167,7 @@ async fn serve_on<S: SenderIo>(
         },
         out: Vec::with_capacity(1024),
         up: None,
+        held: false,
         timer,
         in_tunnel,
     };
@@ -177,10 +179,11 @@ async fn serve_on<S: SenderIo>(
         shutdown.clone(),
     )
     .await;
-    // A clean upstream connection outlives its sender connection.
-    if let Some(up) = lane.up.take() {
+    // A clean upstream connection that carried one request outlives its sender
+    // connection; one the sender held (two requests or more in a row) ends with it.
+    if let Some(up) = lane.up.take().filter(|_| !lane.held) {
         let tls = matches!(up.stream, UpIo::Tls(_));
-        if still_open(&up) {
+        if quiet(&up) {
             lane.app.idle.put((tls, up.authority.clone()), up);
         }
     }
@@ -226,6 +229,13 @@ struct Lane<S> {
     out: Vec<u8>,
     /// The connection's own upstream connection, between requests.
     up: Option<Upstream>,
+    /// `up` carried more than one of this connection's requests in a row: the sender
+    /// holds it, and it is closed, not shelved, when the sender leaves (as hyper's path
+    /// closes a connection's [`crate::forward::Affinity`]). A receiver can write bytes
+    /// after its answer that arrive only once the next request is sent (its Nagle
+    /// delay waits for sluice's ACK), so no look at the socket before a reuse can see
+    /// them: on a held connection they reach its own sender, never another.
+    held: bool,
     /// The upstream timeout, set again for each request (one timer per connection).
     timer: Pin<Box<Sleep>>,
     /// Inside a tunnel: requests are origin-form, for the tunnel's authority.
@@ -398,14 +408,17 @@ impl<S: SenderIo> Lane<S> {
         let generation = app.forwarder.generation();
         let usable = |u: &Upstream| u.generation == generation && still_open(u);
         let mut replay: Option<Vec<u8>> = None;
-        let (up, answer, slot) =
+        let (up, answer, slot, held) =
             loop {
                 let kept = self
                     .up
                     .take()
                     .filter(|u| *u.authority == *authority && usable(u));
-                // Else one another sender connection left, else a new one.
-                let kept = kept.or_else(|| app.idle.take((tls, authority.into()), usable));
+                let held = kept.is_some();
+                // Else one another sender connection left, else a new one; bytes it
+                // holds now belong to no request of this sender's.
+                let shelved = |u: &Upstream| u.generation == generation && quiet(u);
+                let kept = kept.or_else(|| app.idle.take((tls, authority.into()), shelved));
                 let mut up = match kept {
                     Some(u) => u,
                     None => match Box::pin(open(&app, &target.host, target.port, &uri)).await {
@@ -485,7 +498,7 @@ impl<S: SenderIo> Lane<S> {
                     }
                 }
                 let slot = proxy::final_answer(&app, admitted, answer.status, trace);
-                break (up, answer, slot);
+                break (up, answer, slot, held);
             };
         if let Some(n) = resend.as_ref().map(|r| r.retried).filter(|&n| n > 0) {
             trace.retried = n;
@@ -548,6 +561,7 @@ impl<S: SenderIo> Lane<S> {
         drop(slot);
         if delimited && !answer.close && up.buf.is_empty() {
             self.up = Some(up);
+            self.held = held;
         }
         Ok(delimited && !head.close && !answer.early)
     }
@@ -1473,6 +1487,21 @@ fn still_open(up: &Upstream) -> bool {
     }
     let mut probe = [0u8; 1];
     matches!(tcp.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+/// Whether a kept upstream connection may pass to another sender connection (the idle
+/// shelf): [`still_open`], and the kernel holds no byte for it, asked with a peek. The
+/// runtime's readiness lags the socket (it is set when the I/O driver next polls), so
+/// bytes a receiver wrote after its answer, an extra response of its own, can sit
+/// unseen there; they would be the next sender's answer. A system call per sender
+/// connection, never per request.
+fn quiet(up: &Upstream) -> bool {
+    if !still_open(up) {
+        return false;
+    }
+    let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    let peeked = socket2::SockRef::from(up.stream.tcp()).peek(&mut probe);
+    matches!(peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
 }
 
 /// Opens an upstream connection to `host:port`, resolved and checked against the

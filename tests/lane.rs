@@ -772,8 +772,9 @@ async fn a_one_shot_request_in_a_tunnel_ends_the_tls_session_cleanly() {
 }
 
 /// Inside an intercepted tunnel (HTTP/1.1 by ALPN) bodies arrive once and whole both
-/// ways, sluice's own headers never reach the receiver, and the TLS connection to the
-/// receiver outlives the tunnel: a second tunnel is served on it, with no new handshake.
+/// ways, sluice's own headers never reach the receiver, and a TLS connection to the
+/// receiver that carried one request outlives its tunnel: the next tunnel is served on
+/// it, with no new handshake. One a tunnel held (requests in a row) ends with it.
 #[tokio::test]
 async fn inside_a_tunnel_bodies_arrive_whole_and_the_upstream_connection_outlives_it() {
     use common::Reply;
@@ -831,15 +832,22 @@ async fn inside_a_tunnel_bodies_arrive_whole_and_the_upstream_connection_outlive
     );
     drop(c);
     wait_for_metric(s.admin_addr, "sluice_connections_open 0").await;
-    let r = tunnel().get(up.url("/second-tunnel")).send().await.unwrap();
-    assert_eq!(r.status(), 200);
+    // The first tunnel held its connection (four requests in a row): it ended with the
+    // tunnel. A tunnel of one request leaves its own for the next.
+    for path in ["/second-tunnel", "/third-tunnel"] {
+        let r = tunnel().get(up.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        wait_for_metric(s.admin_addr, "sluice_connections_open 0").await;
+    }
     let arrivals = up.arrivals();
-    assert_eq!(arrivals.len(), 5, "each request arrived once");
+    assert_eq!(arrivals.len(), 6, "each request arrived once");
     let conns: Vec<usize> = arrivals.iter().map(|a| a.conn).collect();
     assert!(
-        conns.iter().all(|c| *c == conns[0]),
-        "one TLS connection: {conns:?}"
+        conns[..4].iter().all(|c| *c == conns[0]),
+        "one TLS connection in the first tunnel: {conns:?}"
     );
+    assert_ne!(conns[4], conns[0], "{conns:?}");
+    assert_eq!(conns[5], conns[4], "no new handshake: {conns:?}");
     s.stop().await;
 }
 
