@@ -51,7 +51,9 @@ if pause > 0 and now + pause > s.cu then
   s.ho = ''
   s.la = 0
   if ARGV[9] ~= '' then
-    redis.call('PUBLISH', ARGV[9] .. ':until', KEYS[1] .. ' ' .. ARGV[7])
+    -- pcall: a Redis user allowed only the bare channel (an ACL written for it) still
+    -- gets its cooldown saved and announced, without the end.
+    redis.pcall('PUBLISH', ARGV[9] .. ':until', KEYS[1] .. ' ' .. ARGV[7])
     redis.call('PUBLISH', ARGV[9], KEYS[1])
   end
 end

@@ -250,3 +250,65 @@ async fn a_cooldown_notice_heard_before_a_cut_holds_the_local_bucket() {
         r.stop().await;
     }
 }
+
+/// A Redis user allowed only the channel `<prefix>cooldowns` (as the operations guide's
+/// ACL allows) is not allowed the channel the cooldowns' ends are announced on: the
+/// feedback still saves the cooldown and announces it on the channel it may use, and
+/// waiters still hear it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_user_allowed_only_the_notice_channel_still_saves_and_hears_cooldowns() {
+    let redis = common::redis::RedisServer::start();
+    let acl = [
+        "ACL",
+        "SETUSER",
+        "narrow",
+        "on",
+        ">narrow-pass",
+        "~sluice:*",
+        "resetchannels",
+        "&sluice:cooldowns",
+        "+@all",
+    ];
+    redis.cli(&acl).expect("ACL SETUSER");
+    let cfg = StoreConfig {
+        backend: Backend::Redis,
+        urls: vec![format!(
+            "redis://narrow:narrow-pass@127.0.0.1:{}/",
+            redis.port()
+        )],
+        key_prefix: "sluice:".into(),
+        timeout: Duration::from_millis(500),
+        on_error: OnError::Deny,
+        ..StoreConfig::default()
+    };
+    let store = RedisStore::connect(&cfg, StoreStats::default())
+        .await
+        .unwrap();
+    common::wait_for("the notice subscription", Duration::from_secs(5), || {
+        std::future::ready(!store.needs_confirm("e", tokio::time::Instant::now()))
+    })
+    .await;
+    let policy = Policy {
+        rate: 1.0,
+        burst: 1.0,
+        adaptive: Some(Adaptive::default()),
+        ..Policy::default()
+    };
+    let before = tokio::time::Instant::now();
+    store
+        .feedback(
+            "e",
+            Ask::new(&policy, 0.0, None),
+            Adaptive::default(),
+            Duration::from_secs(10),
+            true,
+        )
+        .await
+        .expect("the cooldown saved");
+    let cu = redis.cli(&["HGET", "sluice:{e}", "cu"]).unwrap();
+    assert!(!cu.is_empty(), "Redis holds the cooldown: cu={cu:?}");
+    common::wait_for("the notice", Duration::from_secs(5), || {
+        std::future::ready(store.needs_confirm("e", before))
+    })
+    .await;
+}

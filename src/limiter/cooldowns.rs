@@ -15,7 +15,7 @@
 //! from the notice's arrival plus the pause, never before the cooldown's end on the
 //! store's clock. A replica cut off from the store afterwards holds its local bucket
 //! back until then ([`super::fallback`]). The bare key stays on its own channel for
-//! replicas that read only that one.
+//! replicas that read only that one and for Redis users allowed only that one.
 //!
 //! A subscription can also die without a word (a NAT or firewall dropping the idle
 //! flow, a partition, a host gone without a reset): nothing ends the stream then, and
@@ -189,8 +189,13 @@ async fn listen(
 ) -> Result<(), redis::RedisError> {
     let pubsub = client.get_async_pubsub().await?;
     let (mut sink, mut messages) = pubsub.split();
+    sink.subscribe(channel).await?;
+    // The ends ride on a channel of their own: a Redis user whose ACL names only the
+    // bare one still hears the notices, without their ends.
     let until = format!("{channel}:until");
-    sink.subscribe(&[channel, until.as_str()]).await?;
+    if let Err(e) = sink.subscribe(&until).await {
+        tracing::debug!(error = %e, "no cooldown ends heard: a replica cut off from the store does not know until when a cooldown it heard of runs");
+    }
     watch.subscribed(true);
     // Pinged through itself on a task of its own, so notices are read meanwhile.
     let (dead_tx, mut dead) = tokio::sync::oneshot::channel();
