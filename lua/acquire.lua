@@ -24,11 +24,16 @@
 --          replica the last writes had not reached, a restart from an older snapshot, or
 --          a key made afresh by another script after the loss): it is rebuilt the same
 --          way, its balance lowered to what ARGV[8] allows.
--- ARGV[10], ARGV[11]  the first ask: budget, the longest acceptable wait (µs), and its
+-- ARGV[10] the endpoint's windows, "<limit>:<per µs> ..." ("" = none; bucket.lua's
+--          win_spec)
+-- ARGV[11] the asks' costs (tokens and window units each spends), "<cost> ..." in the
+--          asks' order ("" = every ask costs 1)
+-- ARGV[12], ARGV[13]  the first ask: budget, the longest acceptable wait (µs), and its
 --          held generation ("" = none: take a token; else confirm that reservation)
--- ARGV[12], ARGV[13]  the second ask, and so on (src/limiter/batch.rs sends one pair per
+-- ARGV[14], ARGV[15]  the second ask, and so on (src/limiter/batch.rs sends one pair per
 --          request that queued while the previous call for this endpoint was in flight).
---          No ask at all: a top-up, asking only for tokens ahead (ARGV[4]).
+--          No ask at all: a top-up, asking only for tokens ahead (ARGV[4]). Tokens go
+--          ahead only to an endpoint without windows, and only when every ask costs 1.
 -- Returns  one string (one bulk reply: cheap for the client to read, and cheap to build
 --          here, where turning a number into text is the costly part):
 --            "<generation> <ahead> <hold> <busy> <n> <now> <rebuilt> <ask 1> <ask 2> ..."
@@ -57,19 +62,24 @@
 -- Why atomic: refill, the reservation and the balance going below zero must be one
 -- read-modify-write; as GET/compare/SET from several replicas they would overdraw.
 
+win_spec(ARGV[10])
+local costs = {}
+for c in string.gmatch(ARGV[11] or '', '%S+') do
+  costs[#costs + 1] = tonumber(c)
+end
 local s, lost = load_known(tonumber(ARGV[8]), tonumber(ARGV[9]))
 local taken = false
 local all_now = true
-local asks = (#ARGV - 9) / 2
+local asks = (#ARGV - 11) / 2
 local answers
 -- A busy endpoint far from its limit: a token for every ask, none to wait for (no
--- reservation or cooldown pushed the bucket's time ahead). Each ask is then granted now,
--- exactly as the loop below would decide it, without its per-ask arithmetic: a batch
--- costs about what one ask does.
-local quick = s.ts <= now and s.tk >= asks and s.la <= now
+-- reservation or cooldown pushed the bucket's time ahead, no window to count). Each ask
+-- is then granted now, exactly as the loop below would decide it, without its per-ask
+-- arithmetic: a batch costs about what one ask does.
+local quick = s.ts <= now and s.tk >= asks and s.la <= now and #WIN == 0 and #costs == 0
 if quick then
   local spent = 0
-  for i = 10, #ARGV - 1, 2 do
+  for i = 12, #ARGV - 1, 2 do
     if tonumber(ARGV[i]) < 0 then
       quick = false
       break
@@ -87,13 +97,15 @@ if quick then
 end
 if not quick then
   local out = {}
-  for i = 10, #ARGV - 1, 2 do
+  for i = 12, #ARGV - 1, 2 do
     local held = ARGV[i + 1]
     if held ~= '' and tonumber(held) == s.g then
       -- The reservation survived (no cooldown voided it): go, taking nothing more.
       out[#out + 1] = 'G'
     else
-      local granted, us, cooldown = reserve(s, tonumber(ARGV[i]))
+      local cost = costs[(i - 10) / 2] or 1
+      all_now = all_now and cost == 1
+      local granted, us, cooldown = reserve(s, tonumber(ARGV[i]), cost)
       taken = taken or granted
       all_now = all_now and granted and us <= 0
       local w = math.ceil(us)
@@ -122,7 +134,7 @@ end
 
 local ahead = 0
 local wanted = tonumber(ARGV[4])
-if wanted > 0 and all_now and s.cu <= now and s.dr <= 0 and alone() then
+if wanted > 0 and all_now and #WIN == 0 and s.cu <= now and s.dr <= 0 and alone() then
   ahead = math.min(wanted, math.floor(s.tk - burst / 2))
   if ahead > 0 then
     local held = held_ahead(s)

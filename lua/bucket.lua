@@ -29,9 +29,17 @@
 --   vu the latest start a cooldown voided (µs; bucket::BucketState::voided): the key
 --      outlives it, so a voided reservation's confirmation never meets a key made afresh
 --      at generation 0
+--   wi until when (µs) the window logs below still count a start (the latest entry
+--      plus its `per`): the key outlives it whichever script saves it last
 --   n  writes so far (every save adds one): a key whose count is below one a replica
 --      already heard went back in time (a failover to a replica the last writes had not
 --      reached, a restart from an older snapshot); see acquire.lua's ARGV[9]
+--   w<per>  one sliding window's log (`windows`, src/limiter/window.rs), per its `per`
+--      in whole µs: "<start>:<cost> ..." oldest first, at most 32 entries
+--
+-- Windows: a script that decides or gives back a start names the endpoint's windows
+-- ("<limit>:<per µs> ...", see win_spec) and the request's cost; the others leave the
+-- logs alone.
 --
 -- Tokens taken ahead (Redis only; the memory store never takes any): acquire.lua may
 -- hand a replica `cr` tokens to spend without asking, until `ce`. Until then the bucket
@@ -62,10 +70,48 @@ local function str(x)
   return string.format('%.17g', x)
 end
 
+local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce', 'cs',
+                 'ho', 'la', 'vu', 'wi', 'n' }
+
+-- The endpoint's windows, from the script's argument (win_spec): { limit, per, field }.
+local WIN = {}
+-- Most entries a window's log keeps exactly (window::MAX_ENTRIES).
+local WIN_MAX = 32
+-- window::SAME_START_US and window::EDGE_US.
+local WIN_SAME = 1
+local WIN_EDGE = 1
+
+--- Reads the windows "<limit>:<per µs> ..." ("" = none) a script was given.
+local function win_spec(spec)
+  for l, p in string.gmatch(spec or '', '(%d+):(%d+)') do
+    WIN[#WIN + 1] = { limit = tonumber(l), per = tonumber(p), field = 'w' .. p }
+  end
+end
+
+--- The window logs of the key (after `load`): s.win[i] = { {at, cost}, ... }.
+local function win_load(s)
+  s.win = {}
+  if #WIN == 0 then
+    return
+  end
+  local names = {}
+  for i = 1, #WIN do
+    names[i] = WIN[i].field
+  end
+  local raw = redis.call('HMGET', key, unpack(names))
+  for i = 1, #WIN do
+    local log = {}
+    if raw[i] then
+      for a, c in string.gmatch(raw[i], '(%S+):(%S+)') do
+        log[#log + 1] = { tonumber(a), tonumber(c) }
+      end
+    end
+    s.win[i] = log
+  end
+end
+
 --- The stored state, or nil when the key does not exist (a fresh full bucket).
 --- `loaded` keeps the values as read, so `save` writes only what changed.
-local FIELDS = { 'tk', 'ts', 'dr', 'da', 'du', 'cu', 'g', 'th', 'fs', 'fl', 'cr', 'ce', 'cs',
-                 'ho', 'la', 'vu', 'n' }
 local loaded = nil
 local function load()
   local raw = redis.call('HMGET', key, unpack(FIELDS))
@@ -81,17 +127,125 @@ local function load()
   local ho = raw[14] or ''
   local la = tonumber(raw[15] or '0')
   local vu = tonumber(raw[16] or '0')
-  local n = tonumber(raw[17] or '0')
+  local wi = tonumber(raw[17] or '0')
+  local n = tonumber(raw[18] or '0')
   loaded = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, vu = vu, n = n }
-  return { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
-           fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, vu = vu, n = n }
+             fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, vu = vu, wi = wi, n = n }
+  local s = { tk = tk, ts = ts, dr = dr, da = da, du = du, cu = cu, g = g, th = th, fs = fs,
+              fl = fl, cr = cr, ce = ce, cs = cs, ho = ho, la = la, vu = vu, wi = wi, n = n }
+  win_load(s)
+  return s
+end
+
+--- Empty logs, one per window.
+local function win_empty()
+  local w = {}
+  for i = 1, #WIN do
+    w[i] = {}
+  end
+  return w
 end
 
 --- bucket::fresh
 local function fresh()
   return { tk = burst, ts = now, dr = 0, da = 0, du = 0, cu = 0, g = 0, th = 0, fs = 0,
-           cr = 0, ce = 0, cs = 0, ho = '', la = 0, vu = 0, n = 0 }
+           cr = 0, ce = 0, cs = 0, ho = '', la = 0, vu = 0, wi = 0, n = 0, win = win_empty() }
+end
+
+--- window::Log::prune: drops entries `per` or more behind now.
+local function win_prune(log, per)
+  local gone = 0
+  while gone < #log and log[gone + 1][1] <= now - per do
+    gone = gone + 1
+  end
+  if gone > 0 then
+    local n = #log
+    for i = 1, n - gone do
+      log[i] = log[i + gone]
+    end
+    for i = n, n - gone + 1, -1 do
+      log[i] = nil
+    end
+  end
+end
+
+--- window::Log::earliest: the first start >= from (and not before the latest entry) at
+--- which (t - per, t] holds at most limit - cost.
+local function win_earliest(log, limit, per, cost, from)
+  if cost > limit then
+    return math.huge
+  end
+  local t0 = from
+  if #log > 0 and log[#log][1] > t0 then
+    t0 = log[#log][1]
+  end
+  local excess = cost - limit
+  for i = 1, #log do
+    excess = excess + log[i][2]
+  end
+  if excess <= 0 then
+    return t0
+  end
+  for i = 1, #log do
+    excess = excess - log[i][2]
+    if excess <= 0 then
+      return math.max(t0, log[i][1] + per + WIN_EDGE)
+    end
+  end
+  return t0
+end
+
+--- window::Log::record: appends a start, merging the closest two entries into the
+--- later one's time when the log is full.
+local function win_record(log, at, cost)
+  log[#log + 1] = { at, cost }
+  if #log > WIN_MAX then
+    local best, gap = 2, math.huge
+    for i = 2, #log do
+      local g = log[i][1] - log[i - 1][1]
+      if g < gap then
+        gap = g
+        best = i
+      end
+    end
+    log[best][2] = log[best][2] + log[best - 1][2]
+    table.remove(log, best - 1)
+  end
+end
+
+--- window::Log::unrecord: takes cost off the entry at `at` (within a µs), if there.
+local function win_unrecord(log, at, cost)
+  for i = 1, #log do
+    if math.abs(log[i][1] - at) <= WIN_SAME then
+      log[i][2] = log[i][2] - math.min(cost, log[i][2])
+      if log[i][2] <= 0 then
+        table.remove(log, i)
+      end
+      return
+    end
+  end
+end
+
+--- window::Logs::earliest over every window of the script (pruning them first).
+local function win_start(s, cost, from)
+  local t = from
+  for i = 1, #WIN do
+    win_prune(s.win[i], WIN[i].per)
+    t = math.max(t, win_earliest(s.win[i], WIN[i].limit, WIN[i].per, cost, from))
+  end
+  return t
+end
+
+--- Until when (µs) the logs still count a start (window::Logs::time_to_idle + now).
+local function win_until(s)
+  local u = 0
+  for i = 1, #WIN do
+    local log = s.win[i]
+    if #log > 0 then
+      u = math.max(u, log[#log][1] + WIN[i].per)
+    end
+  end
+  return u
 end
 
 --- Tokens replicas hold ahead that may still be spent (0 once their time is over).
@@ -169,15 +323,20 @@ local function time_to_idle(s, floor)
   local ahead = math.max(s.ce - now, 0)
   -- Nor while a start it handed out is ahead, voided or not.
   local handed_out = math.max(math.max(s.la, s.vu) - now, 0)
-  return math.max(until_ts + refill_time, rec, dec_window, ahead, handed_out)
+  -- Nor while a window still counts a start (field wi, whichever script saves).
+  local windows = math.max((s.wi or 0) - now, 0)
+  return math.max(until_ts + refill_time, rec, dec_window, ahead, handed_out, windows)
 end
 
---- bucket::acquire's reservation (after refill): takes a token that starts `wait` µs
---- from now, or refuses, taking nothing, when that is beyond `budget`. Returns
---- granted (bool), the wait or the retry time (µs), and 1 when a cooldown is why.
-local function reserve(s, budget)
+--- bucket::acquire's reservation (after refill): takes `cost` tokens (and units of
+--- every window) that start `wait` µs from now, or refuses, taking nothing, when that is
+--- beyond `budget`. Returns granted (bool), the wait or the retry time (µs), and 1 when
+--- a cooldown is why.
+local function reserve(s, budget, cost)
+  cost = cost or 1
+  local plain = cost == 1 and #WIN == 0
   -- bucket::take_hole: a start a sender gave up comes first (the earliest still ahead).
-  if s.tk < 1 and s.ho ~= '' then
+  if s.tk < 1 and s.ho ~= '' and plain then
     local kept, best = {}, nil
     for w in string.gmatch(s.ho, '%S+') do
       local h = tonumber(w)
@@ -207,11 +366,16 @@ local function reserve(s, budget)
   end
   local base = math.max(s.ts, now)
   local r = effective(s, base)
-  local missing = math.max(1 - s.tk, 0)
-  local start = base + missing / r * MICROS
+  local missing = math.max(cost - s.tk, 0)
+  local balance_start = base + missing / r * MICROS
+  local start = balance_start
   -- Never among the starts already handed out (bucket::acquire).
   if s.la > now then
-    start = math.max(start, s.la + MICROS / r)
+    start = math.max(start, s.la + cost * MICROS / r)
+  end
+  -- Every window must take the cost too (window::Logs::earliest).
+  if #WIN > 0 then
+    start = win_start(s, cost, start)
   end
   local wait = start - now
   if wait > budget then
@@ -219,11 +383,24 @@ local function reserve(s, budget)
     if cool_left > budget then
       return false, cool_left, 1
     end
-    return false, wait, 0
+    -- A cost no window can ever take waits forever: said as a very long time.
+    return false, math.min(wait, 1e15), 0
   end
-  s.tk = s.tk - 1
+  if start > balance_start and not plain then
+    -- Held back past where the balance has its tokens: they go at its own start
+    -- (bucket::acquire), the bucket brought there and still until then.
+    s.tk = math.min(s.tk + (start - base) / MICROS * r, burst - held_ahead(s))
+    s.ts = start
+  end
+  s.tk = s.tk - cost
   if start > now and start > s.la then
     s.la = start
+  end
+  if #WIN > 0 then
+    for i = 1, #WIN do
+      win_record(s.win[i], start, cost)
+    end
+    s.wdirty = true
   end
   return true, math.max(wait, 0), 0
 end
@@ -237,6 +414,18 @@ end
 local function save(s)
   s.n = s.n + 1
   local fields = { 'n', tostring(s.n) }
+  if s.wdirty then
+    -- The window logs this script changed, and until when they count.
+    for i = 1, #WIN do
+      local words = {}
+      for j, e in ipairs(s.win[i]) do
+        words[j] = str(e[1]) .. ':' .. e[2]
+      end
+      fields[#fields + 1] = WIN[i].field
+      fields[#fields + 1] = table.concat(words, ' ')
+    end
+    s.wi = math.max(s.wi or 0, win_until(s))
+  end
   for i = 1, #FIELDS - 1 do
     local f = FIELDS[i]
     local v = s[f]

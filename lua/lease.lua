@@ -10,6 +10,7 @@
 -- ARGV[8], ARGV[9]  how long this replica knows the bucket stays busy (µs) and the
 --          highest write count it heard: a lost key, or one gone back in time, is
 --          rebuilt as acquire.lua does (see its ARGV[8] and ARGV[9]).
+-- ARGV[10] the endpoint's windows (acquire.lua's ARGV[10])   ARGV[11] the cost
 -- Returns  { code, wait_us or retry_us (string), generation, cooldown 0|1, busy, n, at,
 --            rebuilt }
 --          code=1: token reserved (start after wait_us) and the slot leased until
@@ -35,8 +36,9 @@ if redis.call('ZCARD', leases) >= max then
   local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
   return { 2, str(math.max(tonumber(first[2]) - now, 0)), 0, 0, '-1', 0, '0', 0 }
 end
+win_spec(ARGV[10])
 local s, lost = load_known(tonumber(ARGV[8]), tonumber(ARGV[9]))
-local granted, us, cooldown = reserve(s, budget)
+local granted, us, cooldown = reserve(s, budget, tonumber(ARGV[11] or '1'))
 if not granted then
   local busy = '-1'
   if lost then

@@ -4,7 +4,7 @@
 -- KEYS[1]  "<prefix>{<endpoint>}"
 -- ARGV[1]  rate   ARGV[2] burst   ARGV[3] recovery (µs)
 -- ARGV[4]  generation of the reservation
--- ARGV[5]  tokens given back (absent: 1)
+-- ARGV[5]  tokens given back (absent: 1); for a reservation, its cost
 -- ARGV[6]  when they were taken ahead (`store.prefetch`) and not spent: the hold they
 --          were taken in (acquire.lua's <hold>). While that hold lasts they no longer count
 --          as held ahead; once it is over they already do not, and the count belongs to
@@ -18,7 +18,9 @@
 --          one of the two calls took to arrive than the other. A replica counts ARGV[7]
 --          from when its acquire was sent; an acquire held up in Redis (a fork, a slow
 --          command, a pause) would put the start it leaves for the next sender that much
---          early, beside the one before it.
+--          early, beside the one before it. Empty when the grant named no start.
+-- ARGV[9]  with a reservation, the endpoint's windows ("" or absent = none; see
+--          bucket.lua's win_spec): the reservation's entry leaves each window's log.
 -- Returns  when given back (wholly, in part or, with reservations behind it, not at
 --          all): "<busy> <n>", acquire.lua's <busy> and <n> after it (a give-back can
 --          shorten the first); -1 when a cooldown voided it (other generation) or the key
@@ -33,6 +35,7 @@
 -- Why atomic: the refund is a read-modify-write of the balance that acquires on other
 -- replicas are changing at the same moment.
 
+win_spec(ARGV[9])
 local s = load()
 if not s or tonumber(ARGV[4]) ~= s.g then
   return -1
@@ -54,24 +57,35 @@ else
   local r = effective(s, base)
   local latest = math.max(base + math.max(-s.tk, 0) / r * MICROS, s.la)
   local due = tonumber(ARGV[8] or '') or (now + tonumber(ARGV[7] or '0'))
+  -- Its entry leaves every window's log, wherever it is (window::Logs::unrecord).
+  if #WIN > 0 then
+    for i = 1, #WIN do
+      win_unrecord(s.win[i], due, n)
+    end
+    s.wdirty = true
+  end
   local behind = math.max(latest - due, 0) / MICROS * r
-  back = math.min(math.max(1 - behind, 0), 1)
+  back = math.min(math.max(n - behind, 0), n)
   if behind < 0.5 then
     -- The latest start (within half a slot: clocks differ a little) is free again.
-    s.la = math.min(s.la, due - MICROS / r)
+    s.la = math.min(s.la, due - n * MICROS / r)
   end
   if behind >= 0.5 and due > now then
     back = 0
-    local kept = {}
-    for w in string.gmatch(s.ho, '%S+') do
-      if tonumber(w) > now then
-        kept[#kept + 1] = w
+    -- Kept for the next sender of one token only; a costlier reservation's tokens, or
+    -- one the windows counted, stay spent (bucket::release).
+    if n == 1 and #WIN == 0 then
+      local kept = {}
+      for w in string.gmatch(s.ho, '%S+') do
+        if tonumber(w) > now then
+          kept[#kept + 1] = w
+        end
       end
+      if #kept < 8 then
+        kept[#kept + 1] = str(due)
+      end
+      s.ho = table.concat(kept, ' ')
     end
-    if #kept < 8 then
-      kept[#kept + 1] = str(due)
-    end
-    s.ho = table.concat(kept, ' ')
   end
 end
 s.tk = math.min(s.tk + back, burst - held_ahead(s))

@@ -191,6 +191,70 @@ async fn burst_bound(s: Subject) {
     assert_eq!(granted, 5, "a fresh bucket grants exactly its burst");
 }
 
+/// A window decides with the bucket in one store call, on every store: rate 100, burst
+/// 10, at most 4 per second. Four go at once; the fifth is reserved for when the first is
+/// a second behind, or, with no wait allowed, refused with that wait; given back, its
+/// unit leaves the window. A cost of 5 (rate 10, burst 10) spends 5 tokens: two go at
+/// once, the third waits half a second.
+async fn windows_and_costs_decide_with_the_bucket(s: Subject) {
+    let window = sluice::limiter::window::Window {
+        limit: 4.0,
+        per_us: 1e6,
+    };
+    let p = Policy {
+        windows: sluice::limiter::window::Windows::new(&[window]).unwrap(),
+        ..policy(100.0, 10.0, 0)
+    };
+    let now = Ask::new(&p, 0.0, None);
+    let t0 = Instant::now();
+    for _ in 0..4 {
+        match s.store.acquire("win", now).await.unwrap() {
+            Outcome::Granted { wait_us, .. } => assert_eq!(wait_us, 0.0),
+            o => panic!("{o:?}"),
+        }
+    }
+    let waited = |t: Instant| us(t0, t);
+    match s.store.acquire("win", now).await.unwrap() {
+        Outcome::Refused { cooldown, retry_us } => {
+            assert!(!cooldown);
+            assert_between("the window's wait", retry_us, 1e6 - waited(Instant::now()), 1e6 + 2.0);
+        }
+        o => panic!("{o:?}"),
+    }
+    let wait = Ask::new(&p, 2e6, None);
+    let o = s.store.acquire("win", wait).await.unwrap();
+    let Outcome::Granted { wait_us, generation, at_us } = o else {
+        panic!("{o:?}")
+    };
+    assert_between("the fifth's start", wait_us, 1e6 - waited(Instant::now()), 1e6 + 2.0);
+    let v = view(&s, "win", now, None).await;
+    assert_eq!((v.windows[0].used, v.windows[0].ahead), (4.0, 1.0), "{v:?}");
+    let unused = Unused { generation, due_in_us: wait_us, at_us };
+    s.store.release("win", now, unused).await.unwrap();
+    let v = view(&s, "win", now, None).await;
+    assert_eq!((v.windows[0].used, v.windows[0].ahead), (4.0, 0.0), "{v:?}");
+
+    let p = Policy {
+        cost: 5,
+        ..policy(10.0, 10.0, 0)
+    };
+    let ask = Ask::new(&p, 0.0, None);
+    let t0 = Instant::now();
+    for _ in 0..2 {
+        assert!(matches!(
+            s.store.acquire("cost", ask).await.unwrap(),
+            Outcome::Granted { wait_us, .. } if wait_us == 0.0
+        ));
+    }
+    match s.store.acquire("cost", ask).await.unwrap() {
+        Outcome::Refused { retry_us, .. } => {
+            let lo = 5e5 - us(t0, Instant::now());
+            assert_between("five tokens at 10/s", retry_us, lo, 5e5);
+        }
+        o => panic!("{o:?}"),
+    }
+}
+
 async fn refusal_consumes_nothing(s: Subject) {
     let rate = 1.0;
     let p = policy(rate, 1.0, 0);
@@ -826,6 +890,7 @@ every_store!(
     leases_bound_expire_and_release,
     concurrent_acquires_decide_as_back_to_back_calls,
     cap_lowers_the_balance_and_never_raises_it,
+    windows_and_costs_decide_with_the_bucket,
 );
 
 /// Acquires that queue while one is in flight for their endpoint go to Redis together:

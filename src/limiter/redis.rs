@@ -35,7 +35,8 @@ use tokio::time::Instant;
 use super::credit::Taken;
 
 use super::batch::{self, Lanes};
-use super::bucket::{Ask, Outcome, Unused, View};
+use super::bucket::{self, Ask, Outcome, Unused, View};
+use super::window::{self, WindowUse};
 use super::cooldowns::{CooldownWatch, follow};
 use super::credit;
 use super::lease::{LeaseAsk, Leased};
@@ -684,7 +685,7 @@ impl Calls {
             endpoint,
             alone.map(|a| a.heartbeats.as_str()),
             policy,
-            6 + 2 * asks.len(),
+            8 + 2 * asks.len(),
         );
         inv.arg(ahead).arg(Num(micros(credit::HELD_FOR)));
         match alone {
@@ -693,6 +694,8 @@ impl Calls {
         };
         let (busy_us, writes) = self.busy.known(endpoint, Instant::now());
         inv.arg(Num::whole_micros(busy_us)).arg(writes);
+        inv.arg(policy.windows.spec());
+        inv.arg(costs(asks));
         for ask in asks {
             inv.arg(Num::whole_micros(ask.budget_us));
             match ask.held {
@@ -797,17 +800,19 @@ impl Calls {
         ask: &Ask,
         unused: Unused,
     ) -> Result<(), StoreError> {
-        let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 5);
-        // One token, no hold, due at its start on Redis's clock where the grant said it
-        // (else this many µs from Redis's now: the replica's own time never reaches
-        // the script).
+        let mut inv = self.invocation(&self.scripts.release, endpoint, None, ask, 6);
+        // Its cost in tokens, no hold, due at its start on Redis's clock where the grant
+        // said it (else this many µs from Redis's now: the replica's own time never
+        // reaches the script), and the windows whose logs count it.
         inv.arg(unused.generation)
-            .arg(1)
+            .arg(ask.cost as u64)
             .arg("")
             .arg(unused.due_in_us.round() as i64);
-        if let Some(at) = unused.at_us {
-            inv.arg(Num(at));
-        }
+        match unused.at_us {
+            Some(at) => inv.arg(Num(at)),
+            None => inv.arg(""),
+        };
+        inv.arg(ask.windows.spec());
         self.given_back(endpoint, inv).await
     }
 
@@ -1065,6 +1070,45 @@ fn whole(word: &[u8]) -> Option<f64> {
     (x.is_finite() && x >= 0.0).then_some(x)
 }
 
+/// The asks' costs as acquire.lua reads them (ARGV[11]): empty when every one is 1.
+fn costs(asks: &[Ask]) -> String {
+    if asks.iter().all(|a| a.cost == 1.0) {
+        return String::new();
+    }
+    let words: Vec<String> = asks.iter().map(|a| (a.cost as u64).to_string()).collect();
+    words.join(" ")
+}
+
+/// Splits view.lua's last field, each window's use (`"<used>:<ahead> ..."`), off its
+/// answer.
+fn window_uses(
+    v: Value,
+    ask: &Ask,
+) -> Result<(Value, [WindowUse; window::MAX_WINDOWS]), StoreError> {
+    let Value::Array(mut items) = v else {
+        return Ok((v, Default::default()));
+    };
+    let last = match items.pop() {
+        Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+        Some(Value::SimpleString(s)) => s,
+        other => {
+            return Err(StoreError::Protocol(format!(
+                "unexpected window uses {other:?}"
+            )));
+        }
+    };
+    let mut uses = Vec::new();
+    for (w, word) in ask.windows.as_slice().iter().zip(last.split_whitespace()) {
+        let (used, ahead) = word.split_once(':').unwrap_or((word, "0"));
+        uses.push(WindowUse {
+            window: *w,
+            used: used.parse().unwrap_or(0.0),
+            ahead: ahead.parse().unwrap_or(0.0),
+        });
+    }
+    Ok((Value::Array(items), bucket::window_uses(&uses)))
+}
+
 fn fields(v: Value, n: usize) -> Result<Vec<f64>, StoreError> {
     match v {
         Value::Array(items) if items.len() == n => items.iter().map(num).collect(),
@@ -1127,15 +1171,17 @@ impl BucketStore for RedisStore {
         Box::pin(async move {
             let mut inv = self
                 .calls
-                .invocation(&self.calls.scripts.view, endpoint, None, &ask, 1);
+                .invocation(&self.calls.scripts.view, endpoint, None, &ask, 2);
             match floor {
                 Some(f) => inv.arg(f),
                 None => inv.arg(""),
             };
+            inv.arg(ask.windows.spec());
             let v: Value = self.calls.run(inv).await?;
             if matches!(v, Value::Nil) {
                 return Ok(None);
             }
+            let (v, uses) = window_uses(v, &ask)?;
             let f = fields(v, 7)?;
             Ok(Some(View {
                 tokens: f[0],
@@ -1145,7 +1191,7 @@ impl BucketStore for RedisStore {
                 at_floor: f[4] == 1.0,
                 floor_for_us: f[5],
                 held_ahead: f[6],
-                windows: Default::default(),
+                windows: uses,
             }))
         })
     }
@@ -1170,14 +1216,16 @@ impl BucketStore for RedisStore {
             let leases = self.leases_key(endpoint);
             let mut inv =
                 self.calls
-                    .invocation(&self.calls.scripts.lease, endpoint, Some(&leases), &ask, 6);
+                    .invocation(&self.calls.scripts.lease, endpoint, Some(&leases), &ask, 8);
             let (busy_us, writes) = self.calls.busy.known(endpoint, Instant::now());
             inv.arg(Num::whole_micros(ask.budget_us))
                 .arg(lease.max)
                 .arg(lease.ttl_us)
                 .arg(self.member(lease.id))
                 .arg(Num::whole_micros(busy_us))
-                .arg(writes);
+                .arg(writes)
+                .arg(ask.windows.spec())
+                .arg(ask.cost as u64);
             let f = fields(self.calls.run(inv).await?, 8)?;
             if f[4] >= 0.0 {
                 self.calls

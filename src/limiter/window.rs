@@ -81,6 +81,19 @@ impl Windows {
         self.len == 0
     }
 
+    /// The windows as the Lua scripts read them: `"<limit>:<per µs> ..."` (whole
+    /// numbers; empty when there is none).
+    pub fn spec(&self) -> String {
+        let mut out = String::new();
+        for w in self.as_slice() {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(&format!("{}:{}", w.limit as u64, w.per_us as u64));
+        }
+        out
+    }
+
     /// Each limit divided among `n` replicas (at least one unit each): a replica's share
     /// while the shared store is out.
     pub fn shared(mut self, n: f64) -> Windows {

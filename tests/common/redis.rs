@@ -716,8 +716,8 @@ pub fn acquire_script() -> redis::Script {
     ))
 }
 
-/// What a replica sends `acquire.lua` before its asks (ARGV[1]–ARGV[9], see the
-/// script): no recovery, no heartbeat set.
+/// What a replica sends `acquire.lua` before its asks (ARGV[1]–ARGV[11], see the
+/// script): no recovery, no heartbeat set, no windows, every ask costing 1.
 #[allow(dead_code)]
 pub struct AcquireArgs {
     pub rate: f64,
@@ -744,7 +744,9 @@ impl AcquireArgs {
             .arg("")
             .arg(0)
             .arg(self.known_us)
-            .arg(self.seen);
+            .arg(self.seen)
+            .arg("")
+            .arg("");
         inv
     }
 }
@@ -768,7 +770,7 @@ pub async fn connection(server: &RedisServer) -> redis::aio::MultiplexedConnecti
 
 /// What `acquire.lua` calls asked Redis, from a MONITOR log:
 /// `(reservations, confirmations, script calls)`. A call is `EVALSHA <acquire sha> <n>
-/// <n keys> rate burst recovery ahead ahead_us replica ttl busy writes` followed by one `budget held` pair per ask
+/// <n keys> rate burst recovery ahead ahead_us replica ttl busy writes windows costs` followed by one `budget held` pair per ask
 /// (several when concurrent asks were batched); a confirmation carries a held
 /// generation, a reservation `""`.
 pub fn acquires(monitor: &str) -> (usize, usize, usize) {
@@ -776,7 +778,7 @@ pub fn acquires(monitor: &str) -> (usize, usize, usize) {
     for words in calls_of(monitor, &acquire_script()) {
         calls.2 += 1;
         let keys: usize = words[2].trim_matches('"').parse().unwrap();
-        for pair in words[3 + keys + 9..].chunks(2) {
+        for pair in words[3 + keys + 11..].chunks(2) {
             if pair.get(1) == Some(&"\"\"") {
                 calls.0 += 1;
             } else {
