@@ -24,6 +24,33 @@ use crate::config::{Config, EndpointRule, Mode, Policy, UnknownEndpoints, check_
 use crate::error::ProxyError;
 use crate::host::path_as_read;
 
+/// `X-Sluice-Cost: N`: what a request spends of its endpoint's bucket and of every
+/// window, in place of the endpoint's `cost` (removed before forwarding).
+pub const COST_HEADER: HeaderName = HeaderName::from_static("x-sluice-cost");
+
+/// The cost a request names (`X-Sluice-Cost`), checked against its endpoint's
+/// configured `policy`: `None` when it names none. A value that is not one whole number
+/// ≥ 1, or that can never fit the burst or a window's limit, is a bad request (nothing
+/// has been spent yet).
+pub fn request_cost(headers: &HeaderMap, policy: &Policy) -> Result<Option<u32>, ProxyError> {
+    let mut values = headers.get_all(&COST_HEADER).iter();
+    let Some(v) = values.next() else {
+        return Ok(None);
+    };
+    let bad = |why: String| ProxyError::BadRequest(format!("{COST_HEADER}: {why}"));
+    if values.next().is_some() {
+        return Err(bad("given more than once".into()));
+    }
+    let text = v.to_str().unwrap_or("").trim();
+    let cost = match text.parse::<u32>() {
+        Ok(n) if n >= 1 && text.bytes().all(|b| b.is_ascii_digit()) => n,
+        _ => return Err(bad(format!("{text:?} is not a whole number ≥ 1"))),
+    };
+    crate::limiter::window::cost_fits(f64::from(cost), policy.burst, &policy.windows)
+        .map_err(bad)?;
+    Ok(Some(cost))
+}
+
 /// The endpoint a request belongs to.
 #[derive(Debug, Clone)]
 pub struct Resolved {

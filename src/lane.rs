@@ -64,6 +64,7 @@ use crate::core::App;
 use crate::decision::{self, Trace};
 use crate::error::ProxyError;
 use crate::forward::{ForwardError, content_length, content_length_list, hop_by_hop_index};
+use crate::endpoint::COST_HEADER;
 use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
 use crate::upload::{self, Progress, Stalled};
 
@@ -439,7 +440,8 @@ impl<S: SenderIo> Lane<S> {
                     }
                     None => {
                         // The request head, and whatever of its body came with it.
-                        let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
+                        let own =
+                            [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER, &COST_HEADER];
                         request_head(&mut self.out, head, &uri, &up.host, &own);
                         let with_head = (self.inb.len() as u64).min(head.body) as usize;
                         self.out.extend_from_slice(&self.inb[..with_head]);

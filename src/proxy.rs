@@ -41,7 +41,7 @@ use crate::conn::{ConnSlot, Timeouts};
 use crate::core::{App, Runtime};
 use crate::decision::{self, Trace};
 use crate::destination::normalise_host;
-use crate::endpoint::{Resolved, proxy_user};
+use crate::endpoint::{COST_HEADER, Resolved, proxy_user};
 use crate::error::{Body, ProxyError};
 use crate::forward::{
     ForwardError, content_length_list, strip_hop_by_hop, strip_hop_by_hop_and, strip_sluice_headers,
@@ -535,6 +535,8 @@ async fn admission(
         label: Some(known.clone()),
         error,
     };
+    // A cost the sender names (`X-Sluice-Cost`), checked against the configured policy.
+    let cost = crate::endpoint::request_cost(headers, &ep.policy).map_err(denied)?;
     app.forwarder
         .policy()
         .check_host(&target.host)
@@ -554,6 +556,16 @@ async fn admission(
     if let Some(n) = remember {
         last.remember(rt, &n, &ep, &label);
     }
+    let ep = match cost {
+        Some(cost) if cost != ep.policy.cost => Resolved {
+            policy: Arc::new(Policy {
+                cost,
+                ..(*ep.policy).clone()
+            }),
+            ..ep
+        },
+        _ => ep,
+    };
     let prepaid = match prepaid.and_then(|p| p.take_for(&ep.id)) {
         Some(Prepaying::Yours(a)) => Some(a),
         Some(Prepaying::Unused(a)) => {
@@ -746,7 +758,7 @@ async fn forward_request(
     crate::forward::forwardable_codings(req.headers()).map_err(ProxyError::NotImplemented)?;
     let (rt, uri, _target, admitted) =
         admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
-    let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER];
+    let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER, &COST_HEADER];
     strip_hop_by_hop_and(req.headers_mut(), &own);
     // The sender's request ID goes on as the receiver's idempotency key.
     if let Some(id) = req.headers_mut().remove(crate::absorb::REQUEST_ID_HEADER) {

@@ -195,7 +195,7 @@ impl Reader<'_> {
         /// Headers that cannot be the endpoint header (it is removed before forwarding):
         /// the request's framing and routing (removing `Content-Length` would send the
         /// body as the next request), hop-by-hop and proxy headers, and sluice's own.
-        const RESERVED_HEADERS: [&str; 14] = [
+        const RESERVED_HEADERS: [&str; 15] = [
             "content-length",
             "transfer-encoding",
             "host",
@@ -212,6 +212,7 @@ impl Reader<'_> {
             "x-sluice-priority",
         ];
         let p = "proxy";
+            "x-sluice-cost",
         self.known_keys(
             t,
             p,
