@@ -48,6 +48,10 @@ pub struct EndpointView {
     /// `tokens` meanwhile. Absent from older servers' answers: 0.
     #[serde(default)]
     pub held_ahead: f64,
+    /// Each sliding window (`windows`) and its use. Absent from older servers' answers,
+    /// and for an endpoint without windows: empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub windows: Vec<WindowView>,
     /// Requests waiting on this replica: in the endpoint's queue, or holding a reserved
     /// start and sleeping until it. Absent from older servers' answers: 0.
     #[serde(default)]
@@ -79,6 +83,50 @@ pub struct EndpointView {
 
 fn enforce() -> String {
     "enforce".into()
+}
+
+/// One sliding window of an endpoint as operators see it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WindowView {
+    /// Cost units allowed in any interval of `per_ms`.
+    pub limit: u64,
+    /// The interval, milliseconds.
+    pub per_ms: u64,
+    /// Cost units started in the last `per_ms`.
+    pub used: f64,
+    /// Cost units reserved to start later (requests sleeping until their start).
+    pub ahead: f64,
+}
+
+impl WindowView {
+    /// The window's `per` as config spells it (`"4s"`, `"1h"`): the `per` label of
+    /// `sluice_window_used`.
+    pub fn per(&self) -> String {
+        let ms = self.per_ms;
+        match ms {
+            _ if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
+            _ if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
+            _ if ms % 1000 == 0 => format!("{}s", ms / 1000),
+            _ => format!("{ms}ms"),
+        }
+    }
+}
+
+/// The windows of `policy` with their use in `view` (none used without a view).
+fn window_views(policy: &crate::config::Policy, view: Option<&crate::limiter::View>) -> Vec<WindowView> {
+    let list = policy.windows.as_slice();
+    list.iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let u = view.map(|v| v.windows[i]).unwrap_or_default();
+            WindowView {
+                limit: w.limit as u64,
+                per_ms: (w.per_us / 1000.0).round() as u64,
+                used: u.used,
+                ahead: u.ahead,
+            }
+        })
+        .collect()
 }
 
 /// Queued requests by priority class.
@@ -142,6 +190,7 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
             at_floor: view.is_some_and(|v| v.at_floor),
             at_floor_secs: view.map_or(0.0, |v| v.floor_for_us / 1e6),
             held_ahead: view.map_or(0.0, |v| v.held_ahead),
+        windows: window_views(&policy, view.as_ref()),
             waiting: waits.total() as u64,
             waiting_by_priority: ByPriority {
                 high: waits.queued[0] as u64,
@@ -428,6 +477,19 @@ pub fn render_table(views: &[EndpointView]) -> String {
     }
     if rows.is_empty() {
         out.push_str("(no endpoints yet)\n");
+    }
+    let windowed: Vec<&EndpointView> = views.iter().filter(|v| !v.windows.is_empty()).collect();
+    if !windowed.is_empty() {
+        out.push_str("\nWINDOWS (used / limit per interval, reserved ahead)\n");
+        let width = windowed.iter().map(|v| v.id.len()).max().unwrap_or(0);
+        for v in windowed {
+            let cells: Vec<String> = v
+                .windows
+                .iter()
+                .map(|w| format!("{:.0}/{} per {} (+{:.0})", w.used, w.limit, w.per(), w.ahead))
+                .collect();
+            out.push_str(&format!("{:<width$}  {}\n", v.id, cells.join("  ")));
+        }
     }
     out
 }

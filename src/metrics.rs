@@ -187,6 +187,15 @@ pub struct EndpointLabels {
     pub endpoint: EndpointLabel,
 }
 
+/// `{endpoint, per}`: one sliding window of an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct WindowLabels {
+    /// The endpoint (or `_other`).
+    pub endpoint: EndpointLabel,
+    /// The window's `per` as config spells it (`4s`, `1h`).
+    pub per: String,
+}
+
 /// `{endpoint, outcome}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct OutcomeLabels {
@@ -275,6 +284,8 @@ pub struct Metrics {
     pub at_floor: Family<EndpointLabels, Gauge>,
     /// `sluice_endpoint_cooldown_seconds{endpoint}`: cooldown left.
     pub cooldown: Family<EndpointLabels, Gauge<f64, AtomicU64>>,
+    /// `sluice_window_used{endpoint,per}`: cost units started in the window's last `per`.
+    pub window_used: Family<WindowLabels, Gauge<f64, AtomicU64>>,
     /// `sluice_tunnels_total{endpoint}`: CONNECT tunnels opened without interception.
     pub tunnels: Family<EndpointLabels, Counter>,
     /// `sluice_intercepted_tunnels_total{result}`: intercepted CONNECTs by how their TLS
@@ -324,6 +335,7 @@ impl Metrics {
             rate: Family::default(),
             at_floor: Family::default(),
             cooldown: Family::default(),
+            window_used: Family::default(),
             tunnels: Family::default(),
             intercepted: Family::default(),
             connections: Gauge::default(),
@@ -440,6 +452,11 @@ impl Metrics {
             "endpoint_cooldown_seconds",
             "Cooldown left",
             m.cooldown.clone(),
+        );
+        registry.register(
+            "window_used",
+            "Cost units started in a sliding window's last interval (windows)",
+            m.window_used.clone(),
         );
         registry.register(
             "tunnels",
