@@ -310,3 +310,32 @@ both_stores! {
     a_rules_cost_spends_without_a_header with PRICEY;
     a_cost_that_never_fits_is_refused_and_spends_nothing with NARROW;
 }
+
+/// `windows` and `cost` are checked where they are written: a limit that is not a whole
+/// number ≥ 1, a window without `per`, two windows with one `per`, more than four, and a
+/// cost over the burst or a window's limit each name their line and key.
+#[test]
+fn windows_and_cost_are_checked_at_their_lines() {
+    let text = "[defaults]\nburst = 5.0\n\
+                windows = [{ limit = 0, per = \"1s\" }, { limit = 3 }]\n\
+                [[endpoints]]\nid = \"a\"\nwindows = [{ limit = 4, per = \"1s\" }]\ncost = 5\n\
+                [[endpoints]]\nid = \"b\"\ncost = 6\n\
+                [[endpoints]]\nid = \"c\"\nwindows = [{ limit = 9, per = \"1s\" }, { limit = 8, per = \"1000ms\" }]\n";
+    let issues = sluice::config::Config::parse(text).expect_err("rejected");
+    let at: Vec<(usize, &str)> = issues.iter().map(|i| (i.line, i.key.as_str())).collect();
+    for want in [
+        (3, "defaults.windows[0].limit"),
+        (3, "defaults.windows[1]"),
+        (7, "endpoints[0].cost"),
+        (10, "endpoints[1].cost"),
+        (13, "endpoints[2].windows[1]"),
+    ] {
+        assert!(at.contains(&want), "{want:?} not in {issues:#?}");
+    }
+    let ok = sluice::config::Config::parse(
+        "[defaults]\nwindows = [{ limit = 5000, per = \"1h\" }, { limit = 100, per = \"1m\" }]\ncost = 2\n",
+    )
+    .unwrap();
+    assert_eq!(ok.defaults.windows.as_slice().len(), 2);
+    assert_eq!(ok.defaults.cost, 2);
+}
