@@ -756,8 +756,11 @@ async fn forward_request(
 ) -> Result<Response<Body>, Refused> {
     // Refused before anything is spent: a coding under `chunked` cannot be forwarded.
     crate::forward::forwardable_codings(req.headers()).map_err(ProxyError::NotImplemented)?;
+    // On hyper's path a sender's end of stream while this waits cancels it.
+    let waiting = crate::conn::SenderEof::waiting(req.extensions());
     let (rt, uri, _target, admitted) =
         admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
+    drop(waiting);
     let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER, &COST_HEADER];
     strip_hop_by_hop_and(req.headers_mut(), &own);
     // The sender's request ID goes on as the receiver's idempotency key.
@@ -1308,6 +1311,8 @@ async fn connect(
     conn: &Arc<Conn>,
     trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
+    // A sender's end of stream before the tunnel opens cancels it.
+    let _waiting = crate::conn::SenderEof::waiting(req.extensions());
     let uri = req.uri();
     // Authority-form only (RFC 9110 §9.3.6): no scheme, path or userinfo.
     let authority = uri
