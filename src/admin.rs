@@ -113,7 +113,10 @@ impl WindowView {
 }
 
 /// The windows of `policy` with their use in `view` (none used without a view).
-fn window_views(policy: &crate::config::Policy, view: Option<&crate::limiter::View>) -> Vec<WindowView> {
+fn window_views(
+    policy: &crate::config::Policy,
+    view: Option<&crate::limiter::View>,
+) -> Vec<WindowView> {
     let list = policy.windows.as_slice();
     list.iter()
         .enumerate()
@@ -486,7 +489,10 @@ pub fn render_table(views: &[EndpointView]) -> String {
             let cells: Vec<String> = v
                 .windows
                 .iter()
-                .map(|w| format!("{:.0}/{} per {} (+{:.0})", w.used, w.limit, w.per(), w.ahead))
+                .map(|w| {
+                    let (used, limit, ahead) = (w.used, w.limit, w.ahead);
+                    format!("{used:.0}/{limit} per {} (+{ahead:.0})", w.per())
+                })
                 .collect();
             out.push_str(&format!("{:<width$}  {}\n", v.id, cells.join("  ")));
         }

@@ -131,7 +131,11 @@ fn arrivals(up: &Upstream, path: &str, t0: Instant) -> Vec<f64> {
 fn most_in(times: &[f64], per: f64, jitter: f64, cost: f64) -> (f64, f64) {
     let mut worst = (0.0, 0.0);
     for (i, &t) in times.iter().enumerate() {
-        let n = times[..=i].iter().filter(|&&s| s > t - per + jitter).count() as f64 * cost;
+        let n = times[..=i]
+            .iter()
+            .filter(|&&s| s > t - per + jitter)
+            .count() as f64
+            * cost;
         if n > worst.0 {
             worst = (n, t);
         }
@@ -157,7 +161,10 @@ async fn a_window_is_never_overrun_and_is_used(fleet: Fleet) {
         times.len(),
         got.len()
     );
-    assert!(most <= 20.0, "{most} arrivals in 4 s ending at {at:.3} s: {times:?}");
+    assert!(
+        most <= 20.0,
+        "{most} arrivals in 4 s ending at {at:.3} s: {times:?}"
+    );
     let first = times[0];
     for span in 0..2 {
         let from = first + 4.0 * f64::from(span);
@@ -165,7 +172,10 @@ async fn a_window_is_never_overrun_and_is_used(fleet: Fleet) {
             .iter()
             .filter(|&&t| t >= from && t < from + 4.0)
             .count();
-        assert!(n >= 16, "only {n} of 20 in the 4 s from {from:.3} s: {times:?}");
+        assert!(
+            n >= 16,
+            "only {n} of 20 in the 4 s from {from:.3} s: {times:?}"
+        );
     }
     // Every answer is the upstream's or a 503 past max_wait (none here: 10 s covers it).
     assert!(got.iter().all(|&s| s == 200), "{got:?}");
@@ -176,13 +186,15 @@ async fn a_window_is_never_overrun_and_is_used(fleet: Fleet) {
     assert_eq!(w["per_ms"], 4000, "{ep}");
     let used = w["used"].as_f64().unwrap();
     assert!(used > 0.0 && used <= 20.0, "{ep}");
-    let views: Vec<sluice::admin::EndpointView> =
-        vec![serde_json::from_value(ep.clone()).unwrap()];
+    let views: Vec<sluice::admin::EndpointView> = vec![serde_json::from_value(ep.clone()).unwrap()];
     let table = sluice::admin::render_table(&views);
     assert!(table.contains(&format!("{used:.0}/20 per 4s")), "{table}");
     let admin = fleet.replicas[0].admin_addr;
-    common::wait_for_metric(admin, "sluice_window_used{endpoint=\"127.0.0.1\",per=\"4s\"}")
-        .await;
+    common::wait_for_metric(
+        admin,
+        "sluice_window_used{endpoint=\"127.0.0.1\",per=\"4s\"}",
+    )
+    .await;
     fleet.stop().await;
 }
 
@@ -221,7 +233,9 @@ async fn costs_of_five_spend_five(fleet: Fleet) {
     // Saturated: two at once, then one every half second.
     assert!(times.len() >= 7, "{times:?}");
     assert!(
-        up.arrivals().iter().all(|a| !a.headers.contains_key("x-sluice-cost")),
+        up.arrivals()
+            .iter()
+            .all(|a| !a.headers.contains_key("x-sluice-cost")),
         "the cost header reached the receiver"
     );
     fleet.stop().await;
@@ -261,14 +275,20 @@ async fn a_cost_that_never_fits_is_refused_and_spends_nothing(fleet: Fleet) {
             .await
             .unwrap();
         assert_eq!(r.status(), 400, "cost {bad:?}");
-        assert_eq!(r.headers()["x-sluice-reason"], "bad_request", "cost {bad:?}");
+        assert_eq!(
+            r.headers()["x-sluice-reason"],
+            "bad_request",
+            "cost {bad:?}"
+        );
     }
     assert_eq!(up.count(), 0);
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for i in 0..8 {
         let (c, url) = (fleet.client(i), up.url("/good"));
-        tasks.push(tokio::spawn(async move { c.get(url).send().await.unwrap().status() }));
+        tasks.push(tokio::spawn(async move {
+            c.get(url).send().await.unwrap().status()
+        }));
     }
     for t in tasks {
         assert_eq!(t.await.unwrap(), 200);

@@ -4,8 +4,8 @@
 //! [`super::reader`].
 
 use super::reader::{Reader, Table, Value, join};
-use crate::limiter::window::{MAX_WINDOWS, Window, Windows};
 use super::*;
+use crate::limiter::window::{MAX_WINDOWS, Window, Windows};
 
 impl Reader<'_> {
     pub(super) fn config(&mut self, root: &Table<'_>) -> Option<Config> {
@@ -706,7 +706,8 @@ impl Reader<'_> {
         for (i, item) in items.iter().enumerate() {
             let at = format!("{key}[{i}]");
             let DeValue::Table(w) = item.get_ref() else {
-                self.type_issue(item, &at, "a { limit, per } table", item.get_ref().type_str());
+                let got = item.get_ref().type_str();
+                self.type_issue(item, &at, "a { limit, per } table", got);
                 ok = false;
                 continue;
             };
@@ -730,7 +731,8 @@ impl Reader<'_> {
                 ok = false;
                 continue;
             }
-            if list.iter().any(|x: &Window| x.per_us == per.as_micros() as f64) {
+            let per_us = per.as_micros() as f64;
+            if list.iter().any(|x: &Window| x.per_us == per_us) {
                 let why = "two windows with the same `per`: keep the lower limit".to_owned();
                 self.issue(item.span().start, &at, why);
                 ok = false;
@@ -738,7 +740,7 @@ impl Reader<'_> {
             }
             list.push(Window {
                 limit: limit as f64,
-                per_us: per.as_micros() as f64,
+                per_us,
             });
         }
         let windows = Windows::new(&list);
