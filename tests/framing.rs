@@ -313,7 +313,7 @@ async fn a_sender_that_half_closes_after_its_request_is_answered() {
             "200",
         ),
         (format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"), "400"),
-        (format!("GET / HTTP/1.0\r\n\r\n"), "400"),
+        ("GET / HTTP/1.0\r\n\r\n".to_owned(), "400"),
     ];
     let s = sluice("").await;
     let dir = tempfile::tempdir().unwrap();
