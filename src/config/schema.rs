@@ -228,6 +228,8 @@ impl Reader<'_> {
                 "workers",
                 "pin_workers",
                 "idle_timeout",
+                "metrics_max_senders",
+                "trust_sender_header",
                 "header_read_timeout",
                 "tunnel_idle_timeout",
                 "admin_token_file",
@@ -310,6 +312,13 @@ impl Reader<'_> {
                 None => 0,
                 Some((n, _)) if n >= 0.0 && n.fract() == 0.0 && n <= 1024.0 => n as usize,
                 Some((n, at)) => {
+            metrics_max_senders: self.count(
+                t,
+                p,
+                "metrics_max_senders",
+                crate::metrics::DEFAULT_MAX_SENDERS,
+            ),
+            trust_sender_header: self.boolean(t, p, "trust_sender_header", false),
                     self.issue(
                         at,
                         "proxy.workers",
