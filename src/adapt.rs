@@ -264,6 +264,299 @@ fn secs(n: f64) -> Option<Duration> {
     (n.is_finite() && n >= 0.0).then(|| Duration::from_secs_f64(n.min(MAX_SECS)))
 }
 
+/// A quota a receiver publishes in an answer's headers: how many requests it still
+/// takes before its reset, and, where it says so, its whole quota and window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Published {
+    /// Requests it still takes before `reset`.
+    pub remaining: u64,
+    /// Time until the quota refills.
+    pub reset: Duration,
+    /// The whole quota of a window (`q`, `RateLimit-Limit`, `X-RateLimit-Limit`).
+    pub quota: Option<u64>,
+    /// The window's length (`w` of a policy).
+    pub window: Option<Duration>,
+    /// The header it was read from, for operators.
+    pub source: &'static str,
+}
+
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const DRAFT: [HeaderName; 3] = [
+    HeaderName::from_static("ratelimit-limit"),
+    HeaderName::from_static("ratelimit-remaining"),
+    HeaderName::from_static("ratelimit-reset"),
+];
+const X_RATELIMIT: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-limit"),
+    HeaderName::from_static("x-ratelimit-remaining"),
+    HeaderName::from_static("x-ratelimit-reset"),
+];
+
+/// The quota an answer publishes, in the dialects `dialect` allows (`quota_headers`),
+/// the IETF fields first, then the earlier draft's, then `X-RateLimit-*`. `Ok(None)`
+/// when it publishes none; `Err(name)` when a quota header is there but cannot be read
+/// (the caller warns, rate-limited, and goes on as if it were absent).
+pub fn published(
+    headers: &HeaderMap,
+    now: SystemTime,
+    dialect: crate::config::QuotaHeaders,
+) -> Result<Option<Published>, &'static str> {
+    use crate::config::QuotaHeaders as D;
+    if matches!(dialect, D::Auto | D::Ietf) && headers.contains_key(RATELIMIT) {
+        return ietf_published(headers).map(Some).ok_or("RateLimit");
+    }
+    let legacy = |names: &[HeaderName; 3], source: &'static str| {
+        if !headers.contains_key(&names[1]) {
+            return Ok(None);
+        }
+        legacy_published(headers, names, now, source)
+            .map(Some)
+            .ok_or(source)
+    };
+    if matches!(dialect, D::Auto | D::Draft) {
+        if let Some(p) = legacy(&DRAFT, "RateLimit-Remaining")? {
+            return Ok(Some(p));
+        }
+    }
+    if matches!(dialect, D::Auto | D::XRateLimit) {
+        return legacy(&X_RATELIMIT, "X-RateLimit-Remaining");
+    }
+    Ok(None)
+}
+
+/// The IETF fields: of the `RateLimit` items that say both `r` and `t`, the one that
+/// leaves the slowest pace (`r / t`), with its `RateLimit-Policy` item's `q` and `w`.
+fn ietf_published(headers: &HeaderMap) -> Option<Published> {
+    let field = headers.get(RATELIMIT)?.to_str().ok()?;
+    let policies: Vec<(String, Option<u64>, Option<Duration>)> = headers
+        .get(RATELIMIT_POLICY)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(',').map(policy_item).collect())
+        .unwrap_or_default();
+    let mut best: Option<Published> = None;
+    for item in field.split(',') {
+        let name = item_name(item);
+        let (mut r, mut t) = (None, None);
+        for param in item.split(';').skip(1) {
+            let Some((k, v)) = param.split_once('=') else {
+                continue;
+            };
+            match k.trim() {
+                "r" => r = v.trim().parse::<u64>().ok(),
+                "t" => t = parse_number(v.trim().as_bytes()).and_then(secs),
+                _ => {}
+            }
+        }
+        let (Some(remaining), Some(reset)) = (r, t) else {
+            continue;
+        };
+        let (quota, window) = policies
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .map_or((None, None), |(_, q, w)| (*q, *w));
+        let p = Published {
+            remaining,
+            reset,
+            quota,
+            window,
+            source: "RateLimit",
+        };
+        if best.is_none_or(|b| pace(&p) < pace(&b)) {
+            best = Some(p);
+        }
+    }
+    best
+}
+
+/// Requests per second a quota leaves until its reset.
+fn pace(p: &Published) -> f64 {
+    p.remaining as f64 / p.reset.as_secs_f64().max(1e-3)
+}
+
+/// The name of a structured-field list item (`"default"` or a token), unquoted.
+fn item_name(item: &str) -> String {
+    item.split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .trim_matches('"')
+        .to_owned()
+}
+
+/// One `RateLimit-Policy` item (`"default";q=100;w=60`), or one of the earlier draft's
+/// `100;w=60`: its name (empty for the draft's), `q` and `w`.
+fn policy_item(item: &str) -> (String, Option<u64>, Option<Duration>) {
+    let mut parts = item.split(';');
+    let head = parts.next().unwrap_or_default().trim();
+    let (name, mut q) = match head.parse::<u64>() {
+        Ok(n) => (String::new(), Some(n)),
+        Err(_) => (head.trim_matches('"').to_owned(), None),
+    };
+    let mut w = None;
+    for param in parts {
+        let Some((k, v)) = param.split_once('=') else {
+            continue;
+        };
+        match k.trim() {
+            "q" => q = v.trim().parse::<u64>().ok(),
+            "w" => w = parse_number(v.trim().as_bytes()).and_then(secs),
+            _ => {}
+        }
+    }
+    (name, q, w)
+}
+
+/// `*-Limit`, `*-Remaining`, `*-Reset` (seconds, or a unix timestamp: [`parse_reset`]),
+/// with a window where the limit (or the draft's `RateLimit-Policy`) names one
+/// (`100, 100;w=60`).
+fn legacy_published(
+    headers: &HeaderMap,
+    names: &[HeaderName; 3],
+    now: SystemTime,
+    source: &'static str,
+) -> Option<Published> {
+    let remaining = headers
+        .get(&names[1])
+        .and_then(|v| parse_number(v.as_bytes()))?;
+    if remaining.fract() != 0.0 {
+        return None;
+    }
+    let reset = headers
+        .get(&names[2])
+        .and_then(|v| parse_reset(v.as_bytes(), now))?;
+    let limit = headers.get(&names[0]).and_then(|v| v.to_str().ok());
+    let policy = headers
+        .get(RATELIMIT_POLICY)
+        .and_then(|v| v.to_str().ok())
+        .filter(|_| source == "RateLimit-Remaining");
+    let items: Vec<_> = limit
+        .into_iter()
+        .chain(policy)
+        .flat_map(|v| v.split(','))
+        .map(policy_item)
+        .collect();
+    let quota = items.iter().find_map(|(_, q, _)| *q);
+    let window = items.iter().find_map(|(_, _, w)| *w);
+    Some(Published {
+        remaining: remaining as u64,
+        reset,
+        quota,
+        window,
+        source,
+    })
+}
+
+/// The most of a throttling answer's body read for a wait in it (`retry_after_json`):
+/// the rest reaches the sender unread.
+pub const MAX_HINT_BODY: usize = 64 * 1024;
+
+/// The JSON pointer to read a throttling answer's body with: a 429 or 503 that says
+/// nothing of when to come back in its headers (`Retry-After`, `retry-after-ms`), to an
+/// endpoint whose `retry_after_json` is set. `None` for every other answer.
+pub fn body_hint_wanted(
+    status: StatusCode,
+    headers: &HeaderMap,
+    pointer: Option<&std::sync::Arc<str>>,
+) -> Option<std::sync::Arc<str>> {
+    let pointer = pointer?;
+    let throttling =
+        status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE;
+    let told =
+        headers.contains_key(http::header::RETRY_AFTER) || headers.contains_key(RETRY_AFTER_MS);
+    (throttling && !told).then(|| std::sync::Arc::clone(pointer))
+}
+
+/// The first [`MAX_HINT_BODY`] bytes of a throttling answer's body, as they pass on to
+/// the sender, and the wait they name at `pointer`.
+#[derive(Debug)]
+pub struct BodyHint {
+    pointer: std::sync::Arc<str>,
+    /// As relayed on the wire (chunk framing included) rather than decoded.
+    chunked: bool,
+    buf: Vec<u8>,
+}
+
+impl BodyHint {
+    /// Watches a body for the wait at `pointer`; `chunked` when its bytes come with
+    /// their chunk framing (the lane relays them so).
+    pub fn new(pointer: std::sync::Arc<str>, chunked: bool) -> BodyHint {
+        BodyHint {
+            pointer,
+            chunked,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Keeps what fits of `bytes`; true once the body read is as long as it may be.
+    pub fn feed(&mut self, bytes: &[u8]) -> bool {
+        let room = MAX_HINT_BODY.saturating_sub(self.buf.len());
+        self.buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        self.buf.len() >= MAX_HINT_BODY
+    }
+
+    /// The wait the body names, if it does.
+    pub fn wait(&self) -> Option<Duration> {
+        if self.chunked {
+            wait_in_body(&dechunk(&self.buf), &self.pointer)
+        } else {
+            wait_in_body(&self.buf, &self.pointer)
+        }
+    }
+}
+
+/// The wait at `pointer` (RFC 6901) in a JSON body: a number of seconds (`17`, `1.5`),
+/// or a string of one with a unit (`"17s"`, `"1.5s"`, `"250ms"`, `"2m"`) or without
+/// (`"17"`). `None` when the body is not JSON, the pointer finds nothing, or the value
+/// is none of those.
+pub fn wait_in_body(body: &[u8], pointer: &str) -> Option<Duration> {
+    let json: serde_json::Value = serde_json::from_slice(body).ok()?;
+    match json.pointer(pointer)? {
+        serde_json::Value::Number(n) => n.as_f64().and_then(secs),
+        serde_json::Value::String(s) => {
+            let s = s.trim();
+            let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+                (n, 0.001)
+            } else if let Some(n) = s.strip_suffix('s') {
+                (n, 1.0)
+            } else if let Some(n) = s.strip_suffix('m') {
+                (n, 60.0)
+            } else {
+                (s, 1.0)
+            };
+            parse_number(num.trim().as_bytes()).and_then(|n| secs(n * scale))
+        }
+        _ => None,
+    }
+}
+
+/// The data of a chunked body as far as it came (chunk sizes, extensions and trailers
+/// dropped); what does not parse ends it.
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(raw.len());
+    loop {
+        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size_text = raw[..eol].split(|b| *b == b';').next().unwrap_or_default();
+        let Some(size) = std::str::from_utf8(size_text)
+            .ok()
+            .and_then(|t| usize::from_str_radix(t.trim(), 16).ok())
+        else {
+            return out;
+        };
+        raw = &raw[eol + 2..];
+        if size == 0 {
+            return out;
+        }
+        let take = size.min(raw.len());
+        out.extend_from_slice(&raw[..take]);
+        if take < size || raw.len() < size + 2 {
+            return out;
+        }
+        raw = &raw[size + 2..];
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -520,12 +813,138 @@ mod tests {
         assert_eq!(fb(500, &[]), None);
     }
 
+    #[test]
+    fn waits_in_bodies() {
+        let google =
+            br#"{"error": {"code": 429, "details": [{"@type": "x", "retryDelay": "17s"}]}}"#;
+        let p = "/error/details/0/retryDelay";
+        assert_eq!(wait_in_body(google, p), Some(Duration::from_secs(17)));
+        let at = |v: &str| wait_in_body(format!(r#"{{"w": {v}}}"#).as_bytes(), "/w");
+        assert_eq!(at("17"), Some(Duration::from_secs(17)));
+        assert_eq!(at("1.5"), Some(Duration::from_millis(1500)));
+        assert_eq!(at(r#""1.5s""#), Some(Duration::from_millis(1500)));
+        assert_eq!(at(r#""250ms""#), Some(Duration::from_millis(250)));
+        assert_eq!(at(r#""2m""#), Some(Duration::from_secs(120)));
+        assert_eq!(at(r#"" 17 ""#), Some(Duration::from_secs(17)));
+        for bad in [r#""soon""#, "-3", "null", "[1]", r#""1e3s""#, "true"] {
+            assert_eq!(at(bad), None, "{bad}");
+        }
+        assert_eq!(wait_in_body(b"not json", "/w"), None);
+        assert_eq!(wait_in_body(br#"{"w": 3}"#, "/x"), None);
+    }
+
+    #[test]
+    fn a_chunked_body_is_read_through_its_framing() {
+        let mut h = BodyHint::new("/retry_after".into(), true);
+        h.feed(b"5\r\n{\"ret\r\n");
+        h.feed(b"10\r\nry_after\": 2.5}\r\n0\r\n\r\n");
+        assert_eq!(h.wait(), Some(Duration::from_millis(2500)));
+        // Bounded: past MAX_HINT_BODY nothing more is kept.
+        let mut big = BodyHint::new("/w".into(), false);
+        assert!(!big.feed(&[b' '; MAX_HINT_BODY - 1]));
+        assert!(big.feed(b"  {}"));
+        assert_eq!(big.buf.len(), MAX_HINT_BODY);
+    }
+
+    #[test]
+    fn only_a_throttling_answer_without_a_wait_in_its_headers_is_read() {
+        let p: std::sync::Arc<str> = "/w".into();
+        let none = HeaderMap::new();
+        assert!(body_hint_wanted(StatusCode::TOO_MANY_REQUESTS, &none, Some(&p)).is_some());
+        assert!(body_hint_wanted(StatusCode::SERVICE_UNAVAILABLE, &none, Some(&p)).is_some());
+        assert!(body_hint_wanted(StatusCode::OK, &none, Some(&p)).is_none());
+        assert!(body_hint_wanted(StatusCode::TOO_MANY_REQUESTS, &none, None).is_none());
+        let told = headers(&[("retry-after", "3")]);
+        assert!(body_hint_wanted(StatusCode::TOO_MANY_REQUESTS, &told, Some(&p)).is_none());
+    }
+
+    #[test]
+    fn quotas_in_four_dialects() {
+        use crate::config::QuotaHeaders as D;
+        let read = |pairs: &[(&str, &str)]| published(&headers(pairs), now(), D::Auto);
+        let p = |remaining, reset: f64, quota, window: Option<u64>, source| {
+            Ok(Some(Published {
+                remaining,
+                reset: Duration::from_secs_f64(reset),
+                quota,
+                window: window.map(Duration::from_secs),
+                source,
+            }))
+        };
+        assert_eq!(
+            read(&[
+                (
+                    "ratelimit-policy",
+                    "\"burst\";q=10;w=1, \"default\";q=100;w=60"
+                ),
+                ("ratelimit", "\"burst\";r=9;t=1, \"default\";r=50;t=30"),
+            ]),
+            p(50, 30.0, Some(100), Some(60), "RateLimit"),
+            "the slower pace of the two binds"
+        );
+        assert_eq!(
+            read(&[
+                ("ratelimit-limit", "15, 15;w=5"),
+                ("ratelimit-remaining", "7"),
+                ("ratelimit-reset", "3"),
+            ]),
+            p(7, 3.0, Some(15), Some(5), "RateLimit-Remaining")
+        );
+        assert_eq!(
+            read(&[
+                ("ratelimit-limit", "15"),
+                ("ratelimit-policy", "15;w=5"),
+                ("ratelimit-remaining", "7"),
+                ("ratelimit-reset", "3"),
+            ]),
+            p(7, 3.0, Some(15), Some(5), "RateLimit-Remaining")
+        );
+        assert_eq!(
+            read(&[
+                ("x-ratelimit-limit", "5000"),
+                ("x-ratelimit-remaining", "4999"),
+                ("x-ratelimit-reset", "1780003600"),
+            ]),
+            p(4999, 3600.0, Some(5000), None, "X-RateLimit-Remaining"),
+            "GitHub: the reset as epoch seconds"
+        );
+        assert_eq!(
+            read(&[("x-ratelimit-remaining", "3"), ("x-ratelimit-reset", "2")]),
+            p(3, 2.0, None, None, "X-RateLimit-Remaining")
+        );
+        assert_eq!(read(&[("content-type", "x")]), Ok(None));
+        assert_eq!(
+            read(&[
+                ("x-ratelimit-remaining", "lots"),
+                ("x-ratelimit-reset", "2")
+            ]),
+            Err("X-RateLimit-Remaining")
+        );
+        assert_eq!(
+            read(&[("x-ratelimit-remaining", "3")]),
+            Err("X-RateLimit-Remaining")
+        );
+        assert_eq!(read(&[("ratelimit", "garbage")]), Err("RateLimit"));
+        // A dialect named reads that one only.
+        let x = headers(&[("x-ratelimit-remaining", "3"), ("x-ratelimit-reset", "2")]);
+        assert_eq!(published(&x, now(), D::Ietf), Ok(None));
+        assert_eq!(published(&x, now(), D::None), Ok(None));
+        assert!(published(&x, now(), D::XRateLimit).unwrap().is_some());
+    }
+
     proptest! {
         #[test]
         fn parsers_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = parse_retry_after(&bytes, now());
             let _ = parse_reset(&bytes, now());
             if let Ok(v) = HeaderValue::from_bytes(&bytes) {
+                for name in ["ratelimit", "ratelimit-policy", "ratelimit-limit", "x-ratelimit-reset", "x-ratelimit-remaining"] {
+                    let mut h = HeaderMap::new();
+                    h.insert(name, v.clone());
+                    h.insert("ratelimit-remaining", HeaderValue::from_static("4"));
+                    h.insert("x-ratelimit-remaining", HeaderValue::from_static("4"));
+                    let _ = published(&h, now(), crate::config::QuotaHeaders::Auto);
+                }
                 for name in ["retry-after", "retry-after-ms", "x-ratelimit-reset", "ratelimit", "x-ratelimit-remaining"] {
                     let mut h = HeaderMap::new();
                     h.insert(name, v.clone());

@@ -409,7 +409,7 @@ impl<S: SenderIo> Lane<S> {
         let generation = app.forwarder.generation();
         let usable = |u: &Upstream| u.generation == generation && still_open(u);
         let mut replay: Option<Vec<u8>> = None;
-        let (up, answer, slot, held) =
+        let (up, answer, slot, mut watch, held) =
             loop {
                 let kept = self
                     .up
@@ -499,8 +499,10 @@ impl<S: SenderIo> Lane<S> {
                         continue;
                     }
                 }
+                let chunked = matches!(answer.framing, Framing::Chunked(_));
+                let watch = proxy::BodyWatch::new(&app, &admitted, answer.status, headers, chunked);
                 let slot = proxy::final_answer(&app, admitted, answer.status, trace);
-                break (up, answer, slot, held);
+                break (up, answer, slot, watch, held);
             };
         if let Some(n) = resend.as_ref().map(|r| r.retried).filter(|&n| n > 0) {
             trace.retried = n;
@@ -524,6 +526,9 @@ impl<S: SenderIo> Lane<S> {
         };
         let (up, relay) = relaying.parts();
         let (now, keep) = relay.take(&up.buf).map_err(Failure::Io)?;
+        if let Some(w) = watch.as_mut() {
+            w.feed(&up.buf[..keep]);
+        }
         self.out.extend_from_slice(&up.buf[..keep]);
         self.out.extend_from_slice(relay.end());
         up.buf.advance(now);
@@ -544,6 +549,9 @@ impl<S: SenderIo> Lane<S> {
                 break;
             }
             let (n, keep) = relay.take(&up.buf).map_err(Failure::Io)?;
+            if let Some(w) = watch.as_mut() {
+                w.feed(&up.buf[..keep]);
+            }
             let end = relay.end();
             let bytes = if end.is_empty() {
                 &up.buf[..keep]
@@ -557,6 +565,9 @@ impl<S: SenderIo> Lane<S> {
             up.buf.advance(n);
             written.map_err(Failure::Io)?;
             self.activity.touch();
+        }
+        if let Some(w) = watch {
+            w.finish();
         }
         let delimited = relay.delimited();
         let (up, slot) = relaying.done();
@@ -925,10 +936,6 @@ fn parse_request(buf: &[u8], in_tunnel: bool) -> Parsed {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
         Err(httparse::Error::TooManyHeaders) => return Parsed::Malformed(ProxyError::HeadTooLarge),
-        // HTTP/2 with prior knowledge: told so, not just "malformed".
-        Err(_) if crate::conn::is_h2_preface(buf) => {
-            return Parsed::Malformed(crate::conn::h2_preface_refused());
-        }
         Err(e) => {
             let why = format!("malformed request head ({e})");
             return Parsed::Malformed(ProxyError::BadRequest(why));

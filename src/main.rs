@@ -75,6 +75,12 @@ enum Command {
         #[arg(long, env = "SLUICE_ADMIN_TOKEN_FILE")]
         admin_token_file: Option<PathBuf>,
     },
+    /// List the receiver profiles an endpoint's `profile` may name, or print one as
+    /// config (`profiles show NAME`).
+    Profiles {
+        #[command(subcommand)]
+        command: Option<ProfilesCommand>,
+    },
     /// Print the version, git commit and build date (same as --version).
     Version,
     /// Run a tiny webhook receiver for trying sluice offline: 200 on any path,
@@ -96,6 +102,16 @@ enum Command {
 }
 
 #[derive(Subcommand)]
+enum ProfilesCommand {
+    /// Print a receiver profile as an `[[endpoints]]` entry, with where its figures
+    /// come from.
+    Show {
+        /// The profile's name (`sluice profiles` lists them).
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
 enum CaCommand {
     /// Write a new CA (ca.pem, ca.key) into DIR; refuses to overwrite.
     Init {
@@ -103,6 +119,36 @@ enum CaCommand {
         #[arg(long)]
         dir: PathBuf,
     },
+}
+
+/// `sluice profiles`: one line per receiver profile; `show NAME`: one as config.
+fn profiles(command: Option<ProfilesCommand>) -> anyhow::Result<ExitCode> {
+    match command {
+        None => {
+            for p in sluice::config::RECEIVERS {
+                let meta = p.meta();
+                println!(
+                    "{:<10} {}  ({}, read {})",
+                    p.name, meta.receiver, meta.source, meta.read
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(ProfilesCommand::Show { name }) => match sluice::config::receiver(&name) {
+            Some(p) => {
+                print!("{}", p.as_config());
+                Ok(ExitCode::SUCCESS)
+            }
+            None => {
+                let names: Vec<&str> = sluice::config::RECEIVERS.iter().map(|p| p.name).collect();
+                eprintln!(
+                    "error: no receiver profile \"{name}\"; known: {}",
+                    names.join(", ")
+                );
+                Ok(ExitCode::from(1))
+            }
+        },
+    }
 }
 
 fn main() -> ExitCode {
@@ -144,6 +190,7 @@ fn main() -> ExitCode {
             Ok(ExitCode::SUCCESS)
         }
         Command::Passwd { user, cost } => passwd(&user, cost),
+        Command::Profiles { command } => profiles(command),
     };
     match result {
         Ok(code) => code,

@@ -342,8 +342,6 @@ pub(crate) struct Admitted {
     arrived: tokio::time::Instant,
     /// Counts it in its endpoint's `in_flight` (`/endpoints`) until it is answered.
     _sending: crate::metrics::Sending,
-    /// Its sender's label (`sluice_sender_requests_total`).
-    sender: Option<crate::metrics::SenderLabel>,
 }
 
 /// A refusal, with the label it is counted under (when the endpoint is known).
@@ -430,8 +428,7 @@ impl Drop for Unanswered<'_> {
             return;
         }
         if let Some(label) = &self.trace.sent {
-            let sender = self.trace.sender.as_ref();
-            self.app.metrics.outcome(label, sender, self.trace.outcome);
+            self.app.metrics.outcome(label, self.trace.outcome);
             decision::sender_left(self.peer, self.method.as_str(), &self.trace);
         }
     }
@@ -446,8 +443,7 @@ pub(crate) fn refuse(
     trace: &Trace,
 ) -> Response<Body> {
     let label = r.label.unwrap_or_else(|| app.metrics.other());
-    app.metrics
-        .outcome(&label, trace.sender.as_ref(), r.error.reason());
+    app.metrics.outcome(&label, r.error.reason());
     decision::refused(peer, method, trace, &r.error);
     r.error.into_response()
 }
@@ -471,8 +467,6 @@ async fn admission(
         inherited,
     } = ask;
     let arrived = tokio::time::Instant::now();
-    let user = who.identity.as_ref().map(|i| &i.user);
-    trace.sender = Some(app.metrics.sender(&rt.config.proxy, user, headers));
     // A request inside a tunnel that names no endpoint is under the one its CONNECT
     // named (a clone: a tunnel's requests only).
     let with_inherited;
@@ -562,6 +556,11 @@ async fn admission(
     if let Some(n) = remember {
         last.remember(rt, &n, &ep, &label);
     }
+    // The pace its receiver published lowers the endpoint's policy while it holds.
+    let ep = Resolved {
+        policy: app.limiter.learned().apply(&ep.id, &ep.policy),
+        ..ep
+    };
     let ep = match cost {
         Some(cost) if cost != ep.policy.cost => Resolved {
             policy: Arc::new(Policy {
@@ -628,7 +627,6 @@ async fn admission(
 
 /// A request's place in its endpoint's queue: its priority class and, for endpoints
 /// with `shares`, its sender (the authenticated user, else `X-Sluice-Sender`, else the
-        sender: trace.sender.clone(),
 /// client address) and that sender's weight. Computed only for queued endpoints.
 #[derive(Clone)]
 struct Turn {
@@ -710,6 +708,7 @@ async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
                 Refusal::Cooldown { .. } => "shadow_cooldown",
                 Refusal::StoreUnavailable => "shadow_store_unavailable",
                 Refusal::ConcurrencyLimited { .. } => "shadow_concurrency_limited",
+                Refusal::EndpointCapacity => "shadow_endpoint_capacity",
             };
             let nothing = Grant {
                 waited: std::time::Duration::ZERO,
@@ -763,11 +762,8 @@ async fn forward_request(
 ) -> Result<Response<Body>, Refused> {
     // Refused before anything is spent: a coding under `chunked` cannot be forwarded.
     crate::forward::forwardable_codings(req.headers()).map_err(ProxyError::NotImplemented)?;
-    // On hyper's path a sender's end of stream while this waits cancels it.
-    let waiting = crate::conn::SenderEof::waiting(req.extensions());
     let (rt, uri, _target, admitted) =
         admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
-    drop(waiting);
     let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER, &COST_HEADER];
     strip_hop_by_hop_and(req.headers_mut(), &own);
     // The sender's request ID goes on as the receiver's idempotency key.
@@ -844,7 +840,15 @@ async fn forward_request(
                 Err(_) => {}
             }
             let slot = admitted.slot.take();
-            let sent_to = sent_to.map(|r| r.map(|body| HeldBody::new(body, slot, drain, stall)));
+            let watch = sent_to
+                .as_ref()
+                .ok()
+                .and_then(|r| BodyWatch::new(&app_, &admitted, r.status(), r.headers(), false));
+            let sent_to = sent_to.map(|r| {
+                r.map(|body| {
+                    HeldBody::new(body, slot, drain, stall).teed(watch.map(BodyWatch::into_tee))
+                })
+            });
             let retried = resend.map_or(0, |r| r.retried);
             return (sent_to, admitted, retried);
         }
@@ -1149,6 +1153,152 @@ async fn heed(app: &App, admitted: &Admitted, status: StatusCode, headers: &Head
         let label = &admitted.label;
         let observing = Box::pin(observe(app, ep, label, &adaptive, status, headers));
         observing.await;
+        if crate::learned::learns(&ep.policy) {
+            Box::pin(learn(app, ep, &adaptive, headers)).await;
+        }
+    }
+}
+
+/// Takes in the quota an answer's headers publish (`[defaults.adaptive] learn`); a pace
+/// much slower than the one reservations were made at voids them, on every replica,
+/// with a 1 ms pause (no decrease). A quota header that cannot be read is ignored, with
+/// a warning at most once a minute per endpoint.
+async fn learn(app: &App, ep: &Resolved, adaptive: &Adaptive, headers: &http::HeaderMap) {
+    let learned = app.limiter.learned();
+    let dialect = ep.policy.receiver.quota_headers;
+    let published = match adapt::published(headers, SystemTime::now(), dialect) {
+        Ok(Some(p)) => p,
+        Ok(None) => return,
+        Err(header) => {
+            if learned.warn_now(&ep.id) {
+                tracing::warn!(endpoint = %ep.id, header, "a quota header could not be read: ignored");
+            }
+            return;
+        }
+    };
+    let Some(change) = learned.learn(&ep.id, &ep.policy, published) else {
+        return;
+    };
+    if !change.void {
+        return;
+    }
+    let lowered = learned.apply(&ep.id, &ep.policy);
+    let ask = Ask::new(&lowered, 0.0, None);
+    let pause = std::time::Duration::from_millis(1);
+    match app
+        .limiter
+        .store()
+        .feedback(&ep.id, ask, *adaptive, pause, false)
+        .await
+    {
+        Ok(()) => tracing::info!(
+            endpoint = %ep.id,
+            rate = change.rate,
+            remaining = published.remaining,
+            reset_ms = published.reset.as_millis() as u64,
+            source = published.source,
+            "receiver published its quota: pace lowered until its reset"
+        ),
+        Err(e) => {
+            tracing::warn!(endpoint = %ep.id, error = %e, "could not record upstream feedback")
+        }
+    }
+}
+
+
+/// Reads a throttling answer's body for the wait it names (`retry_after_json`) as it
+/// passes on to the sender unchanged, then lengthens the endpoint's cooldown to that
+/// wait: the answer's head, which named none, started the default one.
+pub(crate) struct BodyWatch {
+    hint: adapt::BodyHint,
+    app: Arc<App>,
+    ep: Resolved,
+    full: bool,
+}
+
+impl BodyWatch {
+    /// A watch over the body of `admitted`'s answer when it is a 429 or 503 whose headers
+    /// name no wait, to an adaptive endpoint with `retry_after_json`; `chunked` when its
+    /// bytes come with their chunk framing.
+    pub(crate) fn new(
+        app: &Arc<App>,
+        admitted: &Admitted,
+        status: StatusCode,
+        headers: &HeaderMap,
+        chunked: bool,
+    ) -> Option<BodyWatch> {
+        let policy = &admitted.ep.policy;
+        policy.adaptive?;
+        let pointer =
+            adapt::body_hint_wanted(status, headers, policy.receiver.retry_after_json.as_ref())?;
+        Some(BodyWatch {
+            hint: adapt::BodyHint::new(pointer, chunked),
+            app: Arc::clone(app),
+            ep: admitted.ep.clone(),
+            full: false,
+        })
+    }
+
+    /// Bytes of the body as they pass on.
+    pub(crate) fn feed(&mut self, bytes: &[u8]) {
+        if !self.full {
+            self.full = self.hint.feed(bytes);
+        }
+    }
+
+    /// The body ended (or its first `adapt::MAX_HINT_BODY` bytes came): the wait it
+    /// names, if any, lengthens the cooldown, on a task of its own.
+    pub(crate) fn finish(self) {
+        let Some(wait) = self.hint.wait() else {
+            return;
+        };
+        let heeding = async move { heed_body_wait(&self.app, &self.ep, wait).await };
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            drop(rt.spawn(heeding));
+        }
+    }
+
+    /// The watch as a [`crate::limiter::slot::Tee`] for hyper's path.
+    pub(crate) fn into_tee(self) -> crate::limiter::slot::Tee {
+        let mut watch = Some(self);
+        Box::new(move |data| match data {
+            Some(bytes) => {
+                if let Some(w) = watch.as_mut() {
+                    w.feed(bytes);
+                }
+            }
+            None => {
+                if let Some(w) = watch.take() {
+                    w.finish();
+                }
+            }
+        })
+    }
+}
+
+/// Lengthens `ep`'s cooldown to `wait`, read from a throttling answer's body: a pause
+/// without a decrease (the answer's head already counted as a throttle).
+async fn heed_body_wait(app: &App, ep: &Resolved, wait: std::time::Duration) {
+    let Some(adaptive) = ep.policy.adaptive else {
+        return;
+    };
+    let least = std::time::Duration::from_millis(1);
+    let pause = wait.clamp(least, adaptive.max_cooldown.max(least));
+    let ask = Ask::new(&ep.policy, 0.0, None);
+    match app
+        .limiter
+        .store()
+        .feedback(&ep.id, ask, adaptive, pause, false)
+        .await
+    {
+        Ok(()) => tracing::info!(
+            endpoint = %ep.id,
+            pause_ms = pause.as_millis() as u64,
+            "receiver's answer body named its wait: cooldown set to it"
+        ),
+        Err(e) => {
+            tracing::warn!(endpoint = %ep.id, error = %e, "could not record upstream feedback")
+        }
     }
 }
 
@@ -1157,9 +1307,7 @@ async fn heed(app: &App, admitted: &Admitted, status: StatusCode, headers: &Head
 fn counted(app: &App, admitted: &Admitted, status: StatusCode, trace: &mut Trace) {
     trace.status = Some(status.as_u16());
     trace.outcome = admitted.outcome;
-    let sender = admitted.sender.as_ref();
-    app.metrics
-        .outcome(&admitted.label, sender, admitted.outcome);
+    app.metrics.outcome(&admitted.label, admitted.outcome);
 }
 
 /// A send that failed after admission: when nothing left for the receiver (the resolved
@@ -1253,6 +1401,7 @@ fn refusal(ep: &Resolved, r: Refusal) -> ProxyError {
             retry_after,
         },
         Refusal::StoreUnavailable => ProxyError::StoreUnavailable { endpoint },
+        Refusal::EndpointCapacity => ProxyError::EndpointCapacity { endpoint },
     }
 }
 
@@ -1320,8 +1469,6 @@ async fn connect(
     conn: &Arc<Conn>,
     trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
-    // A sender's end of stream before the tunnel opens cancels it.
-    let _waiting = crate::conn::SenderEof::waiting(req.extensions());
     let uri = req.uri();
     // Authority-form only (RFC 9110 §9.3.6): no scheme, path or userinfo.
     let authority = uri
@@ -1595,7 +1742,7 @@ impl Relay {
             ..
         } = admitted;
         let _held = held;
-        app.metrics.outcome(&label, sender.as_ref(), outcome);
+        app.metrics.outcome(&label, outcome);
         app.metrics
             .tunnels
             .get_or_create(&EndpointLabels { endpoint: label })
@@ -1752,7 +1899,6 @@ impl Intercepted {
         };
         let conn = tunnel_conn(self.peer, self.slot, self.tunnel);
         serve_inside(self.app, tls, Bytes::new(), conn, protocol).await;
-            sender,
     }
 
     /// Neither TLS nor plain HTTP: the tunnel is admitted once and relayed as bytes.

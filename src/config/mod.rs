@@ -12,6 +12,7 @@
 //! - `schema.rs`: one reader per section, naming its keys, defaults and rules;
 //! - `profiles.rs`: the webhook platforms `[sender] profile` names, each figure cited
 //!   from the platform's source.
+//! - `receivers.rs`: the receivers an endpoint's `profile` names (`profiles/*.toml`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -25,9 +26,13 @@ use toml::de::{DeTable, DeValue};
 
 mod profiles;
 mod reader;
+mod receivers;
 mod schema;
 
 pub use profiles::{PROFILES, SenderProfile, profile};
+pub use receivers::{
+    QuotaHeaders, RECEIVERS, ReceiverHints, ReceiverMeta, ReceiverProfile, receiver,
+};
 
 use reader::Reader;
 
@@ -175,6 +180,9 @@ pub struct Adaptive {
     pub absorb_attempts: u32,
     /// Bodies up to this many bytes are kept for a resend; a larger one is never resent.
     pub absorb_max_body: u64,
+    /// `learn`: a quota the receiver publishes in its answers' headers lowers the pace
+    /// until its reset (`crate::adapt::learned`).
+    pub learn: bool,
 }
 
 /// `absorb`: which requests sluice sends again itself when the receiver refuses them
@@ -217,6 +225,7 @@ impl Default for Adaptive {
             absorb: Absorb::Safe,
             absorb_attempts: DEFAULT_ABSORB_ATTEMPTS,
             absorb_max_body: DEFAULT_ABSORB_MAX_BODY,
+            learn: true,
         }
     }
 }
@@ -243,13 +252,6 @@ pub struct Policy {
     /// `absorb_post`: a receiver's refusal of any request to this endpoint, POST
     /// included, may be absorbed under `absorb = "safe"` (its receiver deduplicates).
     pub absorb_post: bool,
-}
-
-/// `shares = { svix = 3, batch = 1 }`: the weight of each named sender on an endpoint.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Shares {
-    weights: std::collections::HashMap<String, f64>,
-}
     /// `windows = [{ limit, per }]`: sliding windows decided with the bucket (at most
     /// `limit` cost units in any interval of `per`); none by default.
     pub windows: crate::limiter::window::Windows,
@@ -257,6 +259,16 @@ pub struct Shares {
     /// names its own (`X-Sluice-Cost`); 1 by default, never over `burst` or a window's
     /// `limit`.
     pub cost: u32,
+    /// What is known of the receiver's answers (`profile`, `retry_after_json`,
+    /// `quota_headers`).
+    pub receiver: ReceiverHints,
+}
+
+/// `shares = { svix = 3, batch = 1 }`: the weight of each named sender on an endpoint.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Shares {
+    weights: std::collections::HashMap<String, f64>,
+}
 
 impl Shares {
     /// Weights by sender name.
@@ -287,6 +299,9 @@ impl Default for Policy {
             lease_ttl: DEFAULT_LEASE_TTL,
             shares: None,
             absorb_post: false,
+            windows: crate::limiter::window::Windows::NONE,
+            cost: 1,
+            receiver: ReceiverHints::default(),
         }
     }
 }
@@ -297,8 +312,6 @@ pub struct EndpointRule {
     /// The endpoint ID.
     pub id: Arc<str>,
     /// Its limit.
-            windows: crate::limiter::window::Windows::NONE,
-            cost: 1,
     pub policy: Arc<Policy>,
     /// Destination hosts (each with an optional port) that map here without the header.
     pub hosts: Vec<HostRule>,
@@ -366,11 +379,6 @@ pub struct ProxyConfig {
     /// A CONNECT tunnel (not intercepted) with no bytes either way for this long is closed.
     pub tunnel_idle_timeout: Duration,
     /// When set, `/metrics` and `/endpoints` need `Authorization: Bearer <file content>`.
-    /// Distinct `sender` label values in metrics before the rest become `_other`.
-    pub metrics_max_senders: usize,
-    /// `X-Sluice-Sender` names a request's sender in per-sender metrics when no
-    /// authenticated proxy user does.
-    pub trust_sender_header: bool,
     pub admin_token_file: Option<PathBuf>,
 }
 
@@ -398,6 +406,9 @@ pub struct StoreConfig {
     /// on an endpoint that is busy and whose bucket is at least half full, and spend them
     /// without a round trip (see `crate::limiter::credit`).
     pub prefetch: Prefetch,
+    /// `max_endpoints`: the most endpoints the memory store holds a bucket of; a new one
+    /// past them, with none idle to evict, is refused 503 `endpoint_capacity`.
+    pub max_endpoints: usize,
 }
 
 /// `[store] prefetch`: when a replica takes tokens ahead.
@@ -448,6 +459,7 @@ impl Default for StoreConfig {
             sentinel_master: None,
             fallback_min_replicas: 1,
             prefetch: Prefetch::Alone,
+            max_endpoints: DEFAULT_MAX_ENDPOINTS,
         }
     }
 }
@@ -778,9 +790,15 @@ pub fn expand_env(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Strin
     out.push_str(rest);
     Ok(out)
 }
+
 /// The endpoint ID every endpoint past `proxy.metrics_max_endpoints` shares as its
 /// metrics label, reserved so no endpoint can take it.
 pub const OTHER_ENDPOINT: &str = "_other";
+
+/// `store.max_endpoints` by default: at about 400 bytes a bucket, 40 MB at most, a
+/// sixth of the shipped 256 MiB limit, and far more receivers than one deployment
+/// paces at once (the idle ones are evicted as they go).
+pub const DEFAULT_MAX_ENDPOINTS: usize = 100_000;
 
 /// The slowest rate (and floor) a config may ask for: one token in ~11.6 days. Slower
 /// rates make waits that no clock or `Duration` can hold.

@@ -4,8 +4,8 @@
 //! [`super::reader`].
 
 use super::reader::{Reader, Table, Value, join};
-use super::*;
 use crate::limiter::window::{MAX_WINDOWS, Window, Windows};
+use super::*;
 
 impl Reader<'_> {
     pub(super) fn config(&mut self, root: &Table<'_>) -> Option<Config> {
@@ -49,6 +49,8 @@ impl Reader<'_> {
                 "absorb_post",
                 "windows",
                 "cost",
+                "retry_after_json",
+                "quota_headers",
             ],
         );
         let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
@@ -210,9 +212,9 @@ impl Reader<'_> {
             "proxy-connection",
             "x-sluice-sender",
             "x-sluice-priority",
+            "x-sluice-cost",
         ];
         let p = "proxy";
-            "x-sluice-cost",
         self.known_keys(
             t,
             p,
@@ -228,8 +230,6 @@ impl Reader<'_> {
                 "workers",
                 "pin_workers",
                 "idle_timeout",
-                "metrics_max_senders",
-                "trust_sender_header",
                 "header_read_timeout",
                 "tunnel_idle_timeout",
                 "admin_token_file",
@@ -312,13 +312,6 @@ impl Reader<'_> {
                 None => 0,
                 Some((n, _)) if n >= 0.0 && n.fract() == 0.0 && n <= 1024.0 => n as usize,
                 Some((n, at)) => {
-            metrics_max_senders: self.count(
-                t,
-                p,
-                "metrics_max_senders",
-                crate::metrics::DEFAULT_MAX_SENDERS,
-            ),
-            trust_sender_header: self.boolean(t, p, "trust_sender_header", false),
                     self.issue(
                         at,
                         "proxy.workers",
@@ -364,6 +357,7 @@ impl Reader<'_> {
                 "sentinel_master",
                 "fallback_min_replicas",
                 "prefetch",
+                "max_endpoints",
             ],
         );
         let backend = self.enumerated(
@@ -431,6 +425,7 @@ impl Reader<'_> {
             sentinel_master,
             fallback_min_replicas: self.count(t, p, "fallback_min_replicas", 1),
             prefetch: self.prefetch(t, backend),
+            max_endpoints: self.count(t, p, "max_endpoints", super::DEFAULT_MAX_ENDPOINTS),
             backend,
             urls,
             key_prefix: self.key_prefix(t, backend),
@@ -676,29 +671,23 @@ impl Reader<'_> {
             ),
             None => base.max_in_flight,
         };
+        let windows = self.windows(t, path).unwrap_or(base.windows);
+        let cost = self.cost(t, path, base.cost, burst, &windows);
         Policy {
             rate,
             burst,
             max_wait,
             adaptive,
             max_in_flight,
-        let windows = self.windows(t, path).unwrap_or(base.windows);
-        let cost = self.cost(t, path, base.cost, burst, &windows);
             lease_ttl: self.lease_ttl(t, path, base.lease_ttl),
             shares: self.shares(t, path).or_else(|| base.shares.clone()),
             absorb_post: self.boolean(t, path, "absorb_post", base.absorb_post),
+            windows,
+            cost,
+            receiver: self.receiver_hints(t, path, &base.receiver),
         }
     }
 
-    /// `lease_ttl`: at least [`MIN_LEASE_TTL`], so a typo (`"10ms"` for `"10s"`) cannot
-    /// quietly let leases lapse and `max_in_flight` with them.
-    fn lease_ttl(&mut self, t: &Table<'_>, path: &str, base: Duration) -> Duration {
-            windows,
-            cost,
-        let d = self.duration(t, path, "lease_ttl", base);
-        if d < MIN_LEASE_TTL {
-            let at = t.get("lease_ttl").map_or(0, |v| v.span().start);
-            let why = "must be at least 1s: a slot's lease is renewed every third of it, and a \
     /// `windows = [{ limit = 5000, per = "1h" }, ...]`: at most `MAX_WINDOWS` sliding
     /// windows, each a whole-number `limit` ≥ 1 over a `per` of at least 1 ms (and at
     /// most a year); `None` when absent (inherited) or wrong (an issue).
@@ -715,8 +704,7 @@ impl Reader<'_> {
         for (i, item) in items.iter().enumerate() {
             let at = format!("{key}[{i}]");
             let DeValue::Table(w) = item.get_ref() else {
-                let got = item.get_ref().type_str();
-                self.type_issue(item, &at, "a { limit, per } table", got);
+                self.type_issue(item, &at, "a { limit, per } table", item.get_ref().type_str());
                 ok = false;
                 continue;
             };
@@ -740,8 +728,7 @@ impl Reader<'_> {
                 ok = false;
                 continue;
             }
-            let per_us = per.as_micros() as f64;
-            if list.iter().any(|x: &Window| x.per_us == per_us) {
+            if list.iter().any(|x: &Window| x.per_us == per.as_micros() as f64) {
                 let why = "two windows with the same `per`: keep the lower limit".to_owned();
                 self.issue(item.span().start, &at, why);
                 ok = false;
@@ -749,7 +736,7 @@ impl Reader<'_> {
             }
             list.push(Window {
                 limit: limit as f64,
-                per_us,
+                per_us: per.as_micros() as f64,
             });
         }
         let windows = Windows::new(&list);
@@ -776,6 +763,13 @@ impl Reader<'_> {
         cost
     }
 
+    /// `lease_ttl`: at least [`MIN_LEASE_TTL`], so a typo (`"10ms"` for `"10s"`) cannot
+    /// quietly let leases lapse and `max_in_flight` with them.
+    fn lease_ttl(&mut self, t: &Table<'_>, path: &str, base: Duration) -> Duration {
+        let d = self.duration(t, path, "lease_ttl", base);
+        if d < MIN_LEASE_TTL {
+            let at = t.get("lease_ttl").map_or(0, |v| v.span().start);
+            let why = "must be at least 1s: a slot's lease is renewed every third of it, and a \
                        shorter one can lapse between renewals, letting more than \
                        max_in_flight requests in";
             self.issue(at, &join(path, "lease_ttl"), why.into());
@@ -829,6 +823,7 @@ impl Reader<'_> {
                 "absorb",
                 "absorb_attempts",
                 "absorb_max_body",
+                "learn",
             ],
         );
         let enabled = self.boolean(t, p, "enabled", base_on);
@@ -879,6 +874,7 @@ impl Reader<'_> {
                 base.absorb_max_body,
                 0..=MAX_ABSORB_MAX_BODY,
             ),
+            learn: self.boolean(t, p, "learn", base.learn),
         };
         if a.max_cooldown < a.default_cooldown {
             let at = t
@@ -961,6 +957,9 @@ impl Reader<'_> {
             self.type_issue(item, &path, "a table", item.get_ref().type_str());
             return None;
         };
+        // A receiver profile's keys, under the endpoint's own.
+        let merged = self.with_receiver_profile(t, &path);
+        let t = merged.as_ref().map_or(t, |(m, _)| m);
         self.known_keys(
             t,
             &path,
@@ -978,6 +977,11 @@ impl Reader<'_> {
                 "shares",
                 "absorb_post",
                 "sender_profile",
+                "windows",
+                "cost",
+                "profile",
+                "retry_after_json",
+                "quota_headers",
             ],
         );
         let id = match self.string(t, &path, "id") {
@@ -990,8 +994,6 @@ impl Reader<'_> {
                         &join(&path, "id"),
                         format!("duplicate endpoint id \"{id}\""),
                     );
-                "windows",
-                "cost",
                 }
                 id
             }
@@ -1013,7 +1015,8 @@ impl Reader<'_> {
             },
             None => defaults,
         };
-        let policy = self.policy(t, &path, base);
+        let mut policy = self.policy(t, &path, base);
+        policy.receiver.profile = merged.as_ref().map(|(_, name)| *name);
         // Kept as receivers read it (`/%61pi` is `/api`), the form requests are matched
         // in; a query or fragment can never start a path.
         let path_prefix = self.string(t, &path, "path_prefix").map(|(p, at)| {

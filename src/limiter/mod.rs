@@ -272,6 +272,8 @@ pub struct Limiter {
     waiting: Arc<Waiting>,
     /// Endpoints whose senders name priorities.
     prioritized: Arc<queue::Prioritized>,
+    /// Quotas receivers published, lowering their endpoints' pace.
+    learned: Arc<crate::learned::Learned>,
 }
 
 impl Limiter {
@@ -283,7 +285,13 @@ impl Limiter {
             next_lease: Arc::new(AtomicU64::new(1)),
             waiting: Arc::default(),
             prioritized: Arc::default(),
+            learned: Arc::default(),
         }
+    }
+
+    /// The quotas receivers published (`[defaults.adaptive] learn`).
+    pub fn learned(&self) -> &crate::learned::Learned {
+        &self.learned
     }
 
     /// The endpoints whose senders name priorities (their requests are queued).

@@ -131,7 +131,16 @@ pub struct HeldBody {
     /// The body ended (and its slot went).
     ended: bool,
     drain_limit: Duration,
+    /// Shown each data frame the sender takes, then `None` at the end ([`HeldBody::teed`]).
+    tee: Option<Tee>,
 }
+
+/// What watches a body pass on to its sender ([`HeldBody::teed`]): each data frame, then
+/// `None` once when the body ends (or is dropped).
+pub type Tee = Box<dyn FnMut(Option<&[u8]>) + Send + Sync>;
+
+/// Why a [`HeldBody`] failed.
+type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A slot-holding body and when its sender last took a frame of it.
 struct Held {
@@ -159,6 +168,7 @@ impl HeldBody {
                 held: None,
                 ended: false,
                 drain_limit,
+                tee: None,
             };
         };
         let held = Arc::new(Held {
@@ -174,7 +184,37 @@ impl HeldBody {
             held: Some(held),
             ended: false,
             drain_limit,
+            tee: None,
         }
+    }
+
+    /// The same body, showing what passes on to the sender to `tee` (a throttling
+    /// answer's wait read from its body: `adapt::BodyHint`). The frames pass unchanged.
+    pub fn teed(mut self, tee: Option<Tee>) -> HeldBody {
+        self.tee = tee;
+        self
+    }
+
+    fn poll_teed(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let polled = self.poll_inner(cx);
+        if let Some(tee) = self.tee.as_mut() {
+            match &polled {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        tee(Some(data));
+                    }
+                }
+                Poll::Ready(_) => {
+                    tee(None);
+                    self.tee = None;
+                }
+                Poll::Pending => {}
+            }
+        }
+        polled
     }
 }
 
@@ -227,7 +267,24 @@ impl Body for HeldBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = self.get_mut();
+        self.get_mut().poll_teed(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.is_inner_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner_size_hint()
+    }
+}
+
+impl HeldBody {
+    fn poll_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self;
         if let Some(inner) = this.plain.as_mut() {
             return Pin::new(inner).poll_frame(cx).map_err(Into::into);
         }
@@ -254,7 +311,7 @@ impl Body for HeldBody {
         polled.map_err(Into::into)
     }
 
-    fn is_end_stream(&self) -> bool {
+    fn is_inner_end_stream(&self) -> bool {
         match (&self.plain, &self.held) {
             (Some(inner), _) => inner.is_end_stream(),
             (None, Some(held)) => lock(&held.body)
@@ -264,7 +321,7 @@ impl Body for HeldBody {
         }
     }
 
-    fn size_hint(&self) -> SizeHint {
+    fn inner_size_hint(&self) -> SizeHint {
         match (&self.plain, &self.held) {
             (Some(inner), _) => inner.size_hint(),
             (None, Some(held)) => lock(&held.body)
@@ -277,6 +334,9 @@ impl Body for HeldBody {
 
 impl Drop for HeldBody {
     fn drop(&mut self) {
+        if let Some(mut tee) = self.tee.take() {
+            tee(None);
+        }
         let Some(held) = self.held.take() else {
             return;
         };
