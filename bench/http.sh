@@ -17,6 +17,8 @@
 #   CONNS=128 (wrk connections, default 32), ROUNDS, DURATION, ROWS (a subset of rows),
 #   ROWS may also name sluice-redis-cluster and sluice-redis-cluster-prefetch (a 3-master
 #   Redis Cluster of their own, started only then; the second with store.prefetch = true),
+#   and sluice-memory-window1, sluice-memory-window3, sluice-redis-window1,
+#   sluice-redis-window3 (one or three sliding windows that never bind, started only then),
 #   SHOW_ROUNDS=1 (each round's line on stderr), CONNECTION=close|keep-alive (that
 #   header on every request), RATE=N (open loop instead of wrk: N req/s offered to
 #   every row by examples/paced_load.rs over PACED_CONNS=64 connections, so p99 is
@@ -82,7 +84,7 @@ start_haproxy haproxy 1
 # HAProxy's own default (a thread per core): the like-for-like row for sluice's default.
 start_haproxy haproxy-per-core "$(nproc)"
 
-start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers, $5 environment, $6 extra [proxy] keys, $7 [log] keys, $8 binary (no subshell: PIDS and the trap stay here)
+start_sluice() { # $1 name, $2 store section, $3 extra [security] keys, $4 workers, $5 environment, $6 extra [proxy] keys, $7 [log] keys, $8 binary, $9 extra [defaults] keys (no subshell: PIDS and the trap stay here)
   local p a; p=$(free_port); a=$(free_port)
   cat > "$TMP/$1.toml" <<TOML
 [proxy]
@@ -94,6 +96,7 @@ $2
 [defaults]
 rate = 1000000000.0
 burst = 1000000000.0
+${9:-}
 [log]
 ${7-decisions = false}
 [security]
@@ -178,6 +181,29 @@ backend = \"redis-cluster\"
 urls = [${SEEDS%, }]
 timeout = \"1s\"
 prefetch = true"
+fi
+# Only when ROWS names them (not in the default table): sliding windows beside the
+# bucket (`windows`), one or three, with limits that never bind, so each request pays
+# the window math (every log full at 32 entries: a merge per request). On Redis each
+# row has a Redis of its own, one replica alone in it; an endpoint with windows takes no
+# tokens ahead, so compare with sluice-redis (prefetch "alone") and sluice-redis-shared
+# (none taken ahead).
+if [[ " ${ROWS:-} " == *"-window"* ]]; then
+  BIG=1000000000
+  ONE_WINDOW="windows = [{ limit = $BIG, per = \"1h\" }]"
+  THREE_WINDOWS="windows = [{ limit = $BIG, per = \"1h\" }, { limit = $BIG, per = \"1m\" }, { limit = $BIG, per = \"1s\" }]"
+  start_sluice sluice-memory-window1 '[store]
+backend = "memory"' "" 0 SLUICE_BENCH=1 "" "decisions = false" "" "$ONE_WINDOW"
+  start_sluice sluice-memory-window3 '[store]
+backend = "memory"' "" 0 SLUICE_BENCH=1 "" "decisions = false" "" "$THREE_WINDOWS"
+  for n in 1 3; do
+    wp=$(free_port); redis-server --port "$wp" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >/dev/null & PIDS+=($!); wait_port "$wp"
+    [ "$n" = 1 ] && w="$ONE_WINDOW" || w="$THREE_WINDOWS"
+    start_sluice "sluice-redis-window$n" "[store]
+backend = \"redis\"
+urls = [\"redis://127.0.0.1:$wp/\"]
+timeout = \"1s\"" "" 0 SLUICE_BENCH=1 "" "decisions = false" "" "$w"
+  done
 fi
 # Proxy authentication on (bcrypt cost 10, as in production): kept-alive senders pay
 # bcrypt once, then hit the credentials cache.

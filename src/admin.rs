@@ -1,6 +1,7 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/endpoints`, the console page
-//! `/ui`, and the [`EndpointView`] rows that `/endpoints`, the console, `sluice status`
-//! and `sluice top` share.
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/endpoints`,
+//! `/endpoints/{id}` (one endpoint and its busiest senders), the console page `/ui`, and
+//! the [`EndpointView`] rows that `/endpoints`, the console, `sluice status` and
+//! `sluice top` share.
 
 use std::sync::Arc;
 
@@ -48,6 +49,10 @@ pub struct EndpointView {
     /// `tokens` meanwhile. Absent from older servers' answers: 0.
     #[serde(default)]
     pub held_ahead: f64,
+    /// Each sliding window (`windows`) and its use. Absent from older servers' answers,
+    /// and for an endpoint without windows: empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub windows: Vec<WindowView>,
     /// Requests waiting on this replica: in the endpoint's queue, or holding a reserved
     /// start and sleeping until it. Absent from older servers' answers: 0.
     #[serde(default)]
@@ -81,6 +86,70 @@ fn enforce() -> String {
     "enforce".into()
 }
 
+/// `GET /endpoints/{id}`: one endpoint's view and its busiest senders.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndpointDetail {
+    /// What `/endpoints` says of it.
+    #[serde(flatten)]
+    pub view: EndpointView,
+    /// The minutes `senders` covers (the current one, partly, and those before it).
+    pub senders_minutes: u64,
+    /// Its busiest senders over those minutes on this replica, busiest first (at most
+    /// [`TOP_SENDERS`]); empty for an endpoint past `metrics_max_endpoints`, whose
+    /// requests count under `_other`.
+    pub senders: Vec<crate::metrics::SenderCount>,
+}
+
+/// The most senders `/endpoints/{id}` lists.
+pub const TOP_SENDERS: usize = 20;
+
+/// One sliding window of an endpoint as operators see it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WindowView {
+    /// Cost units allowed in any interval of `per_ms`.
+    pub limit: u64,
+    /// The interval, milliseconds.
+    pub per_ms: u64,
+    /// Cost units started in the last `per_ms`.
+    pub used: f64,
+    /// Cost units reserved to start later (requests sleeping until their start).
+    pub ahead: f64,
+}
+
+impl WindowView {
+    /// The window's `per` as config spells it (`"4s"`, `"1h"`): the `per` label of
+    /// `sluice_window_used`.
+    pub fn per(&self) -> String {
+        let ms = self.per_ms;
+        match ms {
+            _ if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
+            _ if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
+            _ if ms % 1000 == 0 => format!("{}s", ms / 1000),
+            _ => format!("{ms}ms"),
+        }
+    }
+}
+
+/// The windows of `policy` with their use in `view` (none used without a view).
+fn window_views(
+    policy: &crate::config::Policy,
+    view: Option<&crate::limiter::View>,
+) -> Vec<WindowView> {
+    let list = policy.windows.as_slice();
+    list.iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let u = view.map(|v| v.windows[i]).unwrap_or_default();
+            WindowView {
+                limit: w.limit as u64,
+                per_ms: (w.per_us / 1000.0).round() as u64,
+                used: u.used,
+                ahead: u.ahead,
+            }
+        })
+        .collect()
+}
+
 /// Queued requests by priority class.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ByPriority {
@@ -111,51 +180,86 @@ pub async fn endpoint_views(app: &App) -> Vec<EndpointView> {
     let parked = app.limiter.parked();
     let mut out = Vec::with_capacity(ids.len());
     for (id, configured) in ids {
-        let waits = parked.get(&id).copied().unwrap_or_default();
-        // Counted per metrics label: an endpoint past the label cap shares `_other`'s.
-        let label = Some(app.metrics.existing_label(&id)).filter(|l| !app.metrics.is_other(l));
-        let of_label = |f: fn(&crate::metrics::EndpointLabel) -> u64| label.as_ref().map_or(0, f);
-        let policy = rt.resolver.policy_of(&id);
-        let ask = Ask::new(&policy, 0.0, None);
-        let floor = policy.adaptive.map(|a| a.floor);
-        let view = app
-            .limiter
-            .store()
-            .view(&id, ask, floor)
-            .await
-            .ok()
-            .flatten();
-        out.push(EndpointView {
-            id: id.to_string(),
-            configured,
-            configured_rate: policy.rate,
-            rate: view.map_or(policy.rate, |v| v.rate),
-            burst: policy.burst,
-            tokens: view.map_or(policy.burst, |v| v.tokens),
-            mode: match rt.resolver.mode_of(&id) {
-                crate::config::Mode::Enforce => "enforce",
-                crate::config::Mode::Shadow => "shadow",
-            }
-            .into(),
-            cooldown_ms: view.map_or(0, |v| (v.cooldown_us / 1000.0).ceil() as u64),
-            throttles: view.map_or(0, |v| v.throttles),
-            at_floor: view.is_some_and(|v| v.at_floor),
-            at_floor_secs: view.map_or(0.0, |v| v.floor_for_us / 1e6),
-            held_ahead: view.map_or(0.0, |v| v.held_ahead),
-            waiting: waits.total() as u64,
-            waiting_by_priority: ByPriority {
-                high: waits.queued[0] as u64,
-                normal: waits.queued[1] as u64,
-                low: waits.queued[2] as u64,
-            },
-            in_flight: of_label(crate::metrics::EndpointLabel::in_flight),
-            oldest_wait_ms: waits.oldest.as_millis() as u64,
-            refused_1m: of_label(crate::metrics::EndpointLabel::refused_last_minute),
-            sent: of_label(crate::metrics::EndpointLabel::forwarded),
-            learned: app.limiter.learned().view(&id),
-        });
+        out.push(endpoint_view(app, &rt, &parked, id, configured).await);
     }
     out
+}
+
+/// `GET /endpoints/{id}`: `None` when the endpoint is not one `/endpoints` lists.
+pub async fn endpoint_detail(app: &App, id: &str) -> Option<EndpointDetail> {
+    let rt = app.runtime.load_full();
+    let id: Arc<str> = id.into();
+    let configured = rt.resolver.configured().any(|(k, _)| *k == id);
+    if !configured && !app.metrics.watched_ids().contains(&id) {
+        return None;
+    }
+    let parked = app.limiter.parked();
+    let view = endpoint_view(app, &rt, &parked, Arc::clone(&id), configured).await;
+    let label = app.metrics.existing_label(&id);
+    let senders = if app.metrics.is_other(&label) {
+        Vec::new()
+    } else {
+        label.top_senders(TOP_SENDERS)
+    };
+    Some(EndpointDetail {
+        view,
+        senders_minutes: crate::metrics::TOP_MINUTES,
+        senders,
+    })
+}
+
+/// One endpoint's view.
+async fn endpoint_view(
+    app: &App,
+    rt: &crate::core::Runtime,
+    parked: &std::collections::HashMap<Arc<str>, crate::limiter::Waits>,
+    id: Arc<str>,
+    configured: bool,
+) -> EndpointView {
+    let waits = parked.get(&id).copied().unwrap_or_default();
+    // Counted per metrics label: an endpoint past the label cap shares `_other`'s.
+    let label = Some(app.metrics.existing_label(&id)).filter(|l| !app.metrics.is_other(l));
+    let of_label = |f: fn(&crate::metrics::EndpointLabel) -> u64| label.as_ref().map_or(0, f);
+    let policy = rt.resolver.policy_of(&id);
+    let ask = Ask::new(&policy, 0.0, None);
+    let floor = policy.adaptive.map(|a| a.floor);
+    let view = app
+        .limiter
+        .store()
+        .view(&id, ask, floor)
+        .await
+        .ok()
+        .flatten();
+    EndpointView {
+        id: id.to_string(),
+        configured,
+        configured_rate: policy.rate,
+        rate: view.map_or(policy.rate, |v| v.rate),
+        burst: policy.burst,
+        tokens: view.map_or(policy.burst, |v| v.tokens),
+        mode: match rt.resolver.mode_of(&id) {
+            crate::config::Mode::Enforce => "enforce",
+            crate::config::Mode::Shadow => "shadow",
+        }
+        .into(),
+        cooldown_ms: view.map_or(0, |v| (v.cooldown_us / 1000.0).ceil() as u64),
+        throttles: view.map_or(0, |v| v.throttles),
+        at_floor: view.is_some_and(|v| v.at_floor),
+        at_floor_secs: view.map_or(0.0, |v| v.floor_for_us / 1e6),
+        held_ahead: view.map_or(0.0, |v| v.held_ahead),
+        windows: window_views(&policy, view.as_ref()),
+        waiting: waits.total() as u64,
+        waiting_by_priority: ByPriority {
+            high: waits.queued[0] as u64,
+            normal: waits.queued[1] as u64,
+            low: waits.queued[2] as u64,
+        },
+        in_flight: of_label(crate::metrics::EndpointLabel::in_flight),
+        oldest_wait_ms: waits.oldest.as_millis() as u64,
+        refused_1m: of_label(crate::metrics::EndpointLabel::refused_last_minute),
+        sent: of_label(crate::metrics::EndpointLabel::forwarded),
+        learned: app.limiter.learned().view(&id),
+    }
 }
 
 /// Serves one admin request.
@@ -168,7 +272,9 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         return r;
     }
     let path = req.uri().path();
-    if matches!(path, "/metrics" | "/endpoints" | "/ui") && !authorised(&app, req.headers()) {
+    let guarded =
+        matches!(path, "/metrics" | "/endpoints" | "/ui") || path.starts_with("/endpoints/");
+    if guarded && !authorised(&app, req.headers()) {
         let mut r = text(
             StatusCode::UNAUTHORIZED,
             "send Authorization: Bearer <the token in proxy.admin_token_file> (or Basic \
@@ -207,12 +313,52 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
             let body = serde_json::to_string_pretty(&views).unwrap_or_else(|_| "[]".into());
             text(StatusCode::OK, body, "application/json")
         }
-        _ => text(
-            StatusCode::NOT_FOUND,
-            "not found: try /ui /metrics /healthz /readyz /endpoints\n",
-            "text/plain",
-        ),
+        _ => match path.strip_prefix("/endpoints/").map(percent_decoded) {
+            Some(Some(id)) => match endpoint_detail(&app, &id).await {
+                Some(detail) => {
+                    let body =
+                        serde_json::to_string_pretty(&detail).unwrap_or_else(|_| "{}".into());
+                    text(StatusCode::OK, body, "application/json")
+                }
+                None => text(
+                    StatusCode::NOT_FOUND,
+                    format!("no endpoint {id:?} known: see /endpoints\n"),
+                    "text/plain",
+                ),
+            },
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "not found: try /ui /metrics /healthz /readyz /endpoints /endpoints/{id}\n",
+                "text/plain",
+            ),
+        },
     }
+}
+
+/// A path segment with its `%XX` escapes decoded; `None` when they are not valid
+/// UTF-8 or the segment is empty.
+fn percent_decoded(segment: &str) -> Option<String> {
+    let b = segment.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok().filter(|s| !s.is_empty())
 }
 
 /// Whether the request may read `/metrics`, `/endpoints` and `/ui`: always when no
@@ -428,6 +574,22 @@ pub fn render_table(views: &[EndpointView]) -> String {
     }
     if rows.is_empty() {
         out.push_str("(no endpoints yet)\n");
+    }
+    let windowed: Vec<&EndpointView> = views.iter().filter(|v| !v.windows.is_empty()).collect();
+    if !windowed.is_empty() {
+        out.push_str("\nWINDOWS (used / limit per interval, reserved ahead)\n");
+        let width = windowed.iter().map(|v| v.id.len()).max().unwrap_or(0);
+        for v in windowed {
+            let cells: Vec<String> = v
+                .windows
+                .iter()
+                .map(|w| {
+                    let (used, limit, ahead) = (w.used, w.limit, w.ahead);
+                    format!("{used:.0}/{limit} per {} (+{ahead:.0})", w.per())
+                })
+                .collect();
+            out.push_str(&format!("{:<width$}  {}\n", v.id, cells.join("  ")));
+        }
     }
     out
 }

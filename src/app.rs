@@ -66,10 +66,13 @@ pub enum StartError {
 /// Builds everything a request needs, once.
 pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
     let runtime = Runtime::load(Arc::clone(&config))?;
-    let metrics = Arc::new(Metrics::new(
-        config.proxy.metrics_max_endpoints,
-        config.endpoints.iter().map(|e| &e.id),
-    ));
+    let metrics = Arc::new(
+        Metrics::new(
+            config.proxy.metrics_max_endpoints,
+            config.endpoints.iter().map(|e| &e.id),
+        )
+        .with_max_senders(config.proxy.metrics_max_senders),
+    );
     let store: Arc<dyn BucketStore> = match config.store.backend {
         Backend::Memory => Arc::new(MemoryStore::new().capped(
             config.store.max_endpoints,
@@ -420,6 +423,7 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "store.fallback_min_replicas" => store.fallback_min_replicas;
         "store.prefetch" => store.prefetch;
         "store.max_endpoints" => store.max_endpoints;
+        "proxy.metrics_max_senders" => proxy.metrics_max_senders;
         "tls.intercept" => tls.intercept;
         "tls.ca_cert" => tls.ca_cert;
         "tls.ca_key" => tls.ca_key;

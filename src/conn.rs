@@ -177,14 +177,21 @@ pub async fn serve<I, S, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let activity = Activity::new();
+    let h1 = protocol != Version::HTTP_2;
     let io = Watched {
         inner: io,
         activity: Arc::clone(&activity),
+        // A fresh HTTP/1.1 connection's first bytes may be an HTTP/2 preface.
+        sniff: h1 && pre.is_empty(),
         pre,
+        hold_eof: h1,
+        eof: false,
+        answer: None,
     };
     let svc = Counted {
         inner: svc,
         activity: Arc::clone(&activity),
+        hold_eof: h1,
     };
     if protocol == Version::HTTP_2 {
         let idle = activity.watch(timeouts.idle, None);
@@ -340,6 +347,72 @@ pub struct Activity {
     responding: AtomicUsize,
     /// Bytes were read while a body was being written and no request was in flight.
     read_while_responding: AtomicBool,
+    /// The sender's end of stream, as hyper's path holds it ([`Watched`]).
+    eof: Eof,
+}
+
+/// A sender's end of stream on hyper's HTTP/1.1 path. A sender may half-close
+/// (`shutdown(SHUT_WR)`) after its request and still read the answer; hyper, reading an
+/// end of stream while a request is in flight, drops it and closes the connection
+/// unanswered. [`Watched`] holds the end back from hyper while the request in flight has
+/// no body left to read and none of the connection's requests waits for admission
+/// ([`SenderEof::waiting`]): the request is answered, then the connection closes. A
+/// request that waits for its token when the end comes (or later) is cancelled, as a
+/// sender that closes while its request waits cancels it (hyper drops it, then).
+#[derive(Default)]
+struct Eof {
+    /// An end of stream was read and not yet handed to hyper.
+    held: AtomicBool,
+    /// Requests waiting for admission.
+    waiting: AtomicUsize,
+    /// The request in flight has no body (hyper reads nothing more for it).
+    bodiless: AtomicBool,
+    /// hyper's read, while the end is held.
+    waker: futures_util::task::AtomicWaker,
+}
+
+impl Activity {
+    /// Whether hyper is kept from the sender's end of stream now: a request with no
+    /// body is in flight or being answered, and none waits for admission.
+    fn holds_eof(&self) -> bool {
+        let e = &self.eof;
+        (self.in_flight.load(Ordering::Relaxed) > 0 || self.responding.load(Ordering::Relaxed) > 0)
+            && e.bodiless.load(Ordering::Relaxed)
+            && e.waiting.load(Ordering::Relaxed) == 0
+    }
+
+    /// Lets hyper look again at an end of stream it was kept from.
+    fn release_eof(&self) {
+        if self.eof.held.load(Ordering::Relaxed) {
+            self.eof.waker.wake();
+        }
+    }
+}
+
+/// What a request on hyper's HTTP/1.1 path carries in its extensions: the connection's
+/// [`Eof`], for [`SenderEof::waiting`].
+#[derive(Clone)]
+pub struct SenderEof(Arc<Activity>);
+
+impl SenderEof {
+    /// Marks the request of `extensions` as waiting for admission until the guard is
+    /// dropped: a sender's end of stream meanwhile (or already read) cancels it. `None`
+    /// off hyper's HTTP/1.1 path (the lane watches its sender itself).
+    pub fn waiting(extensions: &http::Extensions) -> Option<Waiting> {
+        let a = Arc::clone(&extensions.get::<SenderEof>()?.0);
+        a.eof.waiting.fetch_add(1, Ordering::Relaxed);
+        a.release_eof();
+        Some(Waiting(a))
+    }
+}
+
+/// A request waiting for admission ([`SenderEof::waiting`]), until dropped.
+pub struct Waiting(Arc<Activity>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.eof.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Activity {
@@ -352,6 +425,7 @@ impl Activity {
             heads: AtomicU64::new(0),
             responding: AtomicUsize::new(0),
             read_while_responding: AtomicBool::new(false),
+            eof: Eof::default(),
         })
     }
 
@@ -438,6 +512,15 @@ pub struct Watched<I> {
     activity: Arc<Activity>,
     /// Bytes already read from `inner`, read again first (through hyper's `Read`).
     pre: Bytes,
+    /// The first read is looked at for an HTTP/2 preface (a fresh HTTP/1.1 connection).
+    sniff: bool,
+    /// The sender's end of stream is held from hyper while [`Activity::holds_eof`].
+    hold_eof: bool,
+    /// The end of stream was read.
+    eof: bool,
+    /// sluice's own answer being written before the end (to an HTTP/2 preface), and
+    /// how much of it is written.
+    answer: Option<(Vec<u8>, usize)>,
 }
 
 impl<I> Watched<I> {
@@ -447,29 +530,159 @@ impl<I> Watched<I> {
             inner,
             activity,
             pre: Bytes::new(),
+            sniff: false,
+            hold_eof: false,
+            eof: false,
+            answer: None,
         }
     }
 }
 
-impl<I: hyper::rt::Read + Unpin> hyper::rt::Read for Watched<I> {
+/// Whether `bytes` begin an HTTP/2 connection preface (`PRI * HTTP/2.0`).
+pub(crate) fn is_h2_preface(bytes: &[u8]) -> bool {
+    bytes.starts_with(b"PRI * HTTP/2")
+}
+
+/// The answer to an HTTP/2 preface on a port that speaks HTTP/1.1 only (no
+/// prior-knowledge h2c): a 400, on both engines.
+pub(crate) fn h2_preface_refused() -> crate::error::ProxyError {
+    crate::error::ProxyError::BadRequest(
+        "an HTTP/2 connection preface (h2c, prior knowledge) on a port that speaks \
+         HTTP/1.1 only; HTTP/2 is offered by TLS ALPN inside intercepted CONNECT tunnels"
+            .into(),
+    )
+}
+
+/// `resp` (one of sluice's own answers, whole) as bytes on the wire, saying the
+/// connection closes.
+fn rendered(resp: Response<crate::error::Body>) -> Vec<u8> {
+    use hyper::body::Body as _;
+    let (parts, body) = resp.into_parts();
+    let mut data = Vec::new();
+    if let http_body_util::Either::Right(mut full) = body {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        while let Poll::Ready(Some(Ok(frame))) = Pin::new(&mut full).poll_frame(&mut cx) {
+            if let Ok(d) = frame.into_data() {
+                data.extend_from_slice(&d);
+            }
+        }
+    }
+    let status = parts.status;
+    let mut out = format!(
+        "HTTP/1.1 {} {}\r\n",
+        status.as_str(),
+        status.canonical_reason().unwrap_or("")
+    )
+    .into_bytes();
+    for (k, v) in &parts.headers {
+        out.extend_from_slice(k.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(v.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    let date = httpdate::fmt_http_date(std::time::SystemTime::now());
+    let tail = format!(
+        "content-length: {}\r\ndate: {date}\r\nconnection: close\r\n\r\n",
+        data.len()
+    );
+    out.extend_from_slice(tail.as_bytes());
+    out.extend_from_slice(&data);
+    out
+}
+
+impl<I: hyper::rt::Write + Unpin> Watched<I> {
+    /// Writes [`Watched::answer`] out: ready when it is all written and flushed.
+    fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let Some((bytes, written)) = self.answer.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        while *written < bytes.len() {
+            match std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, &bytes[*written..])) {
+                Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Ok(n) => *written += n,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        std::task::ready!(Pin::new(&mut self.inner).poll_flush(cx))?;
+        self.answer = None;
+        self.activity.touch();
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<I: hyper::rt::Read + hyper::rt::Write + Unpin> hyper::rt::Read for Watched<I> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         mut buf: hyper::rt::ReadBufCursor<'_>,
     ) -> Poll<io::Result<()>> {
-        if !self.pre.is_empty() {
-            let n = self.pre.len().min(buf.remaining());
-            buf.put_slice(&self.pre[..n]);
-            bytes::Buf::advance(&mut self.pre, n);
-            self.activity.read();
+        let me = &mut *self;
+        if me.answer.is_some() {
+            // Answered: then the end, which hyper closes on.
+            std::task::ready!(me.poll_answer(cx))?;
             return Poll::Ready(Ok(()));
         }
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if matches!(r, Poll::Ready(Ok(()))) {
-            // An end of stream counts too: hyper then closes the connection anyway.
-            self.activity.read();
+        if me.sniff {
+            // The first bytes of a fresh connection, read here to be looked at, then
+            // handed on as if read already.
+            let mut first = [std::mem::MaybeUninit::<u8>::uninit(); 1024];
+            let mut rb = hyper::rt::ReadBuf::uninit(&mut first);
+            std::task::ready!(Pin::new(&mut me.inner).poll_read(cx, rb.unfilled()))?;
+            me.sniff = false;
+            if is_h2_preface(rb.filled()) {
+                me.activity.read();
+                me.answer = Some((rendered(h2_preface_refused().into_response()), 0));
+                me.eof = true;
+                std::task::ready!(me.poll_answer(cx))?;
+                return Poll::Ready(Ok(()));
+            }
+            me.pre = Bytes::copy_from_slice(rb.filled());
+            if me.pre.is_empty() {
+                me.eof = true;
+            }
         }
-        r
+        if !me.pre.is_empty() {
+            let n = me.pre.len().min(buf.remaining());
+            buf.put_slice(&me.pre[..n]);
+            bytes::Buf::advance(&mut me.pre, n);
+            me.activity.read();
+            return Poll::Ready(Ok(()));
+        }
+        if !me.eof {
+            if !(me.hold_eof && me.activity.holds_eof()) {
+                let r = Pin::new(&mut me.inner).poll_read(cx, buf);
+                if matches!(r, Poll::Ready(Ok(()))) {
+                    // An end of stream counts too: hyper then closes the connection.
+                    me.activity.read();
+                }
+                return r;
+            }
+            // A bodiless request is in flight: hyper only looks for the end of stream
+            // (or a pipelined head), read here to tell the one from the other.
+            let mut bytes = [std::mem::MaybeUninit::<u8>::uninit(); 4096];
+            let mut rb = hyper::rt::ReadBuf::uninit(&mut bytes);
+            std::task::ready!(Pin::new(&mut me.inner).poll_read(cx, rb.unfilled()))?;
+            me.activity.read();
+            let got = rb.filled();
+            if !got.is_empty() {
+                let n = got.len().min(buf.remaining());
+                buf.put_slice(&got[..n]);
+                me.pre = Bytes::copy_from_slice(&got[n..]);
+                return Poll::Ready(Ok(()));
+            }
+            me.eof = true;
+        }
+        // The end of stream: held while a bodiless request is in flight and none waits
+        // for admission, then hyper's.
+        if me.hold_eof {
+            let a = &me.activity;
+            a.eof.held.store(true, Ordering::Relaxed);
+            a.eof.waker.register(cx.waker());
+            if a.holds_eof() {
+                return Poll::Pending;
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -628,6 +841,8 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for SendIo<I> {
 struct Counted<S> {
     inner: S,
     activity: Arc<Activity>,
+    /// Requests carry a [`SenderEof`] (hyper's HTTP/1.1 path).
+    hold_eof: bool,
 }
 
 impl<S, B> Service<Request<Incoming>> for Counted<S>
@@ -638,7 +853,17 @@ where
     type Error = S::Error;
     type Future = CountedFuture<S::Future>;
 
-    fn call(&self, req: Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+        if self.hold_eof {
+            use hyper::body::Body as _;
+            let bodiless = req.body().is_end_stream();
+            self.activity
+                .eof
+                .bodiless
+                .store(bodiless, Ordering::Relaxed);
+            req.extensions_mut()
+                .insert(SenderEof(Arc::clone(&self.activity)));
+        }
         let guard = InFlight::enter(Arc::clone(&self.activity));
         CountedFuture {
             inner: self.inner.call(req),
@@ -721,6 +946,7 @@ impl Drop for Writing {
             a.head.store(true, Ordering::Relaxed);
         }
         a.touch();
+        a.release_eof();
     }
 }
 
@@ -743,6 +969,7 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.0.touch();
+        self.0.release_eof();
     }
 }
 

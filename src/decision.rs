@@ -19,6 +19,8 @@ use crate::error::ProxyError;
 pub struct Trace {
     /// The authenticated user.
     pub user: Option<Arc<str>>,
+    /// The sender it is counted under (`sluice_sender_requests_total`), once known.
+    pub sender: Option<crate::metrics::SenderLabel>,
     /// The resolved endpoint.
     pub endpoint: Option<Arc<str>>,
     /// `host:port` of the destination (the request target's authority: cheap to keep).

@@ -936,6 +936,10 @@ fn parse_request(buf: &[u8], in_tunnel: bool) -> Parsed {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
         Err(httparse::Error::TooManyHeaders) => return Parsed::Malformed(ProxyError::HeadTooLarge),
+        // HTTP/2 with prior knowledge: told so, not just "malformed".
+        Err(_) if crate::conn::is_h2_preface(buf) => {
+            return Parsed::Malformed(crate::conn::h2_preface_refused());
+        }
         Err(e) => {
             let why = format!("malformed request head ({e})");
             return Parsed::Malformed(ProxyError::BadRequest(why));

@@ -3,10 +3,13 @@
 //! Endpoint labels are capped: the configured endpoints and the first
 //! `proxy.metrics_max_endpoints` other IDs seen get their own label value, the rest are
 //! counted under `endpoint="_other"`, so a sender spraying IDs cannot blow up `/metrics`.
+//! Sender labels (`sluice_sender_requests_total`) are capped the same way by
+//! `proxy.metrics_max_senders`, and each endpoint label keeps its busiest senders of the
+//! last minutes ([`TopSenders`]) for `/endpoints/{id}`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use prometheus_client::encoding::{
     EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder, MetricEncoder, NoLabelSet,
@@ -39,6 +42,8 @@ struct Labelled {
     in_flight: AtomicU64,
     /// Pacing refusals of the last minute.
     refused: Recent,
+    /// Its busiest senders of the last [`TOP_MINUTES`] minutes.
+    senders: Mutex<TopSenders>,
 }
 
 impl EndpointLabel {
@@ -50,6 +55,7 @@ impl EndpointLabel {
             first_code: OnceLock::new(),
             in_flight: AtomicU64::new(0),
             refused: Recent::default(),
+            senders: Mutex::default(),
         }))
     }
 
@@ -79,6 +85,13 @@ impl EndpointLabel {
     /// `store_unavailable`) under this label in the last minute.
     pub fn refused_last_minute(&self) -> u64 {
         self.0.refused.sum(now_secs())
+    }
+
+    /// Its busiest senders of the last [`TOP_MINUTES`] minutes, busiest first, at most
+    /// `n` of them.
+    pub fn top_senders(&self, n: usize) -> Vec<SenderCount> {
+        let top = self.0.senders.lock().unwrap_or_else(|e| e.into_inner());
+        top.top(now_secs() / 60, n)
     }
 }
 
@@ -152,6 +165,164 @@ fn now_secs() -> u64 {
         + 1
 }
 
+/// A sender label value (cheap to clone): the sender's name, [`ANONYMOUS`] or
+/// [`OTHER`] past `proxy.metrics_max_senders`. Interned: one allocation per sender.
+#[derive(Debug, Clone)]
+pub struct SenderLabel(Arc<str>);
+
+impl SenderLabel {
+    /// The label value.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl PartialEq for SenderLabel {
+    fn eq(&self, other: &SenderLabel) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+    }
+}
+
+impl Eq for SenderLabel {}
+
+impl std::hash::Hash for SenderLabel {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
+
+impl EncodeLabelValue for SenderLabel {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, &self.0)
+    }
+}
+
+/// The sender of a request that names none: no authenticated proxy user and no trusted
+/// `X-Sluice-Sender` (or refused before it was identified).
+pub const ANONYMOUS: &str = "_anonymous";
+
+/// `proxy.metrics_max_senders` by default.
+pub const DEFAULT_MAX_SENDERS: usize = 1000;
+
+/// The longest sender name kept (bytes); a longer `X-Sluice-Sender` is cut to it.
+pub const MAX_SENDER_LEN: usize = 64;
+
+/// Minutes [`TopSenders`] covers.
+pub const TOP_MINUTES: u64 = 5;
+
+/// Senders [`TopSenders`] keeps per minute: past them, the least busy one gives its
+/// place to the newcomer (Space-Saving), so a sender busier than a 32nd of the
+/// minute's requests is always among them.
+const TOP_PER_MINUTE: usize = 32;
+
+/// One sender's requests to one endpoint over the last minutes (`/endpoints/{id}`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SenderCount {
+    /// The sender (as labelled in `sluice_sender_requests_total`).
+    pub sender: String,
+    /// Its requests, whatever their outcome. Past [`TOP_PER_MINUTE`] senders in a
+    /// minute, a sender that took a place counts from the count of the one it replaced
+    /// (an upper bound).
+    pub requests: u64,
+    /// Those forwarded.
+    pub forwarded: u64,
+    /// Those refused by sluice's pacing (`rate_limited`, `cooldown`,
+    /// `concurrency_limited`, `store_unavailable`).
+    pub refused: u64,
+}
+
+/// One minute's senders of one endpoint.
+#[derive(Debug, Default)]
+struct Minute {
+    at: u64,
+    senders: Vec<(SenderLabel, Tally)>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    requests: u64,
+    forwarded: u64,
+    refused: u64,
+}
+
+impl Tally {
+    fn add(&mut self, outcome: &str) {
+        self.requests += 1;
+        if outcome == FORWARDED {
+            self.forwarded += 1;
+        } else if PACING_REFUSALS.contains(&outcome) {
+            self.refused += 1;
+        }
+    }
+}
+
+/// An endpoint's busiest senders, by minute over the last [`TOP_MINUTES`]: a ring of
+/// minutes, each at most [`TOP_PER_MINUTE`] senders, so its size is bounded whatever
+/// the number of senders.
+#[derive(Debug, Default)]
+pub struct TopSenders {
+    minutes: [Minute; TOP_MINUTES as usize],
+}
+
+impl TopSenders {
+    /// Counts one request of `sender` with `outcome` in minute `now`.
+    fn add(&mut self, now: u64, sender: &SenderLabel, outcome: &str) {
+        let minute = &mut self.minutes[(now % TOP_MINUTES) as usize];
+        if minute.at != now {
+            minute.at = now;
+            minute.senders.clear();
+        }
+        if let Some((_, t)) = minute.senders.iter_mut().find(|(s, _)| s == sender) {
+            t.add(outcome);
+            return;
+        }
+        if minute.senders.len() < TOP_PER_MINUTE {
+            let mut t = Tally::default();
+            t.add(outcome);
+            minute.senders.push((sender.clone(), t));
+            return;
+        }
+        // Space-Saving: the newcomer takes the least busy place and its count, so no
+        // sender's count is ever under its true one.
+        if let Some(least) = minute.senders.iter_mut().min_by_key(|(_, t)| t.requests) {
+            let mut t = Tally {
+                requests: least.1.requests,
+                ..Tally::default()
+            };
+            t.add(outcome);
+            *least = (sender.clone(), t);
+        }
+    }
+
+    /// The `n` busiest senders over the minutes ending with `now`.
+    fn top(&self, now: u64, n: usize) -> Vec<SenderCount> {
+        let mut sum: HashMap<&str, Tally> = HashMap::new();
+        for m in &self.minutes {
+            if m.at + TOP_MINUTES <= now || m.at > now {
+                continue;
+            }
+            for (s, t) in &m.senders {
+                let e = sum.entry(s.as_str()).or_default();
+                e.requests += t.requests;
+                e.forwarded += t.forwarded;
+                e.refused += t.refused;
+            }
+        }
+        let mut out: Vec<SenderCount> = sum
+            .into_iter()
+            .map(|(s, t)| SenderCount {
+                sender: s.to_owned(),
+                requests: t.requests,
+                forwarded: t.forwarded,
+                refused: t.refused,
+            })
+            .collect();
+        out.sort_by(|a, b| b.requests.cmp(&a.requests).then(a.sender.cmp(&b.sender)));
+        out.truncate(n);
+        out
+    }
+}
+
 /// The outcomes that are sluice's own pacing refusals (`refused_1m` in `/endpoints`).
 const PACING_REFUSALS: [&str; 4] = [
     "rate_limited",
@@ -187,12 +358,32 @@ pub struct EndpointLabels {
     pub endpoint: EndpointLabel,
 }
 
+/// `{endpoint, per}`: one sliding window of an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct WindowLabels {
+    /// The endpoint (or `_other`).
+    pub endpoint: EndpointLabel,
+    /// The window's `per` as config spells it (`4s`, `1h`).
+    pub per: String,
+}
+
 /// `{endpoint, outcome}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct OutcomeLabels {
     /// The endpoint (or `_other`).
     pub endpoint: EndpointLabel,
     /// `forwarded`, or the `X-Sluice-Reason` of a refusal/failure.
+    pub outcome: &'static str,
+}
+
+/// `{endpoint, sender, outcome}` of `sluice_sender_requests_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SenderLabels {
+    /// The endpoint (or `_other`).
+    pub endpoint: EndpointLabel,
+    /// The sender (or `_other`, or `_anonymous`).
+    pub sender: SenderLabel,
+    /// As in `sluice_requests_total`.
     pub outcome: &'static str,
 }
 
@@ -258,6 +449,8 @@ pub struct Metrics {
     registry: Registry,
     /// `sluice_requests_total{endpoint,outcome}`.
     pub requests: Family<OutcomeLabels, Counter>,
+    /// `sluice_sender_requests_total{endpoint,sender,outcome}`: the same counts by sender.
+    pub sender_requests: Family<SenderLabels, Counter>,
     /// `sluice_wait_seconds{endpoint}`: time held before forwarding.
     pub wait: Family<EndpointLabels, Histogram, fn() -> Histogram>,
     /// `sluice_shadow_wait_seconds{endpoint}`: the wait shadow-mode requests would have had.
@@ -275,6 +468,8 @@ pub struct Metrics {
     pub at_floor: Family<EndpointLabels, Gauge>,
     /// `sluice_endpoint_cooldown_seconds{endpoint}`: cooldown left.
     pub cooldown: Family<EndpointLabels, Gauge<f64, AtomicU64>>,
+    /// `sluice_window_used{endpoint,per}`: cost units started in the window's last `per`.
+    pub window_used: Family<WindowLabels, Gauge<f64, AtomicU64>>,
     /// `sluice_tunnels_total{endpoint}`: CONNECT tunnels opened without interception.
     pub tunnels: Family<EndpointLabels, Counter>,
     /// `sluice_intercepted_tunnels_total{result}`: intercepted CONNECTs by how their TLS
@@ -310,6 +505,11 @@ pub struct Metrics {
     other: EndpointLabel,
 }
 
+    /// Sender label values given out (at most `max_senders`).
+    senders: RwLock<HashMap<Arc<str>, SenderLabel>>,
+    max_senders: usize,
+    other_sender: SenderLabel,
+    anonymous: SenderLabel,
 impl Metrics {
     /// Registers everything; `configured` endpoints always get their own label.
     pub fn new<'a>(max_labels: usize, configured: impl Iterator<Item = &'a Arc<str>>) -> Metrics {
@@ -318,12 +518,14 @@ impl Metrics {
             requests: Family::default(),
             wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             shadow_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
+            sender_requests: Family::default(),
             upstream: Family::default(),
             throttles: Family::default(),
             absorbed: Family::default(),
             rate: Family::default(),
             at_floor: Family::default(),
             cooldown: Family::default(),
+            window_used: Family::default(),
             tunnels: Family::default(),
             intercepted: Family::default(),
             connections: Gauge::default(),
@@ -342,6 +544,10 @@ impl Metrics {
             registry: Registry::default(),
         };
         m.build_info
+            senders: RwLock::default(),
+            max_senders: DEFAULT_MAX_SENDERS,
+            other_sender: SenderLabel(OTHER.into()),
+            anonymous: SenderLabel(ANONYMOUS.into()),
             .get_or_create(&BuildLabels {
                 version: crate::version::VERSION,
                 commit: crate::version::COMMIT,
@@ -355,6 +561,13 @@ impl Metrics {
     /// Gives each configured endpoint its own label (whatever the cap) and its request
     /// series at 0 (`sluice_requests_total` for `forwarded` and each pacing refusal,
     /// `sluice_wait_seconds`, `sluice_upstream_throttles_total`), so dashboards and
+    /// Caps sender label values at `max` (`proxy.metrics_max_senders`): past them,
+    /// senders count under `sender="_other"`.
+    pub fn with_max_senders(mut self, max: usize) -> Metrics {
+        self.max_senders = max;
+        self
+    }
+
     /// `rate()` see a configured endpoint from the start, or from the reload that adds
     /// it, not from its first request.
     pub fn configure<'a>(&self, configured: impl Iterator<Item = &'a Arc<str>>) {
@@ -404,6 +617,11 @@ impl Metrics {
         registry.register(
             "wait_seconds",
             "Time requests waited for their token",
+        registry.register(
+            "sender_requests",
+            "Requests by endpoint, sender and outcome",
+            m.sender_requests.clone(),
+        );
             m.wait.clone(),
         );
         registry.register(
@@ -440,6 +658,11 @@ impl Metrics {
             "endpoint_cooldown_seconds",
             "Cooldown left",
             m.cooldown.clone(),
+        );
+        registry.register(
+            "window_used",
+            "Cost units started in a sliding window's last interval (windows)",
+            m.window_used.clone(),
         );
         registry.register(
             "tunnels",
@@ -609,8 +832,86 @@ impl Metrics {
         }
     }
 
-    /// Counts one request outcome.
-    pub fn outcome(&self, endpoint: &EndpointLabel, outcome: &'static str) {
+    /// The sender label of a request: its authenticated proxy `user`, else (with
+    /// `proxy.trust_sender_header`) its `X-Sluice-Sender` (cut to [`MAX_SENDER_LEN`]
+    /// bytes), else [`ANONYMOUS`]; [`OTHER`] once `proxy.metrics_max_senders` names
+    /// have their own.
+    pub fn sender(
+        &self,
+        proxy: &crate::config::ProxyConfig,
+        user: Option<&Arc<str>>,
+        headers: &http::HeaderMap,
+    ) -> SenderLabel {
+        let named = headers
+            .get(&crate::proxy::SENDER_HEADER)
+            .filter(|_| proxy.trust_sender_header && user.is_none());
+        match (user, named) {
+            (Some(user), _) => self.sender_label(user),
+            (None, Some(v)) => {
+                let raw = &v.as_bytes()[..v.len().min(MAX_SENDER_LEN)];
+                let name = String::from_utf8_lossy(raw);
+                match name.trim_end_matches('\u{fffd}') {
+                    "" => self.sender_label(ANONYMOUS),
+                    name => self.sender_label(name),
+                }
+            }
+            (None, None) => self.sender_label(ANONYMOUS),
+        }
+    }
+
+    /// The label of sender `name`: its own while under the cap, else `_other`.
+    fn sender_label(&self, name: &str) -> SenderLabel {
+        if let Ok(set) = self.senders.read() {
+            if let Some(label) = set.get(name) {
+                return label.clone();
+            }
+            if set.len() >= self.max_senders || name == OTHER {
+                return self.other_sender.clone();
+            }
+        }
+        match self.senders.write() {
+            Ok(mut set)
+                if (set.len() < self.max_senders || set.contains_key(name)) && name != OTHER =>
+            {
+                let label = set.get(name).cloned().unwrap_or_else(|| {
+                    if name == ANONYMOUS {
+                        self.anonymous.clone()
+                    } else {
+                        SenderLabel(name.into())
+                    }
+                });
+                set.insert(Arc::clone(&label.0), label.clone());
+                label
+            }
+            _ => self.other_sender.clone(),
+        }
+    }
+
+    /// Counts one request outcome, under its sender (`None`: [`ANONYMOUS`], a request
+    /// refused before its sender was known).
+    pub fn outcome(
+        &self,
+        endpoint: &EndpointLabel,
+        sender: Option<&SenderLabel>,
+        outcome: &'static str,
+    ) {
+        let sender = match sender {
+            Some(s) => s.clone(),
+            None => self.sender_label(ANONYMOUS),
+        };
+        endpoint
+            .0
+            .senders
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add(now_secs() / 60, &sender, outcome);
+        self.sender_requests
+            .get_or_create(&SenderLabels {
+                endpoint: endpoint.clone(),
+                sender,
+                outcome,
+            })
+            .inc();
         let series = |outcome| {
             self.requests
                 .get_or_create(&OutcomeLabels {
@@ -692,7 +993,7 @@ mod tests {
         let m = Metrics::new(10, configured.iter());
         for i in 0..1000 {
             let l = m.label(&Arc::from(format!("ep{i}")));
-            m.outcome(&l, "forwarded");
+            m.outcome(&l, None, "forwarded");
         }
         assert_eq!(m.label(&Arc::from("configured")).as_str(), "configured");
         assert_eq!(m.label(&Arc::from("ep999")).as_str(), "_other");
@@ -712,9 +1013,9 @@ mod tests {
         let m = Metrics::new(10, std::iter::empty());
         let l = m.label(&Arc::from("ep"));
         for _ in 0..3 {
-            m.outcome(&l, FORWARDED);
+            m.outcome(&l, None, FORWARDED);
         }
-        m.outcome(&m.label(&Arc::from("ep")), "rate_limited");
+        m.outcome(&m.label(&Arc::from("ep")), None, "rate_limited");
         m.upstream_code(&l, 200);
         m.upstream_code(&m.existing_label(&Arc::from("ep")), 200);
         m.upstream_code(&l, 429);
@@ -761,10 +1062,10 @@ mod tests {
         drop(a);
         drop(b);
         assert_eq!(l.in_flight(), 0);
-        m.outcome(&l, "rate_limited");
-        m.outcome(&l, "cooldown");
-        m.outcome(&l, "upstream_error");
-        m.outcome(&l, FORWARDED);
+        m.outcome(&l, None, "rate_limited");
+        m.outcome(&l, None, "cooldown");
+        m.outcome(&l, None, "upstream_error");
+        m.outcome(&l, None, FORWARDED);
         assert_eq!(l.refused_last_minute(), 2);
         assert_eq!(l.forwarded(), 1);
     }
@@ -777,6 +1078,69 @@ mod tests {
             "sluice_build_info{{version=\"{}\",commit=\"{}\"}} 1",
             crate::version::VERSION,
             crate::version::COMMIT
+    /// Senders past the cap share `_other`; a sender's counts add up by outcome.
+    #[test]
+    fn sender_labels_are_capped() {
+        let m = Metrics::new(10, std::iter::empty()).with_max_senders(3);
+        let l = m.label(&Arc::from("ep"));
+        for i in 0..50 {
+            let s = m.sender_label(&format!("s{i}"));
+            m.outcome(&l, Some(&s), FORWARDED);
+        }
+        assert_eq!(m.sender_label("s0").as_str(), "s0");
+        assert_eq!(m.sender_label("s2").as_str(), "s2");
+        assert_eq!(m.sender_label("s3").as_str(), OTHER);
+        let text = m.render();
+        let n = text
+            .lines()
+            .filter(|l| l.starts_with("sluice_sender_requests_total{"))
+            .count();
+        assert_eq!(n, 4, "{text}");
+        assert!(
+            text.contains(
+                "sluice_sender_requests_total{endpoint=\"ep\",sender=\"_other\",outcome=\"forwarded\"} 47"
+            ),
+            "{text}"
+        );
+    }
+
+    /// The busiest senders of the last minutes, summed over minutes; a minute past its
+    /// places keeps the busy senders (Space-Saving), and old minutes drop out.
+    #[test]
+    fn top_senders_keep_the_busiest() {
+        let m = Metrics::new(10, std::iter::empty());
+        let (a, b) = (m.sender_label("a"), m.sender_label("b"));
+        let mut top = TopSenders::default();
+        for _ in 0..100 {
+            top.add(1, &a, FORWARDED);
+        }
+        for _ in 0..40 {
+            top.add(2, &b, "rate_limited");
+        }
+        for i in 0..1000 {
+            top.add(2, &m.sender_label(&format!("x{i}")), FORWARDED);
+        }
+        for _ in 0..10 {
+            top.add(2, &a, FORWARDED);
+        }
+        let t = top.top(2, 2);
+        assert_eq!(t[0].sender, "a");
+        assert!(t[0].requests >= 110, "{t:?}");
+        assert_eq!(t[1].sender, "b");
+        assert_eq!((t[1].requests, t[1].refused, t[1].forwarded), (40, 40, 0));
+        let later = top.top(1 + TOP_MINUTES, 5);
+        assert!(
+            later.iter().all(|c| c.sender != "a" || c.requests < 100),
+            "{later:?}"
+        );
+        assert!(top.top(2 + TOP_MINUTES, 5).is_empty());
+        assert!(
+            top.minutes
+                .iter()
+                .all(|m| m.senders.len() <= TOP_PER_MINUTE)
+        );
+    }
+
         );
         assert!(text.contains(&want), "{text}");
     }

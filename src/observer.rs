@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::admin::{EndpointView, endpoint_views};
 use crate::core::App;
-use crate::metrics::EndpointLabels;
+use crate::metrics::{EndpointLabels, WindowLabels};
 
 /// Runs until shutdown, looking every `every`.
 pub async fn run(app: Arc<App>, every: Duration) {
@@ -45,6 +45,13 @@ pub async fn run(app: Arc<App>, every: Duration) {
                 .oldest_wait
                 .get_or_create(&label)
                 .set(v.oldest_wait_ms as f64 / 1000.0);
+            for w in &v.windows {
+                let labels = WindowLabels {
+                    endpoint: label.endpoint.clone(),
+                    per: w.per(),
+                };
+                app.metrics.window_used.get_or_create(&labels).set(w.used);
+            }
             if let Some(prev) = last.get(&v.id) {
                 if prev.cooldown_ms > 0 && v.cooldown_ms == 0 {
                     tracing::info!(endpoint = %v.id, rate = v.rate, "cooldown ended: sending again at the reduced rate");

@@ -342,6 +342,8 @@ pub(crate) struct Admitted {
     arrived: tokio::time::Instant,
     /// Counts it in its endpoint's `in_flight` (`/endpoints`) until it is answered.
     _sending: crate::metrics::Sending,
+    /// Its sender's label (`sluice_sender_requests_total`).
+    sender: Option<crate::metrics::SenderLabel>,
 }
 
 /// A refusal, with the label it is counted under (when the endpoint is known).
@@ -428,7 +430,8 @@ impl Drop for Unanswered<'_> {
             return;
         }
         if let Some(label) = &self.trace.sent {
-            self.app.metrics.outcome(label, self.trace.outcome);
+            let sender = self.trace.sender.as_ref();
+            self.app.metrics.outcome(label, sender, self.trace.outcome);
             decision::sender_left(self.peer, self.method.as_str(), &self.trace);
         }
     }
@@ -443,7 +446,8 @@ pub(crate) fn refuse(
     trace: &Trace,
 ) -> Response<Body> {
     let label = r.label.unwrap_or_else(|| app.metrics.other());
-    app.metrics.outcome(&label, r.error.reason());
+    app.metrics
+        .outcome(&label, trace.sender.as_ref(), r.error.reason());
     decision::refused(peer, method, trace, &r.error);
     r.error.into_response()
 }
@@ -467,6 +471,8 @@ async fn admission(
         inherited,
     } = ask;
     let arrived = tokio::time::Instant::now();
+    let user = who.identity.as_ref().map(|i| &i.user);
+    trace.sender = Some(app.metrics.sender(&rt.config.proxy, user, headers));
     // A request inside a tunnel that names no endpoint is under the one its CONNECT
     // named (a clone: a tunnel's requests only).
     let with_inherited;
@@ -627,6 +633,7 @@ async fn admission(
 
 /// A request's place in its endpoint's queue: its priority class and, for endpoints
 /// with `shares`, its sender (the authenticated user, else `X-Sluice-Sender`, else the
+        sender: trace.sender.clone(),
 /// client address) and that sender's weight. Computed only for queued endpoints.
 #[derive(Clone)]
 struct Turn {
@@ -762,8 +769,11 @@ async fn forward_request(
 ) -> Result<Response<Body>, Refused> {
     // Refused before anything is spent: a coding under `chunked` cannot be forwarded.
     crate::forward::forwardable_codings(req.headers()).map_err(ProxyError::NotImplemented)?;
+    // On hyper's path a sender's end of stream while this waits cancels it.
+    let waiting = crate::conn::SenderEof::waiting(req.extensions());
     let (rt, uri, _target, admitted) =
         admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
+    drop(waiting);
     let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER, &COST_HEADER];
     strip_hop_by_hop_and(req.headers_mut(), &own);
     // The sender's request ID goes on as the receiver's idempotency key.
@@ -1307,7 +1317,9 @@ async fn heed_body_wait(app: &App, ep: &Resolved, wait: std::time::Duration) {
 fn counted(app: &App, admitted: &Admitted, status: StatusCode, trace: &mut Trace) {
     trace.status = Some(status.as_u16());
     trace.outcome = admitted.outcome;
-    app.metrics.outcome(&admitted.label, admitted.outcome);
+    let sender = admitted.sender.as_ref();
+    app.metrics
+        .outcome(&admitted.label, sender, admitted.outcome);
 }
 
 /// A send that failed after admission: when nothing left for the receiver (the resolved
@@ -1469,6 +1481,8 @@ async fn connect(
     conn: &Arc<Conn>,
     trace: &mut Trace,
 ) -> Result<Response<Body>, Refused> {
+    // A sender's end of stream before the tunnel opens cancels it.
+    let _waiting = crate::conn::SenderEof::waiting(req.extensions());
     let uri = req.uri();
     // Authority-form only (RFC 9110 §9.3.6): no scheme, path or userinfo.
     let authority = uri
@@ -1742,7 +1756,7 @@ impl Relay {
             ..
         } = admitted;
         let _held = held;
-        app.metrics.outcome(&label, outcome);
+        app.metrics.outcome(&label, sender.as_ref(), outcome);
         app.metrics
             .tunnels
             .get_or_create(&EndpointLabels { endpoint: label })
@@ -1899,6 +1913,7 @@ impl Intercepted {
         };
         let conn = tunnel_conn(self.peer, self.slot, self.tunnel);
         serve_inside(self.app, tls, Bytes::new(), conn, protocol).await;
+            sender,
     }
 
     /// Neither TLS nor plain HTTP: the tunnel is admitted once and relayed as bytes.

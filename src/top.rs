@@ -431,6 +431,7 @@ mod tests {
             at_floor: false,
             at_floor_secs: 0.0,
             held_ahead: 0.0,
+            windows: Vec::new(),
             waiting,
             waiting_by_priority: Default::default(),
             in_flight: 1,

@@ -217,19 +217,38 @@ async fn windows_and_costs_decide_with_the_bucket(s: Subject) {
     match s.store.acquire("win", now).await.unwrap() {
         Outcome::Refused { cooldown, retry_us } => {
             assert!(!cooldown);
-            assert_between("the window's wait", retry_us, 1e6 - waited(Instant::now()), 1e6 + 2.0);
+            assert_between(
+                "the window's wait",
+                retry_us,
+                1e6 - waited(Instant::now()),
+                1e6 + 2.0,
+            );
         }
         o => panic!("{o:?}"),
     }
     let wait = Ask::new(&p, 2e6, None);
     let o = s.store.acquire("win", wait).await.unwrap();
-    let Outcome::Granted { wait_us, generation, at_us } = o else {
+    let Outcome::Granted {
+        wait_us,
+        generation,
+        at_us,
+    } = o
+    else {
         panic!("{o:?}")
     };
-    assert_between("the fifth's start", wait_us, 1e6 - waited(Instant::now()), 1e6 + 2.0);
+    assert_between(
+        "the fifth's start",
+        wait_us,
+        1e6 - waited(Instant::now()),
+        1e6 + 2.0,
+    );
     let v = view(&s, "win", now, None).await;
     assert_eq!((v.windows[0].used, v.windows[0].ahead), (4.0, 1.0), "{v:?}");
-    let unused = Unused { generation, due_in_us: wait_us, at_us };
+    let unused = Unused {
+        generation,
+        due_in_us: wait_us,
+        at_us,
+    };
     s.store.release("win", now, unused).await.unwrap();
     let v = view(&s, "win", now, None).await;
     assert_eq!((v.windows[0].used, v.windows[0].ahead), (4.0, 0.0), "{v:?}");

@@ -379,6 +379,11 @@ pub struct ProxyConfig {
     /// A CONNECT tunnel (not intercepted) with no bytes either way for this long is closed.
     pub tunnel_idle_timeout: Duration,
     /// When set, `/metrics` and `/endpoints` need `Authorization: Bearer <file content>`.
+    /// Distinct `sender` label values in metrics before the rest become `_other`.
+    pub metrics_max_senders: usize,
+    /// `X-Sluice-Sender` names a request's sender in per-sender metrics when no
+    /// authenticated proxy user does.
+    pub trust_sender_header: bool,
     pub admin_token_file: Option<PathBuf>,
 }
 

@@ -4,8 +4,8 @@
 //! [`super::reader`].
 
 use super::reader::{Reader, Table, Value, join};
-use crate::limiter::window::{MAX_WINDOWS, Window, Windows};
 use super::*;
+use crate::limiter::window::{MAX_WINDOWS, Window, Windows};
 
 impl Reader<'_> {
     pub(super) fn config(&mut self, root: &Table<'_>) -> Option<Config> {
@@ -230,6 +230,8 @@ impl Reader<'_> {
                 "workers",
                 "pin_workers",
                 "idle_timeout",
+                "metrics_max_senders",
+                "trust_sender_header",
                 "header_read_timeout",
                 "tunnel_idle_timeout",
                 "admin_token_file",
@@ -312,6 +314,13 @@ impl Reader<'_> {
                 None => 0,
                 Some((n, _)) if n >= 0.0 && n.fract() == 0.0 && n <= 1024.0 => n as usize,
                 Some((n, at)) => {
+            metrics_max_senders: self.count(
+                t,
+                p,
+                "metrics_max_senders",
+                crate::metrics::DEFAULT_MAX_SENDERS,
+            ),
+            trust_sender_header: self.boolean(t, p, "trust_sender_header", false),
                     self.issue(
                         at,
                         "proxy.workers",
@@ -704,7 +713,8 @@ impl Reader<'_> {
         for (i, item) in items.iter().enumerate() {
             let at = format!("{key}[{i}]");
             let DeValue::Table(w) = item.get_ref() else {
-                self.type_issue(item, &at, "a { limit, per } table", item.get_ref().type_str());
+                let got = item.get_ref().type_str();
+                self.type_issue(item, &at, "a { limit, per } table", got);
                 ok = false;
                 continue;
             };
@@ -728,7 +738,8 @@ impl Reader<'_> {
                 ok = false;
                 continue;
             }
-            if list.iter().any(|x: &Window| x.per_us == per.as_micros() as f64) {
+            let per_us = per.as_micros() as f64;
+            if list.iter().any(|x: &Window| x.per_us == per_us) {
                 let why = "two windows with the same `per`: keep the lower limit".to_owned();
                 self.issue(item.span().start, &at, why);
                 ok = false;
@@ -736,7 +747,7 @@ impl Reader<'_> {
             }
             list.push(Window {
                 limit: limit as f64,
-                per_us: per.as_micros() as f64,
+                per_us,
             });
         }
         let windows = Windows::new(&list);

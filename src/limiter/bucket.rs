@@ -881,7 +881,11 @@ mod tests {
         sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
         let mut worst: f64 = 0.0;
         for (i, &(t, _)) in sorted.iter().enumerate() {
-            let sum: f64 = sorted[..=i].iter().filter(|e| e.0 > t - per).map(|e| e.1).sum();
+            let sum: f64 = sorted[..=i]
+                .iter()
+                .filter(|e| e.0 > t - per)
+                .map(|e| e.1)
+                .sum();
             worst = worst.max(sum);
         }
         worst
@@ -912,7 +916,10 @@ mod tests {
         match acquire(&mut s, &Ask::new(&p, 0.0, None), now) {
             Outcome::Refused { cooldown, retry_us } => {
                 assert!(!cooldown);
-                assert!((retry_us - (starts[29] + 0.02 * S - now)).abs() < 2.0, "{retry_us}");
+                assert!(
+                    (retry_us - (starts[29] + 0.02 * S - now)).abs() < 2.0,
+                    "{retry_us}"
+                );
             }
             o => panic!("{o:?}"),
         }
@@ -938,7 +945,14 @@ mod tests {
         assert_eq!(&waits[..2], &[0.0, 0.0]);
         assert!((waits[2] - 10.0 * S).abs() < 2.0, "{waits:?}");
         // Without the window, the bucket alone: half a second.
-        let plain = Ask::new(&Policy { cost: 5, ..policy(10.0, 10.0) }, 20.0 * S, None);
+        let plain = Ask::new(
+            &Policy {
+                cost: 5,
+                ..policy(10.0, 10.0)
+            },
+            20.0 * S,
+            None,
+        );
         let mut b = fresh(10.0, 0.0);
         acquire(&mut b, &plain, 0.0);
         acquire(&mut b, &plain, 0.0);
@@ -956,23 +970,41 @@ mod tests {
         let mut s = fresh(10.0, 0.0);
         acquire(&mut s, &ask, 0.0);
         acquire(&mut s, &ask, 0.0);
-        let Outcome::Granted { wait_us, generation, .. } = acquire(&mut s, &ask, 0.0) else {
+        let Outcome::Granted {
+            wait_us,
+            generation,
+            ..
+        } = acquire(&mut s, &ask, 0.0)
+        else {
             panic!()
         };
-        assert!((wait_us - S).abs() < 2.0, "the window holds the third: {wait_us}");
+        assert!(
+            (wait_us - S).abs() < 2.0,
+            "the window holds the third: {wait_us}"
+        );
         // Its sender leaves before it started: its unit comes back.
-        let unused = Unused { generation, due_in_us: wait_us - 0.1 * S, at_us: None };
+        let unused = Unused {
+            generation,
+            due_in_us: wait_us - 0.1 * S,
+            at_us: None,
+        };
         release(&mut s, &ask, unused, 0.1 * S);
         let v = view(&s, &ask, None, 0.1 * S);
         assert_eq!((v.windows[0].used, v.windows[0].ahead), (2.0, 0.0));
         // A give-back naming a start no entry has frees nothing.
-        let stray = Unused { generation, due_in_us: 0.3 * S, at_us: None };
+        let stray = Unused {
+            generation,
+            due_in_us: 0.3 * S,
+            at_us: None,
+        };
         release(&mut s, &ask, stray, 0.1 * S);
         let v = view(&s, &ask, None, 0.1 * S);
         assert_eq!(v.windows[0].used, 2.0);
         // The next one takes the start at 1 s again.
         match acquire(&mut s, &ask, 0.2 * S) {
-            Outcome::Granted { wait_us, .. } => assert!((wait_us - 0.8 * S).abs() < 2.0, "{wait_us}"),
+            Outcome::Granted { wait_us, .. } => {
+                assert!((wait_us - 0.8 * S).abs() < 2.0, "{wait_us}")
+            }
             o => panic!("{o:?}"),
         }
     }

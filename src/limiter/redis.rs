@@ -36,13 +36,13 @@ use super::credit::Taken;
 
 use super::batch::{self, Lanes};
 use super::bucket::{self, Ask, Outcome, Unused, View};
-use super::window::{self, WindowUse};
 use super::cooldowns::{CooldownWatch, follow};
 use super::credit;
 use super::lease::{LeaseAsk, Leased};
 use super::peers::HEARTBEAT_TTL;
 use super::per_thread::PerThread;
 use super::sentinel::SentinelConn;
+use super::window::{self, WindowUse};
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
 use crate::config::{Adaptive, Backend, Prefetch, StoreConfig, StoreTls, redact};
 

@@ -111,9 +111,7 @@ pub fn cost_fits(cost: f64, burst: f64, ws: &Windows) -> Result<(), String> {
         return Err(format!("a cost is a whole number ≥ 1, not {cost}"));
     }
     if cost > burst {
-        return Err(format!(
-            "a cost of {cost} can never fit a burst of {burst}"
-        ));
+        return Err(format!("a cost of {cost} can never fit a burst of {burst}"));
     }
     if let Some(w) = ws.as_slice().iter().find(|w| cost > w.limit) {
         return Err(format!(
@@ -413,10 +411,16 @@ mod tests {
         assert_eq!((v[0].used, v[0].ahead), (2.0, 1.0));
         assert_eq!((v[1].used, v[1].ahead), (4.0, 1.0));
         // ...then the ten-second one: five in it until the first two fall out at 10 s.
-        assert_eq!(logs.earliest(&ws, 1.0, 2.5 * S, 2.5 * S), 10.0 * S + EDGE_US);
+        assert_eq!(
+            logs.earliest(&ws, 1.0, 2.5 * S, 2.5 * S),
+            10.0 * S + EDGE_US
+        );
         // A reload keeping the ten-second window keeps its log.
         let only = Windows::new(&[ws.as_slice()[1]]).unwrap();
-        assert_eq!(logs.earliest(&only, 1.0, 2.5 * S, 2.5 * S), 10.0 * S + EDGE_US);
+        assert_eq!(
+            logs.earliest(&only, 1.0, 2.5 * S, 2.5 * S),
+            10.0 * S + EDGE_US
+        );
         assert_eq!(logs.time_to_idle(2.5 * S), 9.5 * S);
     }
 
