@@ -107,7 +107,7 @@ pub struct App {
     /// Sampling of the decision log.
     pub sampler: Sampler,
     /// Upstream connections the plain lane left idle when their sender went.
-    pub(crate) idle: crate::lane::IdleUpstreams,
+    pub(crate) idle: crate::upstream::IdleUpstreams,
     /// Bumped after every reload swapped `runtime` in: what outlives one request (a
     /// passthrough tunnel) checks again then whether its sender is still admitted.
     pub(crate) reloads: tokio::sync::watch::Sender<()>,

@@ -29,7 +29,6 @@
 //! - [`absorb`]: which refusals of a receiver sluice absorbs (holds the request behind
 //!   the cooldown and sends it again within its wait budget).
 //! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.
-//! - [`learned`]: quotas receivers publish, spread evenly until their reset.
 //! - [`forward`]: upstream client (pooled, rustls), hop-by-hop hygiene, CONNECT tunnels.
 //! - [`tls`]: the interception CA on disk ([`tls::ca`]), per-host leaves and their
 //!   bounded cache ([`tls::leaf`]), TLS termination of intercepted CONNECTs
@@ -61,7 +60,6 @@ pub mod forward;
 pub mod host;
 pub mod idle;
 pub mod lane;
-pub mod learned;
 pub mod limiter;
 pub mod logging;
 pub mod metrics;
@@ -71,5 +69,6 @@ pub mod server;
 pub mod sniff;
 pub mod tls;
 pub mod upload;
+pub mod upstream;
 pub mod version;
 pub mod workers;
