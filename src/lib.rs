@@ -29,6 +29,7 @@
 //! - [`absorb`]: which refusals of a receiver sluice absorbs (holds the request behind
 //!   the cooldown and sends it again within its wait budget).
 //! - [`adapt`]: pure policy turning 429 / Retry-After / RateLimit headers into feedback.
+//! - [`learned`]: quotas receivers publish, spread evenly until their reset.
 //! - [`forward`]: upstream client (pooled, rustls), hop-by-hop hygiene, CONNECT tunnels.
 //! - [`tls`]: the interception CA on disk ([`tls::ca`]), per-host leaves and their
 //!   bounded cache ([`tls::leaf`]), TLS termination of intercepted CONNECTs
@@ -60,6 +61,7 @@ pub mod forward;
 pub mod host;
 pub mod idle;
 pub mod lane;
+pub mod learned;
 pub mod limiter;
 pub mod logging;
 pub mod metrics;
