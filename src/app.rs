@@ -74,10 +74,9 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
         .with_max_senders(config.proxy.metrics_max_senders),
     );
     let store: Arc<dyn BucketStore> = match config.store.backend {
-        Backend::Memory => Arc::new(MemoryStore::new().capped(
-            config.store.max_endpoints,
-            metrics.store.endpoints.clone(),
-        )),
+        Backend::Memory => Arc::new(
+            MemoryStore::new().capped(config.store.max_endpoints, metrics.store.endpoints.clone()),
+        ),
         Backend::Redis | Backend::RedisCluster | Backend::RedisSentinel => {
             let primary = match config.store.on_error {
                 // Fail closed: a dead store would refuse every request, so refuse to start.
@@ -239,6 +238,15 @@ pub async fn start_on(
     let (tx, rx) = oneshot::channel();
     tokio::spawn(crate::observer::run(Arc::clone(&app), OBSERVE_EVERY));
     tokio::spawn(sweep_idle_upstreams(Arc::clone(&app)));
+    let (ceiling, source) = crate::budget::ceiling(config.proxy.max_memory);
+    tracing::info!(ceiling, ?source, "memory ceiling (proxy.max_memory)");
+    crate::budget::set_ceiling(ceiling);
+    tokio::spawn(crate::budget::watch_memory(
+        ceiling,
+        app.metrics.connections.clone(),
+        app.metrics.memory_pressed.clone(),
+        app.lifecycle.signal(),
+    ));
     let join = tokio::spawn(crate::server::run(
         Arc::clone(&app),
         proxy,
@@ -407,6 +415,7 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "proxy.listen" => proxy.listen;
         "proxy.admin_listen" => proxy.admin_listen;
         "proxy.max_connections" => proxy.max_connections;
+        "proxy.max_memory" => proxy.max_memory;
         "proxy.workers" => proxy.workers;
         "proxy.pin_workers" => proxy.pin_workers;
         "proxy.idle_timeout" => proxy.idle_timeout;

@@ -30,6 +30,10 @@ use tokio_util::task::TaskTracker;
 /// Largest request head accepted; larger heads get 431.
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;
 
+/// How often a watched connection looks at the memory pressure besides its changes (a
+/// request that ends while pressed lets its connection go within this).
+const PRESSED_LOOK: Duration = Duration::from_millis(250);
+
 /// Most headers a request or response head may have (hyper's own limit); a request with
 /// more is answered 431.
 pub const MAX_HEADERS: usize = 100;
@@ -472,15 +476,39 @@ impl Activity {
     ///   arriving a head.
     ///
     /// The connection is looked at every quarter of the shorter limit.
+    ///
+    /// Under memory pressure ([`crate::budget`]) it resolves to [`Quiet::Idle`] as soon
+    /// as no request is in flight.
     pub async fn watch(self: Arc<Self>, idle: Duration, head: Option<Duration>) -> Quiet {
         let step = head.map_or(idle, |h| h.min(idle)) / 4;
         let mut quiet_since = Instant::now();
         // When this look first saw the current head, and how many heads were done then.
         let mut head_since: Option<(Instant, u64)> = None;
+        let mut pressure = crate::budget::subscribe();
+        let mut next_look = Instant::now() + step;
         loop {
-            tokio::time::sleep(step).await;
+            // While pressed, a look every PRESSED_LOOK too (a request that ends lets its
+            // connection go); otherwise only the idle and head rules' own looks.
+            let wake = if crate::budget::pressed() {
+                next_look.min(Instant::now() + PRESSED_LOOK)
+            } else {
+                next_look
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(wake) => {}
+                // Pressed (or relieved) now: look at once (the channel is static: it
+                // never closes).
+                _ = pressure.changed() => {}
+            }
             let now = Instant::now();
             let in_flight = self.in_flight.load(Ordering::Relaxed) > 0;
+            if crate::budget::pressed() && !in_flight {
+                return Quiet::Idle;
+            }
+            if now < next_look {
+                continue;
+            }
+            next_look = now + step;
             if self.moved.swap(false, Ordering::Relaxed) || in_flight {
                 // Something moved during the last step: quiet from no earlier than now.
                 quiet_since = now;

@@ -123,6 +123,11 @@ pub enum ProxyError {
         /// The endpoint ID.
         endpoint: String,
     },
+    /// Memory is near `proxy.max_memory`: the budget of buffered heads is spent.
+    #[error(
+        "sluice is near its memory ceiling (proxy.max_memory): no room to buffer this request head"
+    )]
+    Overloaded,
     /// The upstream failed after the request left (connect, TLS, reset...).
     #[error("upstream error: {0}")]
     Upstream(String),
@@ -155,6 +160,7 @@ impl ProxyError {
             ProxyError::ConcurrencyLimited { .. } => "concurrency_limited",
             ProxyError::StoreUnavailable { .. } => "store_unavailable",
             ProxyError::EndpointCapacity { .. } => "endpoint_capacity",
+            ProxyError::Overloaded => "overloaded",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",
             ProxyError::RequestTimeout(_) => "request_timeout",
@@ -177,7 +183,8 @@ impl ProxyError {
             | ProxyError::Cooldown { .. }
             | ProxyError::ConcurrencyLimited { .. }
             | ProxyError::StoreUnavailable { .. }
-            | ProxyError::EndpointCapacity { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            | ProxyError::EndpointCapacity { .. }
+            | ProxyError::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -190,9 +197,9 @@ impl ProxyError {
             ProxyError::RateLimited { retry_after, .. }
             | ProxyError::Cooldown { retry_after, .. }
             | ProxyError::ConcurrencyLimited { retry_after, .. } => Some(*retry_after),
-            ProxyError::StoreUnavailable { .. } | ProxyError::EndpointCapacity { .. } => {
-                Some(Duration::from_secs(1))
-            }
+            ProxyError::StoreUnavailable { .. }
+            | ProxyError::EndpointCapacity { .. }
+            | ProxyError::Overloaded => Some(Duration::from_secs(1)),
             _ => None,
         }
     }

@@ -285,7 +285,7 @@ impl<S: SenderIo> Lane<S> {
     /// or a request is not the lane's: then the bytes read of it, for hyper.
     async fn run(&mut self, closing: &AtomicBool) -> io::Result<Option<Bytes>> {
         loop {
-            let head = match self.next_head(closing).await? {
+            let mut head = match self.next_head(closing).await? {
                 Next::Head(h) => h,
                 Next::Handoff => return Ok(Some(self.inb.split().freeze())),
                 Next::Malformed(e) => {
@@ -294,6 +294,14 @@ impl<S: SenderIo> Lane<S> {
                 }
                 Next::Closed => return Ok(None),
             };
+            if self.inb.capacity() > crate::budget::FREE_HEAD {
+                // A large head's buffer goes once the head is parsed (its claim on the
+                // budget went with `next_head`): what follows it moves to a usual one.
+                let mut rest = BytesMut::with_capacity(8192.max(self.inb.len() - head.len));
+                rest.extend_from_slice(&self.inb[head.len..]);
+                self.inb = rest;
+                head.len = 0;
+            }
             if !self.exchange(head).await? || closing.load(Ordering::Relaxed) {
                 return Ok(None);
             }
@@ -302,6 +310,8 @@ impl<S: SenderIo> Lane<S> {
 
     /// Reads until a whole head is there (or it is not one the lane serves).
     async fn next_head(&mut self, closing: &AtomicBool) -> io::Result<Next> {
+        // A large head's claim on the budget of buffered heads, until it is parsed.
+        let mut held = crate::budget::HeadBytes::default();
         loop {
             if !self.inb.is_empty() {
                 match parse_request(&self.inb, self.in_tunnel) {
@@ -318,6 +328,9 @@ impl<S: SenderIo> Lane<S> {
                     }
                     Parsed::Head(h) => return Ok(Next::Head(h)),
                 }
+            }
+            if !held.cover(crate::budget::next_capacity(&self.inb)) {
+                return Ok(Next::Malformed(ProxyError::Overloaded));
             }
             let (inb, stream) = (&mut self.inb, &mut self.stream);
             let n = std::future::poll_fn(|cx| {
@@ -704,6 +717,12 @@ async fn send<S: SenderIo>(
     read_answer(up, out, ask).await
 }
 
+/// How much of a response head still arriving the lane holds: less under memory
+/// pressure ([`crate::budget`]).
+fn response_head_limit() -> usize {
+    crate::budget::response_head_limit(MAX_RESPONSE_HEAD_BYTES)
+}
+
 /// An upstream response head past [`MAX_RESPONSE_HEAD_BYTES`] without its end.
 fn head_too_large() -> ForwardError {
     ForwardError::Other(format!(
@@ -772,7 +791,7 @@ impl Body<'_> {
                         Ok(Some((len, None))) => up.buf.advance(len),
                         // A head that never ends is refused here as `read_answer`
                         // refuses it, not read until `upstream_timeout`.
-                        Ok(None) if up.buf.len() >= MAX_RESPONSE_HEAD_BYTES => {
+                        Ok(None) if up.buf.len() >= response_head_limit() => {
                             return Poll::Ready(Sent::Malformed(head_too_large()));
                         }
                         Ok(None) => {}
@@ -873,11 +892,18 @@ async fn read_answer(
     out: &mut Vec<u8>,
     ask: Ask,
 ) -> Result<Answer, ForwardError> {
+    // A large head's claim on the budget of buffered heads, until it is read.
+    let mut held = crate::budget::HeadBytes::default();
     loop {
         if !up.buf.is_empty() {
             match parse_response(&up.buf, ask, out)? {
                 Some((len, Some(answer))) => {
                     up.buf.advance(len);
+                    if up.buf.capacity() > crate::budget::FREE_HEAD {
+                        // Its buffer goes with its claim: the body's bytes move to one
+                        // of the usual size.
+                        up.buf = BytesMut::from(&up.buf[..]);
+                    }
                     return Ok(answer);
                 }
                 // An interim (1xx) response: not forwarded, the final one follows.
@@ -885,11 +911,18 @@ async fn read_answer(
                     up.buf.advance(len);
                     continue;
                 }
-                None if up.buf.len() >= MAX_RESPONSE_HEAD_BYTES => {
+                None if up.buf.len() >= response_head_limit() => {
                     return Err(head_too_large());
                 }
                 None => {}
             }
+        }
+        if !held.cover(crate::budget::next_capacity(&up.buf)) {
+            return Err(ForwardError::Other(format!(
+                "upstream response head over {} bytes while the memory budget for \
+                 response heads (proxy.max_memory) is spent",
+                up.buf.len()
+            )));
         }
         let n = read(&mut up.stream, &mut up.buf)
             .await

@@ -11,6 +11,7 @@
 //!   and the caps the listeners serve under when it is short.
 //! - [`sniff`]: what a CONNECT tunnel carries (TLS, plain HTTP or other bytes), read
 //!   from its first bytes.
+//! - [`budget`]: the memory ceiling (`proxy.max_memory`) and the overload response near it.
 //! - [`conn`]: one connection: serving HTTP/1.1 or HTTP/2, idle timeouts, lifecycle.
 //! - [`proxy`]: one request: target → identify → resolve → destination → label → admit
 //!   → forward → observe; the same admission for plain HTTP, CONNECT and intercepted
@@ -48,6 +49,7 @@ pub mod adapt;
 pub mod admin;
 pub mod app;
 pub mod auth;
+pub mod budget;
 pub mod config;
 pub mod conn;
 pub mod core;

@@ -497,6 +497,8 @@ pub struct Metrics {
     pub host_fallback: Counter,
     /// `sluice_reload_failures_total`: reloads refused (the running config kept).
     pub reload_failures: Counter,
+    /// `sluice_memory_pressed`: 1 while resident memory is near `proxy.max_memory`.
+    pub memory_pressed: Gauge,
     labelled: RwLock<HashMap<Arc<str>, EndpointLabel>>,
     /// Endpoints past the label cap that a receiver throttled: still watched by the
     /// observer and listed by `/endpoints` (at most [`MAX_WATCHED_UNLABELLED`]).
@@ -537,6 +539,7 @@ impl Metrics {
             build_info: Family::default(),
             host_fallback: Counter::default(),
             reload_failures: Counter::default(),
+            memory_pressed: Gauge::default(),
             labelled: RwLock::default(),
             throttled: RwLock::default(),
             max_labels,
@@ -734,6 +737,11 @@ impl Metrics {
             "store_rebuilds",
             "Buckets the store had lost or rolled back, rebuilt from what this replica heard",
             m.store.rebuilds.clone(),
+        );
+        registry.register(
+            "memory_pressed",
+            "1 while resident memory is near proxy.max_memory: not accepting, idle connections closed",
+            m.memory_pressed.clone(),
         );
         registry.register(
             "endpoints_tracked",

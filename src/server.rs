@@ -277,6 +277,11 @@ async fn accept_loop<F, Fut>(
             p = Arc::clone(&limit).acquire_owned() => match p { Ok(p) => p, Err(_) => return },
             _ = until_down(&mut stop) => return,
         };
+        // Under memory pressure, new connections wait in the backlog too.
+        tokio::select! {
+            () = crate::budget::until_accepting(&open) => {}
+            _ = until_down(&mut stop) => return,
+        }
         let stream = tokio::select! {
             s = accept(&listener) => match s { Some(s) => s, None => continue },
             _ = until_down(&mut stop) => return,

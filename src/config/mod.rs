@@ -361,6 +361,9 @@ pub struct ProxyConfig {
     pub shutdown_grace: Duration,
     /// Cap on concurrent sender connections.
     pub max_connections: usize,
+    /// `max_memory` (bytes; 0: the cgroup's limit, else 1 GiB): the ceiling near which
+    /// sluice stops accepting and closes idle connections ([`crate::budget`]).
+    pub max_memory: u64,
     /// Distinct `endpoint` label values in metrics before the rest become `_other`.
     pub metrics_max_endpoints: usize,
     /// Threads serving requests: 0 = one per core; 1 = a single-threaded runtime (no

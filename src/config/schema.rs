@@ -226,6 +226,7 @@ impl Reader<'_> {
                 "upstream_timeout",
                 "shutdown_grace",
                 "max_connections",
+                "max_memory",
                 "metrics_max_endpoints",
                 "workers",
                 "pin_workers",
@@ -309,6 +310,7 @@ impl Reader<'_> {
             upstream_timeout,
             shutdown_grace: self.duration(t, p, "shutdown_grace", Duration::from_secs(10)),
             max_connections: self.count(t, p, "max_connections", 10_000),
+            max_memory: self.whole(t, p, "max_memory", 0, 0..=1 << 50),
             metrics_max_endpoints: self.count(t, p, "metrics_max_endpoints", 500),
             workers: match self.number(t, p, "workers") {
                 None => 0,

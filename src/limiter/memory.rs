@@ -262,7 +262,10 @@ impl MemoryStore {
             }
         }
         let now = self.now();
-        Ok(f(self.place(&mut shard, hash, endpoint, ask, now, reserved), now))
+        Ok(f(
+            self.place(&mut shard, hash, endpoint, ask, now, reserved),
+            now,
+        ))
     }
 
     /// Every [`SWEEP_EVERY`] calls, sweeps the next shard.
