@@ -154,6 +154,13 @@ impl Learned {
         };
         let rate = rate.max(crate::config::MIN_RATE);
         let reset_at = now + p.reset;
+        if quotas.len() >= MAX_QUOTAS {
+            // Bounded however many endpoints a sender names: those lapsed go first.
+            quotas.retain(|_, q| q.until > now);
+        }
+        if quotas.len() >= MAX_QUOTAS && !quotas.contains_key(&**endpoint) {
+            return None;
+        }
         quotas.insert(
             Arc::clone(endpoint),
             Quota {
@@ -203,6 +210,10 @@ impl Learned {
         }
     }
 }
+
+/// The most endpoints whose learned quotas are held at once; past them (all still
+/// holding), a new endpoint's quota is not learned.
+const MAX_QUOTAS: usize = 100_000;
 
 /// An unreadable quota header is warned about at most this often per endpoint.
 const WARN_EVERY: Duration = Duration::from_secs(60);
