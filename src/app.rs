@@ -50,6 +50,9 @@ pub enum StartError {
     /// Upstream trust roots could not be loaded.
     #[error("upstream TLS roots: {0}")]
     UpstreamTls(#[from] UpstreamTlsError),
+    /// The trace exporter could not be set up.
+    #[error("{0}")]
+    Traces(#[from] crate::traces::TracesError),
     /// A file the config names (users, admin token) cannot be used.
     #[error("{0}")]
     Files(#[from] RuntimeError),
@@ -137,6 +140,10 @@ pub async fn build(config: Arc<Config>) -> Result<Arc<App>, StartError> {
         interceptor,
         lifecycle: Lifecycle::new(),
         sampler: Default::default(),
+        traces: Arc::new(crate::traces::Traces::new(
+            &config.traces,
+            &config.tls.upstream_roots,
+        )?),
         idle: Default::default(),
         reloads: tokio::sync::watch::Sender::new(()),
     }))
@@ -161,11 +168,13 @@ impl Running {
             let _ = tx.send(());
         }
         let _ = (&mut self.join).await;
+        Arc::clone(&self.app.traces).flush().await;
     }
 
     /// Waits until the server ends (after a shutdown request).
     pub async fn wait(self) {
         let _ = self.join.await;
+        Arc::clone(&self.app.traces).flush().await;
     }
 
     /// Takes the stop handle (for signal handlers).
@@ -422,6 +431,7 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "proxy.header_read_timeout" => proxy.header_read_timeout;
         "proxy.upstream_timeout" => proxy.upstream_timeout;
         "proxy.metrics_max_endpoints" => proxy.metrics_max_endpoints;
+        "proxy.metrics_max_senders" => proxy.metrics_max_senders;
         "store.backend" => store.backend;
         "store.urls" => store.urls;
         "store.key_prefix" => store.key_prefix;
@@ -432,7 +442,6 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "store.fallback_min_replicas" => store.fallback_min_replicas;
         "store.prefetch" => store.prefetch;
         "store.max_endpoints" => store.max_endpoints;
-        "proxy.metrics_max_senders" => proxy.metrics_max_senders;
         "tls.intercept" => tls.intercept;
         "tls.ca_cert" => tls.ca_cert;
         "tls.ca_key" => tls.ca_key;
@@ -440,6 +449,7 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<&'static str
         "tls.leaf_cache_size" => tls.leaf_cache_size;
         "proxy.shutdown_grace" => proxy.shutdown_grace;
         "log.file" => log.file;
+        "traces" => traces;
         "log.buffer_lines" => log.buffer_lines;
     }
     changed.extend(keep_safeguards(new, running));

@@ -146,7 +146,7 @@ pub async fn watch_memory(
         tokio::select! {
             _ = tick.tick() => {}
             // Shutdown: stop sampling.
-            _ = crate::conn::until_down(&mut stop) => return,
+            _ = stop.wait_for(|down| *down) => return,
         }
         let Some(now) = rss() else { return };
         let was = pressed();

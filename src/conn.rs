@@ -27,26 +27,15 @@ use tokio::sync::{OwnedSemaphorePermit, watch};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-/// Largest request head accepted; larger heads get 431.
-pub const MAX_HEAD_BYTES: usize = 64 * 1024;
-
-/// How often a watched connection looks at the memory pressure besides its changes (a
-/// request that ends while pressed lets its connection go within this).
-const PRESSED_LOOK: Duration = Duration::from_millis(250);
-
-/// Most headers a request or response head may have (hyper's own limit); a request with
-/// more is answered 431.
-pub const MAX_HEADERS: usize = 100;
-
-/// Longest response head read from an upstream: hyper's client limit (its default read
-/// buffer), so a receiver's large head (many cookies) is relayed on both engines alike.
-pub const MAX_RESPONSE_HEAD_BYTES: usize = 8192 + 4096 * 100;
-
 /// A sender's stream: a plain TCP connection, or the TLS session inside an intercepted
 /// CONNECT tunnel.
 pub trait SenderIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
 
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> SenderIo for T {}
+
+/// How often a watched connection looks at the memory pressure besides its changes (a
+/// request that ends while pressed lets its connection go within this).
+const PRESSED_LOOK: Duration = Duration::from_millis(250);
 
 /// Tracks connections and tunnels, and carries the shutdown signal.
 #[derive(Clone)]
@@ -201,7 +190,7 @@ pub async fn serve<I, S, B>(
         let idle = activity.watch(timeouts.idle, None);
         let conn = http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
-            .max_header_list_size(MAX_HEAD_BYTES as u32)
+            .max_header_list_size(crate::limits::MAX_HEAD_BYTES as u32)
             .serve_connection(io, svc);
         drive(conn, |c| c.graceful_shutdown(), idle, shutdown).await;
     } else {
@@ -221,7 +210,7 @@ pub async fn serve<I, S, B>(
         let conn = builder
             .timer(TokioTimer::new())
             .header_read_timeout(None)
-            .max_buf_size(MAX_HEAD_BYTES)
+            .max_buf_size(crate::limits::MAX_HEAD_BYTES)
             .keep_alive(true)
             .serve_connection(io, svc)
             .with_upgrades();

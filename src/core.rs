@@ -106,6 +106,8 @@ pub struct App {
     pub lifecycle: Lifecycle,
     /// Sampling of the decision log.
     pub sampler: Sampler,
+    /// The span exporter (`[traces]`; off by default).
+    pub traces: Arc<crate::traces::Traces>,
     /// Upstream connections the plain lane left idle when their sender went.
     pub(crate) idle: crate::upstream::IdleUpstreams,
     /// Bumped after every reload swapped `runtime` in: what outlives one request (a

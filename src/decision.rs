@@ -7,40 +7,12 @@
 //! are not the sender's doing), with the endpoint as a field.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use crate::config::LogConfig;
 use crate::error::ProxyError;
 
-/// What one request went through, filled in along its path.
-#[derive(Debug, Default)]
-pub struct Trace {
-    /// The authenticated user.
-    pub user: Option<Arc<str>>,
-    /// The sender it is counted under (`sluice_sender_requests_total`), once known.
-    pub sender: Option<crate::metrics::SenderLabel>,
-    /// The resolved endpoint.
-    pub endpoint: Option<Arc<str>>,
-    /// `host:port` of the destination (the request target's authority: cheap to keep).
-    pub destination: Option<http::uri::Authority>,
-    /// Time spent waiting for the token (or, in shadow mode, that would have been).
-    pub waited: Duration,
-    /// The upstream's status.
-    pub status: Option<u16>,
-    /// Time from sending to the upstream's response head.
-    pub upstream: Option<Duration>,
-    /// `forwarded`, a `shadow_*` outcome, or the refusal reason.
-    pub outcome: &'static str,
-    /// Times sluice sent the request again after its receiver refused it (absorbed
-    /// 429s).
-    pub retried: u32,
-    /// The request left for the receiver (its outcome is set then), and the label its
-    /// outcome is counted under (hyper's path: the count of a request whose sender
-    /// leaves before the answer).
-    pub sent: Option<crate::metrics::EndpointLabel>,
-}
+pub use crate::traces::Trace;
 
 /// Deterministic sampling: of every run of requests, exactly `sample` of them are
 /// logged, spread evenly (no random numbers on the hot path).
@@ -100,8 +72,9 @@ macro_rules! request_line {
     }};
 }
 
-/// Logs a forwarded request (subject to the switch and sampling).
+/// Logs a forwarded request (subject to the switch and sampling) and ends its spans.
 pub fn forwarded(cfg: &LogConfig, sampler: &Sampler, peer: SocketAddr, method: &str, t: &Trace) {
+    crate::traces::finish(t, method, t.outcome);
     if !cfg.decisions || !sampler.take(cfg.sample) {
         return;
     }
@@ -113,6 +86,7 @@ pub fn forwarded(cfg: &LogConfig, sampler: &Sampler, peer: SocketAddr, method: &
 /// the log like any forwarded request, with no status (always logged: it is rare, and
 /// an operator counting arrivals needs it).
 pub fn sender_left(peer: SocketAddr, method: &str, t: &Trace) {
+    crate::traces::finish(t, method, t.outcome);
     request_line!(
         peer,
         method,
@@ -121,8 +95,9 @@ pub fn sender_left(peer: SocketAddr, method: &str, t: &Trace) {
     );
 }
 
-/// Logs a refusal or failure (always).
+/// Logs a refusal or failure (always) and ends its spans.
 pub fn refused(peer: SocketAddr, method: &str, t: &Trace, e: &ProxyError) {
+    crate::traces::finish(t, method, e.reason());
     let endpoint = endpoint_of(t, e);
     let user = t.user.as_deref().unwrap_or("-");
     let destination = t.destination.as_ref().map_or("-", |a| a.as_str());

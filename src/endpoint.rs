@@ -46,8 +46,7 @@ pub fn request_cost(headers: &HeaderMap, policy: &Policy) -> Result<Option<u32>,
         Ok(n) if n >= 1 && text.bytes().all(|b| b.is_ascii_digit()) => n,
         _ => return Err(bad(format!("{text:?} is not a whole number ≥ 1"))),
     };
-    crate::limiter::window::cost_fits(f64::from(cost), policy.burst, &policy.windows)
-        .map_err(bad)?;
+    crate::window::cost_fits(f64::from(cost), policy.burst, &policy.windows).map_err(bad)?;
     Ok(Some(cost))
 }
 

@@ -50,8 +50,8 @@ pub enum ProxyError {
     /// The request head is larger than sluice reads (answered 431).
     #[error(
         "request head too large: sluice reads at most {bytes} bytes and {headers} header lines before the body",
-        bytes = crate::conn::MAX_HEAD_BYTES,
-        headers = crate::conn::MAX_HEADERS
+        bytes = crate::limits::MAX_HEAD_BYTES,
+        headers = crate::limits::MAX_HEADERS
     )]
     HeadTooLarge,
     /// Proxy authentication is on and the credentials are missing or wrong.

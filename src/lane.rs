@@ -56,16 +56,14 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 use crate::absorb::{IDEMPOTENCY_KEY, REQUEST_ID_HEADER};
-use crate::conn::{
-    Activity, InFlight, MAX_HEAD_BYTES, MAX_HEADERS, MAX_RESPONSE_HEAD_BYTES, Quiet,
-    SenderIo, Timeouts, Writes, watched,
-};
+use crate::conn::{Activity, InFlight, Quiet, SenderIo, Timeouts, Writes, watched};
 use crate::core::App;
 use crate::decision::{self, Trace};
+use crate::endpoint::COST_HEADER;
 use crate::error::ProxyError;
 use crate::forward::{ForwardError, content_length, content_length_list, hop_by_hop_index};
-use crate::endpoint::COST_HEADER;
-use crate::proxy::{self, Conn, PRIORITY_HEADER, Refused, SENDER_HEADER};
+use crate::limits::{MAX_HEAD_BYTES, MAX_HEADERS, MAX_RESPONSE_HEAD_BYTES};
+use crate::proxy::{self, Conn, Handler, PRIORITY_HEADER, Refused, SENDER_HEADER};
 use crate::upload::{self, Progress, Stalled};
 use crate::upstream::{UpIo, Upstream, quiet, still_open};
 
@@ -88,17 +86,10 @@ pub async fn serve(
     conn: Arc<Conn>,
     timeouts: Timeouts,
     shutdown: watch::Receiver<bool>,
+    hyper: impl Handler,
 ) {
-    serve_on(
-        app,
-        stream,
-        Bytes::new(),
-        conn,
-        timeouts,
-        shutdown,
-        Writes::Flat,
-    )
-    .await;
+    let (pre, writes) = (Bytes::new(), Writes::Flat);
+    serve_on(app, stream, pre, conn, timeouts, shutdown, writes, hyper).await;
 }
 
 /// Serves the HTTP/1.1 requests inside a CONNECT tunnel (`conn.tunnel` is set): an
@@ -113,8 +104,10 @@ pub async fn serve_tunnel<S: SenderIo>(
     conn: Arc<Conn>,
     timeouts: Timeouts,
     shutdown: watch::Receiver<bool>,
+    hyper: impl Handler,
 ) {
-    serve_on(app, stream, pre, conn, timeouts, shutdown, Writes::Default).await;
+    let writes = Writes::Default;
+    serve_on(app, stream, pre, conn, timeouts, shutdown, writes, hyper).await;
 }
 
 /// Leaves a plain TCP connection to a tunnel's authority, opened for a CONNECT whose
@@ -140,7 +133,8 @@ pub(crate) fn shelve_plain(app: &App, conn: &Conn, tcp: TcpStream) {
 }
 
 /// [`serve`] on any sender stream, `pre` read of it already; `writes` is how hyper
-/// writes if it takes over.
+/// writes if it takes over, and `hyper` serves each request it then reads.
+#[allow(clippy::too_many_arguments)]
 async fn serve_on<S: SenderIo>(
     app: Arc<App>,
     stream: S,
@@ -149,6 +143,7 @@ async fn serve_on<S: SenderIo>(
     timeouts: Timeouts,
     shutdown: watch::Receiver<bool>,
     writes: Writes,
+    hyper: impl Handler,
 ) {
     let in_tunnel = conn.tunnel.is_some();
     // A TLS session ends with its close_notify.
@@ -213,7 +208,7 @@ async fn serve_on<S: SenderIo>(
     let svc = service_fn(move |req| {
         let (a, c) = (Arc::clone(&app), Arc::clone(&conn));
         // Boxed: inside a tunnel, hyper's requests can open tunnels of their own.
-        async move { Ok::<_, Infallible>(proxy::handle_boxed(a, req, c).await) }
+        async move { Ok::<_, Infallible>(hyper.handle(a, req, c).await) }
     });
     let v = Version::HTTP_11;
     crate::conn::serve(pre, io, svc, v, timeouts, writes, shutdown).await;
@@ -438,9 +433,14 @@ impl<S: SenderIo> Lane<S> {
                     }
                     None => {
                         // The request head, and whatever of its body came with it.
-                        let own =
-                            [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER, &COST_HEADER];
+                        let own = [
+                            rt.resolver.header(),
+                            &SENDER_HEADER,
+                            &PRIORITY_HEADER,
+                            &COST_HEADER,
+                        ];
                         request_head(&mut self.out, head, &uri, &up.host, &own);
+                        crate::traces::inject_head(trace, &mut self.out);
                         let with_head = (self.inb.len() as u64).min(head.body) as usize;
                         self.out.extend_from_slice(&self.inb[..with_head]);
                         self.inb.advance(with_head);

@@ -13,6 +13,10 @@
 //!   from its first bytes.
 //! - [`budget`]: the memory ceiling (`proxy.max_memory`) and the overload response near it.
 //! - [`conn`]: one connection: serving HTTP/1.1 or HTTP/2, idle timeouts, lifecycle.
+//! - [`engine`]: which engine serves a connection (the lane or hyper), and CONNECT
+//!   tunnels: interception, plain HTTP inside, relays.
+//! - [`lane`]: the plain HTTP/1.1 engine (the default): heads, framing, relay.
+//! - [`upstream`]: the lane's kept-alive upstream connections and their reuse checks.
 //! - [`proxy`]: one request: target → identify → resolve → destination → label → admit
 //!   → forward → observe; the same admission for plain HTTP, CONNECT and intercepted
 //!   requests.
@@ -37,9 +41,13 @@
 //!   ([`tls::intercept`]), and the rustls client configuration for upstream connections
 //!   ([`tls::upstream`]).
 //! - [`metrics`]: Prometheus registry and the instruments sluice exports.
+//! - [`traces`]: OpenTelemetry spans of each request, exported over OTLP/HTTP (`[traces]`).
 //! - [`observer`]: periodic endpoint look: gauges and state-change logs.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/endpoints`.
 //! - [`demo`]: `sluice demo-receiver`, a tiny receiver (200 / 429 / slow) for trying sluice offline.
+//! - [`limits`]: the wire's size limits both engines read.
+//! - [`headers`]: sluice's own sender and priority header names.
+//! - [`window`]: sliding windows' math (`windows = [{ limit, per }]`), pure functions.
 //! - [`error`]: [`error::ProxyError`] and the one place that turns it into a response.
 //! - [`version`]: version, git commit and build date stamped by `build.rs`.
 #![deny(missing_docs)]
@@ -57,14 +65,17 @@ pub mod decision;
 pub mod demo;
 pub mod destination;
 pub mod endpoint;
+pub mod engine;
 pub mod error;
 pub mod fds;
 pub mod forward;
+pub mod headers;
 pub mod host;
 pub mod idle;
 pub mod lane;
 pub mod learned;
 pub mod limiter;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod observer;
@@ -72,7 +83,9 @@ pub mod proxy;
 pub mod server;
 pub mod sniff;
 pub mod tls;
+pub mod traces;
 pub mod upload;
 pub mod upstream;
 pub mod version;
+pub mod window;
 pub mod workers;

@@ -202,7 +202,7 @@ impl EncodeLabelValue for SenderLabel {
 pub const ANONYMOUS: &str = "_anonymous";
 
 /// `proxy.metrics_max_senders` by default.
-pub const DEFAULT_MAX_SENDERS: usize = 1000;
+pub const DEFAULT_MAX_SENDERS: usize = crate::config::DEFAULT_MAX_SENDERS;
 
 /// The longest sender name kept (bytes); a longer `X-Sluice-Sender` is cut to it.
 pub const MAX_SENDER_LEN: usize = 64;
@@ -505,22 +505,22 @@ pub struct Metrics {
     throttled: RwLock<HashSet<Arc<str>>>,
     max_labels: usize,
     other: EndpointLabel,
-}
-
     /// Sender label values given out (at most `max_senders`).
     senders: RwLock<HashMap<Arc<str>, SenderLabel>>,
     max_senders: usize,
     other_sender: SenderLabel,
     anonymous: SenderLabel,
+}
+
 impl Metrics {
     /// Registers everything; `configured` endpoints always get their own label.
     pub fn new<'a>(max_labels: usize, configured: impl Iterator<Item = &'a Arc<str>>) -> Metrics {
         let mut registry = Registry::with_prefix("sluice");
         let m = Metrics {
             requests: Family::default(),
+            sender_requests: Family::default(),
             wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
             shadow_wait: Family::new_with_constructor(wait_histogram as fn() -> Histogram),
-            sender_requests: Family::default(),
             upstream: Family::default(),
             throttles: Family::default(),
             absorbed: Family::default(),
@@ -544,13 +544,13 @@ impl Metrics {
             throttled: RwLock::default(),
             max_labels,
             other: EndpointLabel::new(OTHER.into()),
-            registry: Registry::default(),
-        };
-        m.build_info
             senders: RwLock::default(),
             max_senders: DEFAULT_MAX_SENDERS,
             other_sender: SenderLabel(OTHER.into()),
             anonymous: SenderLabel(ANONYMOUS.into()),
+            registry: Registry::default(),
+        };
+        m.build_info
             .get_or_create(&BuildLabels {
                 version: crate::version::VERSION,
                 commit: crate::version::COMMIT,
@@ -561,9 +561,6 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    /// Gives each configured endpoint its own label (whatever the cap) and its request
-    /// series at 0 (`sluice_requests_total` for `forwarded` and each pacing refusal,
-    /// `sluice_wait_seconds`, `sluice_upstream_throttles_total`), so dashboards and
     /// Caps sender label values at `max` (`proxy.metrics_max_senders`): past them,
     /// senders count under `sender="_other"`.
     pub fn with_max_senders(mut self, max: usize) -> Metrics {
@@ -571,6 +568,9 @@ impl Metrics {
         self
     }
 
+    /// Gives each configured endpoint its own label (whatever the cap) and its request
+    /// series at 0 (`sluice_requests_total` for `forwarded` and each pacing refusal,
+    /// `sluice_wait_seconds`, `sluice_upstream_throttles_total`), so dashboards and
     /// `rate()` see a configured endpoint from the start, or from the reload that adds
     /// it, not from its first request.
     pub fn configure<'a>(&self, configured: impl Iterator<Item = &'a Arc<str>>) {
@@ -618,13 +618,13 @@ impl Metrics {
             m.requests.clone(),
         );
         registry.register(
-            "wait_seconds",
-            "Time requests waited for their token",
-        registry.register(
             "sender_requests",
             "Requests by endpoint, sender and outcome",
             m.sender_requests.clone(),
         );
+        registry.register(
+            "wait_seconds",
+            "Time requests waited for their token",
             m.wait.clone(),
         );
         registry.register(
@@ -851,7 +851,7 @@ impl Metrics {
         headers: &http::HeaderMap,
     ) -> SenderLabel {
         let named = headers
-            .get(&crate::proxy::SENDER_HEADER)
+            .get(&crate::headers::SENDER_HEADER)
             .filter(|_| proxy.trust_sender_header && user.is_none());
         match (user, named) {
             (Some(user), _) => self.sender_label(user),
@@ -1078,14 +1078,6 @@ mod tests {
         assert_eq!(l.forwarded(), 1);
     }
 
-    #[test]
-    fn build_info_names_version_and_commit() {
-        let m = Metrics::new(10, std::iter::empty());
-        let text = m.render();
-        let want = format!(
-            "sluice_build_info{{version=\"{}\",commit=\"{}\"}} 1",
-            crate::version::VERSION,
-            crate::version::COMMIT
     /// Senders past the cap share `_other`; a sender's counts add up by outcome.
     #[test]
     fn sender_labels_are_capped() {
@@ -1149,6 +1141,14 @@ mod tests {
         );
     }
 
+    #[test]
+    fn build_info_names_version_and_commit() {
+        let m = Metrics::new(10, std::iter::empty());
+        let text = m.render();
+        let want = format!(
+            "sluice_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+            crate::version::VERSION,
+            crate::version::COMMIT
         );
         assert!(text.contains(&want), "{text}");
     }

@@ -29,15 +29,14 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode, Uri, Version};
-use http_body_util::{Either, Full};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::Either;
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 
 use crate::adapt::{self, CooldownPolicy};
 use crate::auth::Identity;
 use crate::config::{Adaptive, Mode, Policy};
-use crate::conn::{ConnSlot, Timeouts};
+use crate::conn::ConnSlot;
 use crate::core::{App, Runtime};
 use crate::decision::{self, Trace};
 use crate::destination::normalise_host;
@@ -47,16 +46,10 @@ use crate::forward::{
     ForwardError, content_length_list, strip_hop_by_hop, strip_hop_by_hop_and, strip_sluice_headers,
 };
 use crate::limiter::{Ask, Grant, HeldBody, Place, Refusal, Shadow, Slot};
-use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED, InterceptLabels};
-use crate::sniff::Opening;
+use crate::metrics::{EndpointLabel, EndpointLabels, FORWARDED};
 use crate::upload::Upload;
 
-/// Names the sender for fair shares when proxy authentication does not (removed before
-/// forwarding).
-pub const SENDER_HEADER: HeaderName = HeaderName::from_static("x-sluice-sender");
-/// `high`, `normal` (default) or `low`: the order of waiting requests (removed before
-/// forwarding).
-pub const PRIORITY_HEADER: HeaderName = HeaderName::from_static("x-sluice-priority");
+pub use crate::headers::{PRIORITY_HEADER, SENDER_HEADER};
 
 /// The sender connection a request arrived on.
 pub struct Conn {
@@ -233,7 +226,7 @@ impl Who {
 /// tunnel waits on beside its bytes, whose requests sluice cannot see to refuse one by
 /// one. `reloads` is subscribed before the identity was checked, so no reload in
 /// between goes unseen.
-async fn revoked(
+pub(crate) async fn revoked(
     app: &App,
     mut reloads: tokio::sync::watch::Receiver<()>,
     who: &Who,
@@ -257,7 +250,7 @@ pub(crate) struct Target {
 
 impl Target {
     /// The target `authority` names; `default_port` when it names no port.
-    fn new(authority: &Authority, default_port: u16) -> Result<Target, ProxyError> {
+    pub(crate) fn new(authority: &Authority, default_port: u16) -> Result<Target, ProxyError> {
         let (host, port) = host_and_port(authority, default_port)?;
         let host =
             normalise_host(host).map_err(|e| ProxyError::BadRequest(format!("bad host: {e}")))?;
@@ -265,7 +258,7 @@ impl Target {
     }
 
     /// `host:port`, the host normalised (an IPv6 address in brackets).
-    fn authority(&self) -> Result<Authority, ProxyError> {
+    pub(crate) fn authority(&self) -> Result<Authority, ProxyError> {
         let (host, port) = (&self.host, self.port);
         let text = if host.contains(':') {
             format!("[{host}]:{port}")
@@ -307,43 +300,43 @@ fn host_and_port(authority: &Authority, default: u16) -> Result<(&str, u16), Pro
 }
 
 /// What admission looks at: the request's facts, whatever its form.
-struct Asking<'a> {
-    headers: &'a HeaderMap,
-    who: &'a Who,
-    target: &'a Target,
-    path: &'a str,
+pub(crate) struct Asking<'a> {
+    pub(crate) headers: &'a HeaderMap,
+    pub(crate) who: &'a Who,
+    pub(crate) target: &'a Target,
+    pub(crate) path: &'a str,
     /// Resolve and check the addresses now (tunnels connect to exactly these); plain
     /// requests are checked by name here and by address when the pool connects.
-    resolve_dns: bool,
+    pub(crate) resolve_dns: bool,
     /// The sender's address (the fair-share sender of last resort).
-    peer: IpAddr,
+    pub(crate) peer: IpAddr,
     /// The sender connection's last endpoint named by header.
-    last: &'a LastEndpoint,
+    pub(crate) last: &'a LastEndpoint,
     /// A CONNECT's admission kept for the first request inside its tunnel.
-    prepaid: Option<&'a Prepaid>,
+    pub(crate) prepaid: Option<&'a Prepaid>,
     /// Inside a tunnel: the endpoint its CONNECT named by header.
-    inherited: Option<&'a http::HeaderValue>,
+    pub(crate) inherited: Option<&'a http::HeaderValue>,
 }
 
 /// A request admitted to leave.
 pub(crate) struct Admitted {
-    ep: Resolved,
-    label: EndpointLabel,
-    grant: Grant,
+    pub(crate) ep: Resolved,
+    pub(crate) label: EndpointLabel,
+    pub(crate) grant: Grant,
     /// `forwarded`, or in shadow mode what enforcing would have answered.
-    outcome: &'static str,
+    pub(crate) outcome: &'static str,
     /// For tunnels: the resolved addresses that passed the destination policy.
-    addrs: Vec<SocketAddr>,
+    pub(crate) addrs: Vec<SocketAddr>,
     /// The in-flight slot (`max_in_flight`), held until the response body ends.
-    slot: Option<Slot>,
+    pub(crate) slot: Option<Slot>,
     /// Its place in the endpoint's queue (queued endpoints), for a resend's admission.
     turn: Option<Turn>,
     /// When its admission began: a resend waits at most what is left of `max_wait`.
-    arrived: tokio::time::Instant,
+    pub(crate) arrived: tokio::time::Instant,
     /// Counts it in its endpoint's `in_flight` (`/endpoints`) until it is answered.
-    _sending: crate::metrics::Sending,
+    pub(crate) _sending: crate::metrics::Sending,
     /// Its sender's label (`sluice_sender_requests_total`).
-    sender: Option<crate::metrics::SenderLabel>,
+    pub(crate) sender: Option<crate::metrics::SenderLabel>,
 }
 
 /// A refusal, with the label it is counted under (when the endpoint is known).
@@ -378,63 +371,17 @@ fn join_cookies(headers: &mut HeaderMap) {
     }
 }
 
-/// Serves one request from a sender (or from inside an intercepted tunnel).
-pub async fn handle(app: Arc<App>, req: Request<Incoming>, conn: Arc<Conn>) -> Response<Body> {
-    let method = req.method().clone();
-    let mut pending = Unanswered {
-        app: &app,
-        peer: conn.peer,
-        method: &method,
-        trace: Trace::default(),
-        answered: false,
-    };
-    let trace = &mut pending.trace;
-    let result = if method == Method::CONNECT && conn.tunnel.is_some() {
-        // A tunnel inside a tunnel: nothing to forward it to (its receiver is no proxy).
-        let e = ProxyError::BadRequest("CONNECT inside a CONNECT tunnel".into());
-        Err(e.into())
-    } else if method == Method::CONNECT {
-        // Boxed: a tunnel's set-up is rare and its future large; every plain request
-        // would otherwise carry (and copy) its size.
-        let connecting = Box::pin(connect(&app, req, &conn, trace));
-        connecting.await
-    } else {
-        forward_request(&app, req, &conn, trace).await
-    };
-    pending.answered = true;
-    let trace = &pending.trace;
-    match result {
-        Ok(resp) => {
-            let log = &app.runtime.load().config.log;
-            decision::forwarded(log, &app.sampler, conn.peer, method.as_str(), trace);
-            resp
-        }
-        Err(r) => refuse(&app, r, conn.peer, method.as_str(), trace),
-    }
-}
-
-/// A request being served: when its future is dropped after the request left for the
-/// receiver and before an answer (the sender reset its HTTP/2 stream or closed its
-/// connection), it is still counted under its outcome and leaves its decision line.
-struct Unanswered<'a> {
-    app: &'a App,
-    peer: SocketAddr,
-    method: &'a Method,
-    trace: Trace,
-    answered: bool,
-}
-
-impl Drop for Unanswered<'_> {
-    fn drop(&mut self) {
-        if self.answered {
-            return;
-        }
-        if let Some(label) = &self.trace.sent {
-            let sender = self.trace.sender.as_ref();
-            self.app.metrics.outcome(label, sender, self.trace.outcome);
-            decision::sender_left(self.peer, self.method.as_str(), &self.trace);
-        }
-    }
+/// Serves one request by hyper's path: what an engine hands the requests it does not
+/// serve itself. [`crate::engine::Hyper`] is the one implementation, given to the lane
+/// as a type, so nothing here calls up into the room that chooses engines.
+pub trait Handler: Copy + Send + Sync + 'static {
+    /// Serves `req`, boxed: requests inside a tunnel recurse into it.
+    fn handle(
+        self,
+        app: Arc<App>,
+        req: Request<Incoming>,
+        conn: Arc<Conn>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send>>;
 }
 
 /// Counts, logs and renders a refusal or failure.
@@ -453,7 +400,7 @@ pub(crate) fn refuse(
 }
 
 /// Steps 3–6 of the module doc, the same for every form of request.
-async fn admission(
+pub(crate) async fn admission(
     app: &App,
     rt: &Arc<Runtime>,
     ask: Asking<'_>,
@@ -586,6 +533,7 @@ async fn admission(
         None => None,
     };
     let mut turn = None;
+    let mut slot_wait = None;
     let (grant, outcome, slot) = match (prepaid, ep.mode) {
         (Some(p), _) => {
             turn = p.turn;
@@ -593,12 +541,13 @@ async fn admission(
         }
         (None, Mode::Enforce) => {
             turn = Turn::of(app, &ep, headers, who, peer);
-            let (grant, slot) = enforce(app, &ep, &label, turn.clone())
+            let (grant, slot, waited_slot) = enforce(app, &ep, &label, turn.clone())
                 .await
                 .map_err(|error| Refused {
                     label: Some(label.clone()),
                     error,
                 })?;
+            slot_wait = waited_slot;
             (grant, FORWARDED, slot)
         }
         (None, Mode::Shadow) => {
@@ -608,6 +557,9 @@ async fn admission(
         }
     };
     trace.waited = grant.waited;
+    if ep.mode == Mode::Enforce {
+        crate::traces::admitted(trace, grant.waited, slot_wait);
+    }
     match ep.mode {
         Mode::Enforce => app.metrics.waited(&label, grant.waited.as_secs_f64()),
         Mode::Shadow => app
@@ -628,12 +580,12 @@ async fn admission(
         slot,
         turn,
         arrived,
+        sender: trace.sender.clone(),
     })
 }
 
 /// A request's place in its endpoint's queue: its priority class and, for endpoints
 /// with `shares`, its sender (the authenticated user, else `X-Sluice-Sender`, else the
-        sender: trace.sender.clone(),
 /// client address) and that sender's weight. Computed only for queued endpoints.
 #[derive(Clone)]
 struct Turn {
@@ -678,9 +630,9 @@ async fn enforce(
     ep: &Resolved,
     label: &EndpointLabel,
     turn: Option<Turn>,
-) -> Result<(Grant, Option<Slot>), ProxyError> {
+) -> Result<(Grant, Option<Slot>, Option<std::time::Duration>), ProxyError> {
     let Some(turn) = turn else {
-        return admit(app, ep).await.map(|g| (g, None));
+        return admit(app, ep).await.map(|g| (g, None, None));
     };
     let place = Place {
         class: turn.class,
@@ -699,7 +651,8 @@ async fn enforce(
             .get_or_create(&labels)
             .observe(admitted.slot_wait.as_secs_f64());
     }
-    Ok((admitted.grant, slot))
+    let slot_wait = slot.as_ref().map(|_| admitted.slot_wait);
+    Ok((admitted.grant, slot, slot_wait))
 }
 
 /// A grant that holds no token (a shadow request enforcing would have refused).
@@ -731,7 +684,11 @@ async fn shadow(app: &App, ep: &Resolved) -> (Grant, &'static str) {
 /// Step 2: who sends. Inside a tunnel, the CONNECT's identity (its user still listed
 /// in the users file as it is now, with the same password); otherwise this request's
 /// `Proxy-Authorization`.
-async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who, ProxyError> {
+pub(crate) async fn identify(
+    rt: &Runtime,
+    headers: &HeaderMap,
+    conn: &Conn,
+) -> Result<Who, ProxyError> {
     if let Some(t) = &conn.tunnel {
         return if t.who.still_admitted(rt) {
             Ok(t.who.clone())
@@ -761,7 +718,7 @@ async fn identify(rt: &Runtime, headers: &HeaderMap, conn: &Conn) -> Result<Who,
     }
 }
 
-async fn forward_request(
+pub(crate) async fn forward_request(
     app: &Arc<App>,
     mut req: Request<Incoming>,
     conn: &Arc<Conn>,
@@ -774,8 +731,14 @@ async fn forward_request(
     let (rt, uri, _target, admitted) =
         admit_plain(app, req.uri(), req.headers(), conn, trace).await?;
     drop(waiting);
-    let own = [rt.resolver.header(), &SENDER_HEADER, &PRIORITY_HEADER, &COST_HEADER];
+    let own = [
+        rt.resolver.header(),
+        &SENDER_HEADER,
+        &PRIORITY_HEADER,
+        &COST_HEADER,
+    ];
     strip_hop_by_hop_and(req.headers_mut(), &own);
+    crate::traces::inject(trace, req.headers_mut());
     // The sender's request ID goes on as the receiver's idempotency key.
     if let Some(id) = req.headers_mut().remove(crate::absorb::REQUEST_ID_HEADER) {
         let key = crate::absorb::IDEMPOTENCY_KEY;
@@ -874,10 +837,10 @@ async fn forward_request(
             "101 Switching Protocols to a request that asked for no upgrade".into(),
         )),
         // One limit on both engines (the lane's, counted in bytes as they came).
-        _ if response_head_len(&r) > crate::conn::MAX_RESPONSE_HEAD_BYTES => {
+        _ if response_head_len(&r) > crate::limits::MAX_RESPONSE_HEAD_BYTES => {
             Err(ForwardError::Other(format!(
                 "upstream response head larger than {} bytes",
-                crate::conn::MAX_RESPONSE_HEAD_BYTES
+                crate::limits::MAX_RESPONSE_HEAD_BYTES
             )))
         }
         _ => Ok(r),
@@ -1002,6 +965,7 @@ pub(crate) async fn admit_plain(
     conn: &Conn,
     trace: &mut Trace,
 ) -> Result<(Arc<Runtime>, Uri, Arc<Target>, Admitted), Refused> {
+    trace.spans = app.traces.begin(headers);
     let rt = app.runtime.load_full();
     let uri = target_uri(uri, conn.tunnel.as_ref())?;
     let default_port = if uri.scheme() == Some(&Scheme::HTTPS) {
@@ -1105,7 +1069,7 @@ impl Resend {
         };
         let waiting = Box::pin(enforce(app, &ep, &admitted.label, admitted.turn.clone()));
         match waiting.await {
-            Ok((grant, slot)) => {
+            Ok((grant, slot, _)) => {
                 admitted.grant = grant;
                 admitted.slot = slot;
                 self.left -= 1;
@@ -1214,7 +1178,6 @@ async fn learn(app: &App, ep: &Resolved, adaptive: &Adaptive, headers: &http::He
         }
     }
 }
-
 
 /// Reads a throttling answer's body for the wait it names (`retry_after_json`) as it
 /// passes on to the sender unchanged, then lengthens the endpoint's cooldown to that
@@ -1337,7 +1300,7 @@ pub(crate) async fn after_admission(app: &App, a: &Admitted, e: ForwardError) ->
 
 /// Gives back the token of an admitted request that never left (its address was
 /// refused).
-async fn refund(app: &App, a: &Admitted) {
+pub(crate) async fn refund(app: &App, a: &Admitted) {
     if a.grant.generation != NO_TOKEN {
         app.limiter.refund(&a.ep.id, &a.ep.policy, a.grant).await;
     }
@@ -1473,124 +1436,13 @@ async fn observe(
     }
 }
 
-/// Handles CONNECT: intercepted (TLS terminated, each request inside admitted on its
-/// own) or tunnelled (admitted once, as one unit).
-async fn connect(
-    app: &Arc<App>,
-    mut req: Request<Incoming>,
-    conn: &Arc<Conn>,
-    trace: &mut Trace,
-) -> Result<Response<Body>, Refused> {
-    // A sender's end of stream before the tunnel opens cancels it.
-    let _waiting = crate::conn::SenderEof::waiting(req.extensions());
-    let uri = req.uri();
-    // Authority-form only (RFC 9110 §9.3.6): no scheme, path or userinfo.
-    let authority = uri
-        .authority()
-        .filter(|_| uri.scheme().is_none() && uri.path_and_query().is_none())
-        .filter(|a| !a.as_str().contains('@'))
-        // No default port (RFC 9110 §9.3.6: the client must send one).
-        .filter(|a| a.port().is_some())
-        .cloned()
-        .ok_or_else(|| ProxyError::BadRequest("CONNECT needs host:port".into()))?;
-    // A CONNECT request has no content: bytes after its head are the tunnel's, and a
-    // request that frames some as its body would have sluice and the sender disagree
-    // on where the tunnel begins.
-    let h = req.headers();
-    let framed = h.contains_key(TRANSFER_ENCODING)
-        || h.get_all(CONTENT_LENGTH)
-            .iter()
-            .any(|v| v.as_bytes() != b"0");
-    if framed {
-        return Err(ProxyError::BadRequest("a CONNECT request carries no content".into()).into());
-    }
-    let target = Target::new(&authority, 443)?;
-    // The tunnel's requests go to its host as normalised (`127.1` is `127.0.0.1`): the
-    // same name for the TLS handshake and `Host` on every path.
-    let authority = target.authority()?;
-    trace.destination = Some(authority.clone());
-    // Before the runtime the sender is checked against: a reload from here on is seen.
-    let reloads = app.reloads.subscribe();
-    let rt = app.runtime.load_full();
-    let who = identify(&rt, req.headers(), conn).await?;
-    trace.user = who.identity.as_ref().map(|i| Arc::clone(&i.user));
-    let named = req.headers().get(rt.resolver.header()).cloned();
-    let on_upgrade = hyper::upgrade::on(&mut req);
-    if let Some(interceptor) = app
-        .interceptor
-        .clone()
-        .filter(|_| !rt.config.tls.passthrough_hosts.matches(&target.host))
-    {
-        app.forwarder
-            .policy()
-            .check_host(&target.host)
-            .map_err(ProxyError::from)?;
-        let session = Intercepted {
-            app: Arc::clone(app),
-            interceptor,
-            peer: conn.peer,
-            slot: Arc::clone(&conn.slot),
-            headers: req.headers().clone(),
-            tunnel: Tunnel {
-                authority,
-                who,
-                tls: true,
-                endpoint: named,
-            },
-            target,
-            reloads,
-        };
-        // Boxed: the session's future is kilobytes, copied on its way into a task.
-        app.lifecycle.spawn(Box::pin(session.run(on_upgrade)));
-        trace.outcome = "intercepted";
-        return Ok(ok_empty());
-    }
-
-    // Not intercepted: the tunnel is admitted once, as one unit; when it turns out to
-    // carry plain HTTP, that admission is its first request's.
-    let ask = Asking {
-        headers: req.headers(),
-        who: &who,
-        target: &target,
-        path: "",
-        resolve_dns: true,
-        peer: conn.peer.ip(),
-        last: &conn.endpoint,
-        prepaid: None,
-        inherited: None,
-    };
-    let admitted = admission(app, &rt, ask, trace).await?;
-    let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
-        Ok(s) => s,
-        Err(e) => return Err(after_admission(app, &admitted, e).await),
-    };
-    trace.outcome = admitted.outcome;
-    let opened = Opened {
-        app: Arc::clone(app),
-        peer: conn.peer,
-        headers: req.headers().clone(),
-        target,
-        slot: Arc::clone(&conn.slot),
-        tunnel: Tunnel {
-            authority,
-            who,
-            tls: false,
-            endpoint: named,
-        },
-        reloads,
-    };
-    app.lifecycle
-        .spawn(Box::pin(opened.run(on_upgrade, admitted, upstream)));
-    Ok(ok_empty())
-}
-
 /// How long the grant a non-intercepted CONNECT took stays its first request's, from
 /// the grant: a sender that tunnels plain HTTP sends its request at once. A tunnel
 /// silent for longer (a pooled tunnel the sender did not use yet) gives the token
 /// back, and its first request, whenever it comes, is admitted on its own: a grant
 /// is neither hoarded and spent beside later ones, nor wasted on a tunnel that carries
 /// nothing.
-const PREPAID_FOR: std::time::Duration = std::time::Duration::from_millis(500);
+pub(crate) const PREPAID_FOR: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The admission a non-intercepted CONNECT took, kept for the first plain request
 /// inside its tunnel (see [`PREPAID_FOR`]).
@@ -1598,7 +1450,7 @@ const PREPAID_FOR: std::time::Duration = std::time::Duration::from_millis(500);
 pub struct Prepaid(std::sync::Mutex<Option<(Admitted, tokio::time::Instant)>>);
 
 /// What a tunnel's kept admission is to a request inside it.
-enum Prepaying {
+pub(crate) enum Prepaying {
     /// Its own: the request leaves on it.
     Yours(Admitted),
     /// Another endpoint's, or stale: its token goes back.
@@ -1606,7 +1458,7 @@ enum Prepaying {
 }
 
 impl Prepaid {
-    fn arm(&self, admitted: Admitted, until: tokio::time::Instant) {
+    pub(crate) fn arm(&self, admitted: Admitted, until: tokio::time::Instant) {
         if let Ok(mut kept) = self.0.lock() {
             *kept = Some((admitted, until));
         }
@@ -1614,7 +1466,7 @@ impl Prepaid {
 
     /// The kept admission, once: the request's own when it is for `endpoint` and still
     /// fresh, else unused.
-    fn take_for(&self, endpoint: &str) -> Option<Prepaying> {
+    pub(crate) fn take_for(&self, endpoint: &str) -> Option<Prepaying> {
         let (admitted, until) = self.0.lock().ok()?.take()?;
         let fresh = tokio::time::Instant::now() <= until;
         Some(if *admitted.ep.id == *endpoint && fresh {
@@ -1623,383 +1475,6 @@ impl Prepaid {
             Prepaying::Unused(admitted)
         })
     }
-}
-
-/// A non-intercepted CONNECT, admitted and connected, whose `200` is on its way.
-struct Opened {
-    app: Arc<App>,
-    peer: SocketAddr,
-    /// The CONNECT's own head and target, to admit the tunnel again.
-    headers: HeaderMap,
-    target: Target,
-    slot: Arc<ConnSlot>,
-    tunnel: Tunnel,
-    reloads: tokio::sync::watch::Receiver<()>,
-}
-
-impl Opened {
-    async fn run(
-        self,
-        on_upgrade: hyper::upgrade::OnUpgrade,
-        admitted: Admitted,
-        upstream: tokio::net::TcpStream,
-    ) {
-        let mut client = match on_upgrade.await {
-            Ok(u) => TokioIo::new(u),
-            Err(e) => return tracing::debug!(error = %e, "CONNECT upgrade failed"),
-        };
-        let cfg = Arc::clone(&self.app.runtime.load().config);
-        let idle = cfg.proxy.tunnel_idle_timeout;
-        let until = tokio::time::Instant::now().max(admitted.grant.start) + PREPAID_FOR;
-        let mut held = Some(admitted);
-        let mut pre = bytes::BytesMut::new();
-        let mut sniffing = Box::pin(crate::sniff::sniff(&mut client, &mut pre));
-        let mut spoken = Box::pin(upstream.readable());
-        let mut expiry = Box::pin(tokio::time::sleep_until(until));
-        let mut idling = Box::pin(tokio::time::sleep(idle));
-        let opening = loop {
-            tokio::select! {
-                o = &mut sniffing => break o,
-                // The receiver speaks first (SMTP, a database): bytes, not requests.
-                r = &mut spoken => break r.map(|()| Opening::Other),
-                // Silent past the grant's time: the token goes back.
-                () = &mut expiry, if held.is_some() => {
-                    if let Some(a) = held.take() {
-                        refund(&self.app, &a).await;
-                    }
-                }
-                // Nobody spoke: the tunnel idles out as a byte tunnel would.
-                () = &mut idling => return,
-            }
-        };
-        drop((sniffing, spoken));
-        match opening {
-            Ok(Opening::Http) => {
-                let conn = tunnel_conn(self.peer, self.slot, self.tunnel);
-                if let Some(a) = held {
-                    conn.prepaid.arm(a, until);
-                }
-                crate::lane::shelve_plain(&self.app, &conn, upstream);
-                serve_inside(self.app, client, pre.freeze(), conn, Version::HTTP_11).await;
-            }
-            Ok(_) => {
-                // A tunnel whose token went back is admitted again now: a refusal can
-                // only close it.
-                let admitted = match held {
-                    Some(a) => a,
-                    None => match self.readmit().await {
-                        Some(a) => a,
-                        None => return,
-                    },
-                };
-                let relay = Relay {
-                    app: self.app,
-                    slot: self.slot,
-                    who: self.tunnel.who,
-                    reloads: self.reloads,
-                    idle,
-                };
-                relay.run(admitted, client, pre, upstream).await;
-            }
-            Err(e) => {
-                if let Some(a) = held {
-                    refund(&self.app, &a).await;
-                }
-                tracing::debug!(error = %e, "tunnel closed before its first bytes");
-            }
-        }
-    }
-
-    /// Admits the tunnel again, as its CONNECT was (already connected: no resolution).
-    async fn readmit(&self) -> Option<Admitted> {
-        let tunnel = (&self.headers, &self.tunnel, &self.target, self.peer);
-        admit_after_ok(&self.app, tunnel, false)
-            .await
-            .map(|(a, _)| a)
-    }
-}
-
-/// A tunnel relayed as bytes: admitted once, as one unit, holding its in-flight slot
-/// and its connection's place until it closes, idles out or a reload no longer admits
-/// its sender.
-struct Relay {
-    app: Arc<App>,
-    slot: Arc<ConnSlot>,
-    who: Who,
-    reloads: tokio::sync::watch::Receiver<()>,
-    idle: std::time::Duration,
-}
-
-impl Relay {
-    async fn run<C>(
-        self,
-        admitted: Admitted,
-        client: C,
-        pre: bytes::BytesMut,
-        mut upstream: tokio::net::TcpStream,
-    ) where
-        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-    {
-        let Relay {
-            app,
-            slot,
-            who,
-            reloads,
-            idle,
-        } = self;
-        let _slot = slot;
-        let Admitted {
-            ep,
-            label,
-            slot: held,
-            outcome,
-            ..
-        } = admitted;
-        let _held = held;
-        app.metrics.outcome(&label, sender.as_ref(), outcome);
-        app.metrics
-            .tunnels
-            .get_or_create(&EndpointLabels { endpoint: label })
-            .inc();
-        let bytes = async {
-            if !pre.is_empty() {
-                if let Err(e) = tokio::io::AsyncWriteExt::write_all(&mut upstream, &pre).await {
-                    return tracing::debug!(error = %e, "tunnel closed with an error");
-                }
-            }
-            if let Err(e) = crate::forward::tunnel(client, upstream, idle).await {
-                tracing::debug!(error = %e, "tunnel closed with an error");
-            }
-        };
-        tokio::select! {
-            () = bytes => {}
-            () = revoked(&app, reloads, &who, &ep.id) => tracing::info!(
-                endpoint = %ep.id,
-                user = who.identity.as_ref().map(|i| &*i.user),
-                "closing a tunnel: a reload no longer admits its sender"
-            ),
-        }
-    }
-}
-
-/// The connection the requests inside a tunnel arrive on.
-fn tunnel_conn(peer: SocketAddr, slot: Arc<ConnSlot>, tunnel: Tunnel) -> Arc<Conn> {
-    Arc::new(Conn {
-        peer,
-        slot,
-        tunnel: Some(tunnel),
-        upstream: Default::default(),
-        endpoint: Default::default(),
-        target: Default::default(),
-        prepaid: Default::default(),
-    })
-}
-
-/// Serves the requests inside a tunnel (plain HTTP, or the TLS session of an
-/// intercepted one): HTTP/1.1 in the lane (when on), else, and HTTP/2, by hyper.
-/// `pre` is what was read of the stream already.
-async fn serve_inside<S: crate::conn::SenderIo>(
-    app: Arc<App>,
-    stream: S,
-    pre: Bytes,
-    conn: Arc<Conn>,
-    protocol: Version,
-) {
-    let cfg = Arc::clone(&app.runtime.load().config);
-    let timeouts = Timeouts {
-        header_read: cfg.proxy.header_read_timeout,
-        idle: cfg.proxy.idle_timeout,
-    };
-    let stop = app.lifecycle.signal();
-    if protocol == Version::HTTP_11 && crate::lane::enabled() {
-        return crate::lane::serve_tunnel(app, stream, pre, conn, timeouts, stop).await;
-    }
-    let svc = hyper::service::service_fn(move |req| {
-        let (app, conn) = (Arc::clone(&app), Arc::clone(&conn));
-        async move { Ok::<_, std::convert::Infallible>(handle_boxed(app, req, conn).await) }
-    });
-    let writes = crate::conn::Writes::Default;
-    let io = TokioIo::new(stream);
-    crate::conn::serve(pre, io, svc, protocol, timeouts, writes, stop).await;
-}
-
-/// An intercepted CONNECT: its first bytes read, then TLS terminated with a minted leaf
-/// and every request inside served by [`handle`] like any other; plain HTTP is served
-/// the same way without TLS, and other bytes are relayed (admitted once).
-struct Intercepted {
-    app: Arc<App>,
-    interceptor: Arc<crate::tls::Interceptor>,
-    peer: SocketAddr,
-    slot: Arc<ConnSlot>,
-    /// The CONNECT's own head, for the admission of a tunnel relayed as bytes.
-    headers: HeaderMap,
-    tunnel: Tunnel,
-    target: Target,
-    reloads: tokio::sync::watch::Receiver<()>,
-}
-
-impl Intercepted {
-    async fn run(self, on_upgrade: hyper::upgrade::OnUpgrade) {
-        let mut client = match on_upgrade.await {
-            Ok(u) => TokioIo::new(u),
-            Err(e) => return tracing::debug!(error = %e, "CONNECT upgrade failed"),
-        };
-        let cfg = Arc::clone(&self.app.runtime.load().config);
-        let mut pre = bytes::BytesMut::new();
-        let sniffing = crate::sniff::sniff(&mut client, &mut pre);
-        let opening = match tokio::time::timeout(cfg.tls.handshake_timeout, sniffing).await {
-            Ok(Ok(o)) => o,
-            Ok(Err(e)) => {
-                return tracing::debug!(error = %e, "tunnel closed before its first bytes");
-            }
-            Err(_) => {
-                self.count("handshake_timeout");
-                return tracing::info!(
-                    host = %self.target.host,
-                    timeout_ms = cfg.tls.handshake_timeout.as_millis() as u64,
-                    "intercepted tunnel sent nothing in time"
-                );
-            }
-        };
-        match opening {
-            Opening::Tls => {
-                let client = crate::sniff::Prefixed::new(pre, client);
-                self.terminate(client, cfg.tls.handshake_timeout).await;
-            }
-            Opening::Http => {
-                let conn = tunnel_conn(self.peer, self.slot, plain(self.tunnel));
-                serve_inside(self.app, client, pre.freeze(), conn, Version::HTTP_11).await;
-            }
-            Opening::Other => self.relay(client, pre).await,
-        }
-    }
-
-    /// Counts how an intercepted tunnel's handshake ended.
-    fn count(&self, result: &'static str) {
-        self.app
-            .metrics
-            .intercepted
-            .get_or_create(&InterceptLabels { result })
-            .inc();
-    }
-
-    /// Terminates the sender's TLS and serves the requests inside.
-    async fn terminate<C>(self, client: C, timeout: std::time::Duration)
-    where
-        C: crate::conn::SenderIo,
-    {
-        let handshake = self.interceptor.accept(client, &self.target.host);
-        let ended = tokio::time::timeout(timeout, handshake).await;
-        self.count(match &ended {
-            Ok(Ok(_)) => "established",
-            Ok(Err(_)) => "handshake_failed",
-            Err(_) => "handshake_timeout",
-        });
-        let tls = match ended {
-            Ok(Ok((tls, _sni))) => tls,
-            Ok(Err(e)) => return tracing::warn!("{e}"),
-            Err(_) => {
-                return tracing::info!(
-                    host = %self.target.host,
-                    timeout_ms = timeout.as_millis() as u64,
-                    "intercepted TLS handshake timed out"
-                );
-            }
-        };
-        let protocol = if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-            Version::HTTP_2
-        } else {
-            Version::HTTP_11
-        };
-        let conn = tunnel_conn(self.peer, self.slot, self.tunnel);
-        serve_inside(self.app, tls, Bytes::new(), conn, protocol).await;
-            sender,
-    }
-
-    /// Neither TLS nor plain HTTP: the tunnel is admitted once and relayed as bytes.
-    /// Its `200` is sent, so a refusal can only close it.
-    async fn relay<C>(self, client: C, pre: bytes::BytesMut)
-    where
-        C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-    {
-        let app = &self.app;
-        let tunnel = (&self.headers, &self.tunnel, &self.target, self.peer);
-        let Some((admitted, trace)) = admit_after_ok(app, tunnel, true).await else {
-            return;
-        };
-        let rt = app.runtime.load_full();
-        let upstream = match app.forwarder.connect_tunnel(admitted.addrs.clone()).await {
-            Ok(s) => s,
-            Err(e) => {
-                let r = after_admission(app, &admitted, e).await;
-                drop(refuse(app, r, self.peer, "CONNECT", &trace));
-                return;
-            }
-        };
-        let relay = Relay {
-            app: Arc::clone(app),
-            slot: self.slot,
-            who: self.tunnel.who,
-            reloads: self.reloads,
-            idle: rt.config.proxy.tunnel_idle_timeout,
-        };
-        relay.run(admitted, client, pre, upstream).await;
-    }
-}
-
-/// Admits a tunnel whose `200` is sent already (its CONNECT's head, context, target
-/// and sender): a refusal is counted and logged, and can only close the tunnel.
-/// `resolve_dns`: resolve and check the addresses to connect to (none connected yet).
-async fn admit_after_ok(
-    app: &App,
-    (headers, tunnel, target, peer): (&HeaderMap, &Tunnel, &Target, SocketAddr),
-    resolve_dns: bool,
-) -> Option<(Admitted, Trace)> {
-    let rt = app.runtime.load_full();
-    let last = LastEndpoint::default();
-    let ask = Asking {
-        headers,
-        who: &tunnel.who,
-        target,
-        path: "",
-        resolve_dns,
-        peer: peer.ip(),
-        last: &last,
-        prepaid: None,
-        inherited: None,
-    };
-    let mut trace = Trace {
-        destination: Some(tunnel.authority.clone()),
-        ..Trace::default()
-    };
-    match admission(app, &rt, ask, &mut trace).await {
-        Ok(a) => Some((a, trace)),
-        Err(r) => {
-            drop(refuse(app, r, peer, "CONNECT", &trace));
-            None
-        }
-    }
-}
-
-/// A tunnel's context for the plain HTTP inside it.
-fn plain(tunnel: Tunnel) -> Tunnel {
-    Tunnel {
-        tls: false,
-        ..tunnel
-    }
-}
-
-/// [`handle`] behind a box: requests inside a tunnel recurse into it.
-pub(crate) fn handle_boxed(
-    app: Arc<App>,
-    req: Request<Incoming>,
-    conn: Arc<Conn>,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response<Body>> + Send>> {
-    Box::pin(handle(app, req, conn))
-}
-
-fn ok_empty() -> Response<Body> {
-    Response::new(Either::Right(Full::new(bytes::Bytes::new())))
 }
 
 #[cfg(test)]

@@ -112,26 +112,7 @@ async fn accept_proxy(
                 prepaid: Default::default(),
             });
             let signal = app.lifecycle.signal();
-            async move {
-                if lane {
-                    return crate::lane::serve(app, stream, conn, timeouts, signal).await;
-                }
-                let svc = service_fn(move |req| {
-                    let (a, c) = (Arc::clone(&app), Arc::clone(&conn));
-                    async move { Ok::<_, Infallible>(crate::proxy::handle(a, req, c).await) }
-                });
-                let io = TokioIo::new(stream);
-                serve(
-                    Bytes::new(),
-                    io,
-                    svc,
-                    Version::HTTP_11,
-                    timeouts,
-                    Writes::Flat,
-                    signal,
-                )
-                .await
-            }
+            crate::engine::serve(app, stream, conn, timeouts, signal, lane)
         },
     )
     .await

@@ -23,7 +23,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
 /// Longest request head looked at to tell plain HTTP from an upgrade (the proxy's own
 /// head limit).
-const MAX_HEAD: usize = crate::conn::MAX_HEAD_BYTES;
+const MAX_HEAD: usize = crate::limits::MAX_HEAD_BYTES;
 
 /// Longest method token an HTTP request line may start with here (the longest
 /// registered methods are under 20 characters).
@@ -79,7 +79,7 @@ pub fn classify(bytes: &[u8]) -> Option<Opening> {
     if n == 0 || bytes[n] != b' ' || &bytes[..n] == b"PRI" {
         return Some(Opening::Other);
     }
-    let mut slots = [httparse::EMPTY_HEADER; crate::conn::MAX_HEADERS];
+    let mut slots = [httparse::EMPTY_HEADER; crate::limits::MAX_HEADERS];
     let mut req = httparse::Request::new(&mut slots);
     match req.parse(bytes) {
         Ok(httparse::Status::Complete(_)) => {}

@@ -319,11 +319,8 @@ async fn a_user_allowed_only_the_notice_channel_still_saves_and_hears_cooldowns(
 /// serves every request.
 #[tokio::test]
 async fn the_documented_acl_user_runs_every_script() {
-    let doc = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/docs/operations.md"
-    ))
-    .unwrap();
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .unwrap();
     let line = doc
         .split('`')
         .find(|s| s.starts_with("ACL SETUSER sluice "))
@@ -365,9 +362,16 @@ async fn the_documented_acl_user_runs_every_script() {
         }));
     }
     for send in sends {
-        assert_eq!(send.await.unwrap(), 200, "every request served through the ACL user");
+        assert_eq!(
+            send.await.unwrap(),
+            200,
+            "every request served through the ACL user"
+        );
     }
     let cu = redis.cli(&["HGET", "sluice:{acl}", "cu"]).unwrap();
-    assert!(!cu.is_empty(), "the 429's cooldown saved in Redis: cu={cu:?}");
+    assert!(
+        !cu.is_empty(),
+        "the 429's cooldown saved in Redis: cu={cu:?}"
+    );
     s.stop().await;
 }

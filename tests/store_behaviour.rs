@@ -197,12 +197,12 @@ async fn burst_bound(s: Subject) {
 /// unit leaves the window. A cost of 5 (rate 10, burst 10) spends 5 tokens: two go at
 /// once, the third waits half a second.
 async fn windows_and_costs_decide_with_the_bucket(s: Subject) {
-    let window = sluice::limiter::window::Window {
+    let window = sluice::window::Window {
         limit: 4.0,
         per_us: 1e6,
     };
     let p = Policy {
-        windows: sluice::limiter::window::Windows::new(&[window]).unwrap(),
+        windows: sluice::window::Windows::new(&[window]).unwrap(),
         ..policy(100.0, 10.0, 0)
     };
     let now = Ask::new(&p, 0.0, None);

@@ -158,6 +158,19 @@ pub struct LogConfig {
     pub buffer_lines: usize,
 }
 
+/// `[traces]`: OpenTelemetry spans of each request, exported over OTLP/HTTP
+/// ([`crate::traces`]); off without `otlp_endpoint`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TracesConfig {
+    /// Where spans are sent (`http://collector:4318/v1/traces`), as is; `None`: off.
+    pub otlp_endpoint: Option<http::Uri>,
+    /// `service.name` of the spans.
+    pub service_name: String,
+    /// Fraction of requests traced that arrive without a sampled `traceparent`, in
+    /// [0, 1]; a sender's sampled trace is always followed.
+    pub sample: f64,
+}
+
 /// Reaction to upstream throttling (`[defaults.adaptive]`, per-endpoint overrides).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Adaptive {
@@ -254,7 +267,7 @@ pub struct Policy {
     pub absorb_post: bool,
     /// `windows = [{ limit, per }]`: sliding windows decided with the bucket (at most
     /// `limit` cost units in any interval of `per`); none by default.
-    pub windows: crate::limiter::window::Windows,
+    pub windows: crate::window::Windows,
     /// `cost`: what one request spends of the bucket and of every window, unless it
     /// names its own (`X-Sluice-Cost`); 1 by default, never over `burst` or a window's
     /// `limit`.
@@ -299,7 +312,7 @@ impl Default for Policy {
             lease_ttl: DEFAULT_LEASE_TTL,
             shares: None,
             absorb_post: false,
-            windows: crate::limiter::window::Windows::NONE,
+            windows: crate::window::Windows::NONE,
             cost: 1,
             receiver: ReceiverHints::default(),
         }
@@ -366,6 +379,11 @@ pub struct ProxyConfig {
     pub max_memory: u64,
     /// Distinct `endpoint` label values in metrics before the rest become `_other`.
     pub metrics_max_endpoints: usize,
+    /// Distinct `sender` label values in metrics before the rest become `_other`.
+    pub metrics_max_senders: usize,
+    /// `X-Sluice-Sender` names a request's sender in per-sender metrics when no
+    /// authenticated proxy user does.
+    pub trust_sender_header: bool,
     /// Threads serving requests: 0 = one per core; 1 = a single-threaded runtime (no
     /// cross-thread wake-ups: the least CPU per request on small machines).
     pub workers: usize,
@@ -382,11 +400,6 @@ pub struct ProxyConfig {
     /// A CONNECT tunnel (not intercepted) with no bytes either way for this long is closed.
     pub tunnel_idle_timeout: Duration,
     /// When set, `/metrics` and `/endpoints` need `Authorization: Bearer <file content>`.
-    /// Distinct `sender` label values in metrics before the rest become `_other`.
-    pub metrics_max_senders: usize,
-    /// `X-Sluice-Sender` names a request's sender in per-sender metrics when no
-    /// authenticated proxy user does.
-    pub trust_sender_header: bool,
     pub admin_token_file: Option<PathBuf>,
 }
 
@@ -561,6 +574,8 @@ pub struct Config {
     pub default_mode: Mode,
     /// `[log]`.
     pub log: LogConfig,
+    /// `[traces]`.
+    pub traces: TracesConfig,
     /// `[[endpoints]]`, in file order.
     pub endpoints: Vec<EndpointRule>,
     /// `[tls]`.
@@ -807,6 +822,9 @@ pub const OTHER_ENDPOINT: &str = "_other";
 /// sixth of the shipped 256 MiB limit, and far more receivers than one deployment
 /// paces at once (the idle ones are evicted as they go).
 pub const DEFAULT_MAX_ENDPOINTS: usize = 100_000;
+
+/// `proxy.metrics_max_senders` by default.
+pub const DEFAULT_MAX_SENDERS: usize = 1000;
 
 /// The slowest rate (and floor) a config may ask for: one token in ~11.6 days. Slower
 /// rates make waits that no clock or `Duration` can hold.
@@ -1107,6 +1125,15 @@ mod tests {
                 "endpoints[0].path_prefix",
             ),
             ("[proxy]\nmax_connections = 0", "proxy.max_connections"),
+            (
+                "[proxy]\nmetrics_max_senders = 0",
+                "proxy.metrics_max_senders",
+            ),
+            (
+                "[traces]\notlp_endpoint = \"collector:4318\"",
+                "traces.otlp_endpoint",
+            ),
+            ("[traces]\nsample = 1.5", "traces.sample"),
             ("[[endpoints]]\nrate = 5.0", "endpoints[0].id"),
             (
                 "[[endpoints]]\nid = \"a\"\n[[endpoints]]\nid = \"a\"",

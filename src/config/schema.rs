@@ -5,7 +5,7 @@
 
 use super::reader::{Reader, Table, Value, join};
 use super::*;
-use crate::limiter::window::{MAX_WINDOWS, Window, Windows};
+use crate::window::{MAX_WINDOWS, Window, Windows};
 
 impl Reader<'_> {
     pub(super) fn config(&mut self, root: &Table<'_>) -> Option<Config> {
@@ -20,6 +20,7 @@ impl Reader<'_> {
                 "tls",
                 "security",
                 "log",
+                "traces",
                 "sender",
             ],
         );
@@ -56,6 +57,8 @@ impl Reader<'_> {
         let default_mode = self.mode(defaults_t, "defaults", Mode::Enforce);
         let log_t = self.sub_table(root, "", "log").unwrap_or(&empty);
         let log = self.log(log_t);
+        let traces_t = self.sub_table(root, "", "traces").unwrap_or(&empty);
+        let traces = self.traces(traces_t);
         let base = Policy {
             max_wait: sender.map_or(Policy::default().max_wait, |p| p.max_wait),
             ..Policy::default()
@@ -83,6 +86,7 @@ impl Reader<'_> {
             unknown,
             default_mode,
             log,
+            traces,
             endpoints,
             tls,
             security,
@@ -228,11 +232,11 @@ impl Reader<'_> {
                 "max_connections",
                 "max_memory",
                 "metrics_max_endpoints",
+                "metrics_max_senders",
+                "trust_sender_header",
                 "workers",
                 "pin_workers",
                 "idle_timeout",
-                "metrics_max_senders",
-                "trust_sender_header",
                 "header_read_timeout",
                 "tunnel_idle_timeout",
                 "admin_token_file",
@@ -312,17 +316,17 @@ impl Reader<'_> {
             max_connections: self.count(t, p, "max_connections", 10_000),
             max_memory: self.whole(t, p, "max_memory", 0, 0..=1 << 50),
             metrics_max_endpoints: self.count(t, p, "metrics_max_endpoints", 500),
-            workers: match self.number(t, p, "workers") {
-                None => 0,
-                Some((n, _)) if n >= 0.0 && n.fract() == 0.0 && n <= 1024.0 => n as usize,
-                Some((n, at)) => {
             metrics_max_senders: self.count(
                 t,
                 p,
                 "metrics_max_senders",
-                crate::metrics::DEFAULT_MAX_SENDERS,
+                super::DEFAULT_MAX_SENDERS,
             ),
             trust_sender_header: self.boolean(t, p, "trust_sender_header", false),
+            workers: match self.number(t, p, "workers") {
+                None => 0,
+                Some((n, _)) if n >= 0.0 && n.fract() == 0.0 && n <= 1024.0 => n as usize,
+                Some((n, at)) => {
                     self.issue(
                         at,
                         "proxy.workers",
@@ -763,7 +767,7 @@ impl Reader<'_> {
     /// `cost`: a whole number ≥ 1 that fits the bucket (`burst`) and every window.
     fn cost(&mut self, t: &Table<'_>, path: &str, base: u32, burst: f64, ws: &Windows) -> u32 {
         let cost = self.whole(t, path, "cost", u64::from(base), 1..=1_000_000_000) as u32;
-        let fits = crate::limiter::window::cost_fits(f64::from(cost), burst, ws);
+        let fits = crate::window::cost_fits(f64::from(cost), burst, ws);
         if let Err(why) = fits {
             let at = t
                 .get("cost")
@@ -926,6 +930,39 @@ impl Reader<'_> {
             }),
             file: self.path(t, "log", "file"),
             buffer_lines: self.whole(t, "log", "buffer_lines", 128_000, 1..=16_000_000) as usize,
+        }
+    }
+
+    /// `[traces]`: an `otlp_endpoint` is an absolute `http://` or `https://` URL
+    /// (empty: off).
+    fn traces(&mut self, t: &Table<'_>) -> TracesConfig {
+        let p = "traces";
+        self.known_keys(t, p, &["otlp_endpoint", "service_name", "sample"]);
+        let otlp_endpoint = match self.string(t, p, "otlp_endpoint") {
+            Some((url, _)) if url.is_empty() => None,
+            Some((url, at)) => match url.parse::<http::Uri>() {
+                Ok(u) if matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some() => {
+                    Some(u)
+                }
+                _ => {
+                    let why = format!(
+                        "{url:?} is not an http:// or https:// URL \
+                         (e.g. \"http://127.0.0.1:4318/v1/traces\")"
+                    );
+                    self.issue(at, "traces.otlp_endpoint", why);
+                    None
+                }
+            },
+            None => None,
+        };
+        TracesConfig {
+            otlp_endpoint,
+            service_name: self
+                .string(t, p, "service_name")
+                .map_or_else(|| "sluice".to_owned(), |(s, _)| s),
+            sample: self.checked(t, p, "sample", 1.0, "between 0 and 1", |n| {
+                (0.0..=1.0).contains(&n)
+            }),
         }
     }
 

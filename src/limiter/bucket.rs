@@ -12,8 +12,8 @@
 //! nothing refills (and nothing is granted) before it ends, and the first grant after it
 //! comes `1/rate` later: no burst into a receiver that just said stop.
 
-use super::window::{Logs, WindowUse, Windows};
 use crate::config::{Adaptive, Policy};
+use crate::window::{Logs, WindowUse, Windows};
 
 const MICROS: f64 = 1_000_000.0;
 
@@ -418,12 +418,12 @@ pub struct View {
     /// spent or not, counted until their end): not in `tokens` meanwhile.
     pub held_ahead: f64,
     /// Each window's use (`windows`, in configured order; unused places are zero).
-    pub windows: [WindowUse; super::window::MAX_WINDOWS],
+    pub windows: [WindowUse; crate::window::MAX_WINDOWS],
 }
 
 /// The uses of `list` in a fixed array (a `View` stays `Copy`).
-pub fn window_uses(list: &[WindowUse]) -> [WindowUse; super::window::MAX_WINDOWS] {
-    let mut out = [WindowUse::default(); super::window::MAX_WINDOWS];
+pub fn window_uses(list: &[WindowUse]) -> [WindowUse; crate::window::MAX_WINDOWS] {
+    let mut out = [WindowUse::default(); crate::window::MAX_WINDOWS];
     for (o, u) in out.iter_mut().zip(list) {
         *o = *u;
     }
@@ -499,7 +499,7 @@ pub fn time_to_idle(s: &BucketState, ask: &Ask, floor: f64, now: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::window::Window;
+    use crate::window::Window;
     use proptest::prelude::*;
     use std::time::Duration;
 

@@ -274,7 +274,7 @@ mod tests {
             recovery_us: 0.0,
             held: None,
             cost: 1.0,
-            windows: crate::limiter::window::Windows::NONE,
+            windows: crate::window::Windows::NONE,
         }
     }
 

@@ -327,7 +327,7 @@ mod tests {
             recovery_us: 0.0,
             held: None,
             cost: 1.0,
-            windows: crate::limiter::window::Windows::NONE,
+            windows: crate::window::Windows::NONE,
         };
         for i in 0..Handover::MAX_DECIDED + 10 {
             h.decided_locally(&format!("spray-{i}"), ask);

@@ -590,11 +590,15 @@ mod tests {
         ));
         // Give-backs and feedback are never refused, full or not.
         for i in 0..200 {
-            store.release_now(&format!("late-{i}"), ask, Unused {
-                generation: 0,
-                due_in_us: 0.0,
-                at_us: None,
-            });
+            store.release_now(
+                &format!("late-{i}"),
+                ask,
+                Unused {
+                    generation: 0,
+                    due_in_us: 0.0,
+                    at_us: None,
+                },
+            );
         }
         assert_eq!(store.len(), 202);
     }

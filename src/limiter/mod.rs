@@ -32,7 +32,6 @@ pub mod redis;
 mod sentinel;
 pub mod slot;
 mod waiting;
-pub mod window;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -431,9 +430,9 @@ impl Limiter {
                         wake: Instant::now() + wait,
                         at_us,
                     };
-                    let spot = self
-                        .waiting
-                        .join_since(endpoint, generation, policy.cost, start, started);
+                    let spot =
+                        self.waiting
+                            .join_since(endpoint, generation, policy.cost, start, started);
                     let mut guard = Reservation {
                         store: Arc::clone(&self.store),
                         endpoint: endpoint.to_owned(),

@@ -42,9 +42,9 @@ use super::lease::{LeaseAsk, Leased};
 use super::peers::HEARTBEAT_TTL;
 use super::per_thread::PerThread;
 use super::sentinel::SentinelConn;
-use super::window::{self, WindowUse};
 use super::{BucketStore, StoreError, StoreFuture, StoreStats};
 use crate::config::{Adaptive, Backend, Prefetch, StoreConfig, StoreTls, redact};
+use crate::window::{self, WindowUse};
 
 macro_rules! bucket_script {
     ($file:literal) => {

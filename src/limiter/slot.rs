@@ -195,10 +195,7 @@ impl HeldBody {
         self
     }
 
-    fn poll_teed(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+    fn poll_teed(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let polled = self.poll_inner(cx);
         if let Some(tee) = self.tee.as_mut() {
             match &polled {
