@@ -200,10 +200,77 @@ pub const FREE_HEAD: usize = 8 * 1024;
 /// The share of the ceiling that heads being read may hold past [`FREE_HEAD`].
 pub const HEAD_SHARE: f64 = 0.125;
 
-/// Sets the byte budget of buffered heads from the ceiling.
+/// Sets the byte budget of buffered heads and the number of waiting requests from the
+/// ceiling.
 pub fn set_ceiling(ceiling: u64) {
     let budget = usize::try_from((ceiling as f64 * HEAD_SHARE) as u64).unwrap_or(usize::MAX);
     HEAD_BUDGET.store(budget, Ordering::Relaxed);
+    let waiters = (ceiling as f64 * WAITER_SHARE) as u64 / WAITER_BYTES;
+    MAX_WAITERS.store(
+        usize::try_from(waiters).unwrap_or(usize::MAX),
+        Ordering::Relaxed,
+    );
+    let conns = (ceiling as f64 * CONNECTION_SHARE) as u64 / CONNECTION_BYTES;
+    MAX_CONNECTIONS.store(
+        usize::try_from(conns).unwrap_or(usize::MAX),
+        Ordering::Relaxed,
+    );
+}
+
+/// What one open sender connection is counted at: its task, the lane's read and write
+/// buffers and its upstream connection's (about 20 KB measured, rounded up).
+pub const CONNECTION_BYTES: u64 = 24 * 1024;
+/// The share of the ceiling open sender connections may hold: the proxy listener
+/// serves at most this many at once ([`connection_cap`]), past `proxy.max_connections`
+/// when that is lower. Connections past it wait in the backlog, costing no memory of
+/// sluice's, instead of arriving faster than memory is sampled.
+pub const CONNECTION_SHARE: f64 = 0.5;
+
+/// What [`connection_cap`] answers ([`set_ceiling`]).
+static MAX_CONNECTIONS: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Most sender connections the ceiling allows open at once: [`CONNECTION_SHARE`] of it
+/// at [`CONNECTION_BYTES`] each.
+pub fn connection_cap() -> usize {
+    MAX_CONNECTIONS.load(Ordering::Relaxed).max(1)
+}
+
+/// What one request waiting for its token is counted at: its task, its head and its
+/// sender connection's buffers (about 24 KB measured, rounded up).
+pub const WAITER_BYTES: u64 = 32 * 1024;
+/// The share of the ceiling requests waiting for their token may hold: past it (or while
+/// sluice is pressed) a new request is refused `503 overloaded` instead of parked.
+pub const WAITER_SHARE: f64 = 0.25;
+
+/// Requests now waiting for their token.
+static WAITERS: AtomicUsize = AtomicUsize::new(0);
+/// What [`WAITERS`] may reach ([`set_ceiling`]).
+static MAX_WAITERS: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// A request's place among the waiting ones, given back when dropped.
+#[derive(Debug)]
+pub struct Waiting(());
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        WAITERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A place to wait for a token, or `None` while sluice is pressed or the waiting
+/// requests' share of the ceiling is taken: a waiter costs memory a sender can multiply
+/// at will, so past the share new ones are refused rather than parked.
+pub fn wait() -> Option<Waiting> {
+    if pressed() {
+        return None;
+    }
+    let most = MAX_WAITERS.load(Ordering::Relaxed);
+    WAITERS
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < most).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| Waiting(()))
 }
 
 /// One head's claim on the budget of buffered heads, given back when dropped.

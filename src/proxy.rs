@@ -631,6 +631,8 @@ async fn enforce(
     label: &EndpointLabel,
     turn: Option<Turn>,
 ) -> Result<(Grant, Option<Slot>, Option<std::time::Duration>), ProxyError> {
+    // Held while the request waits: waiters are bounded by the memory ceiling.
+    let _waiting = crate::budget::wait().ok_or(ProxyError::Overloaded)?;
     let Some(turn) = turn else {
         return admit(app, ep).await.map(|g| (g, None, None));
     };

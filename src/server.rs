@@ -81,7 +81,16 @@ async fn accept_proxy(
     stop: watch::Receiver<bool>,
 ) {
     let cfg = app.runtime.load_full().config.clone();
-    let limit = Arc::new(Semaphore::new(max_connections));
+    let memory_cap = crate::budget::connection_cap();
+    if memory_cap < max_connections {
+        tracing::warn!(
+            max_connections,
+            serving = memory_cap,
+            "proxy.max_memory allows fewer sender connections than proxy.max_connections: \
+             serving at most that many at once, the rest wait in the backlog"
+        );
+    }
+    let limit = Arc::new(Semaphore::new(max_connections.min(memory_cap)));
     let timeouts = Timeouts {
         header_read: cfg.proxy.header_read_timeout,
         idle: cfg.proxy.idle_timeout,
