@@ -55,14 +55,10 @@ impl Fleet {
     }
 
     async fn endpoint(&self, id: &str) -> serde_json::Value {
-        let url = format!("http://{}/endpoints", self.replicas[0].admin_addr);
-        let all: serde_json::Value = reqwest::get(url).await.unwrap().json().await.unwrap();
-        all.as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["id"] == id)
-            .cloned()
-            .unwrap_or_else(|| panic!("{id} not in /endpoints: {all}"))
+        let admin = self.replicas[0].admin_addr;
+        common::endpoint(admin, id)
+            .await
+            .unwrap_or_else(|| panic!("{id} not in {admin}'s /endpoints"))
     }
 
     async fn stop(self) {
