@@ -325,7 +325,7 @@ impl Logs {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
@@ -425,7 +425,7 @@ mod tests {
     }
 
     /// The most cost in any interval of `per` (half-open, ending at a start).
-    fn worst(starts: &[(f64, f64)], per: f64) -> f64 {
+    pub(crate) fn worst(starts: &[(f64, f64)], per: f64) -> f64 {
         let mut worst: f64 = 0.0;
         for (i, &(t, _)) in starts.iter().enumerate() {
             let sum: f64 = starts[..=i]

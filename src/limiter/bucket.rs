@@ -879,16 +879,7 @@ mod tests {
     fn most_in(starts: &[(f64, f64)], per: f64) -> f64 {
         let mut sorted = starts.to_vec();
         sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let mut worst: f64 = 0.0;
-        for (i, &(t, _)) in sorted.iter().enumerate() {
-            let sum: f64 = sorted[..=i]
-                .iter()
-                .filter(|e| e.0 > t - per)
-                .map(|e| e.1)
-                .sum();
-            worst = worst.max(sum);
-        }
-        worst
+        crate::window::tests::worst(&sorted, per)
     }
 
     #[test]
